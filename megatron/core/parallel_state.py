@@ -1,0 +1,286 @@
+"""Process groups for tensor, pipeline and data parallelism, in Megatron's rank order.
+
+Ranks are laid out with the tensor-parallel index varying fastest, then the data-parallel
+index, then the pipeline stage: ``rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``.
+``build_rank_groups`` is the pure arithmetic (testable without processes);
+``initialize_model_parallel`` turns it into torch.distributed groups and keeps them here,
+the one place that holds process-group state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankGroups:
+    """Every group of each kind, as lists of global ranks."""
+
+    tensor: list[list[int]]
+    pipeline: list[list[int]]
+    data: list[list[int]]
+    model: list[list[int]]
+    embedding: list[list[int]]
+    position_embedding: list[list[int]]
+
+    def containing(self, kind: str, rank: int) -> list[int]:
+        """The group of ``kind`` that holds ``rank`` (empty if none, e.g. embedding groups)."""
+        for group in getattr(self, kind):
+            if rank in group:
+                return group
+        return []
+
+
+def build_rank_groups(world_size: int, tensor_model_parallel_size: int = 1,
+                      pipeline_model_parallel_size: int = 1) -> RankGroups:
+    """The rank lists of every process group, as Megatron lays them out."""
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if tp < 1 or pp < 1 or world_size < 1 or world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size ({world_size}) is not divisible by tensor-model-parallel size ({tp}) "
+            f"x pipeline-model-parallel size ({pp})"
+        )
+    dp = world_size // (tp * pp)
+    ranks_per_stage = tp * dp
+
+    tensor = [list(range(i * tp, (i + 1) * tp)) for i in range(world_size // tp)]
+    data = [
+        list(range(stage * ranks_per_stage + t, (stage + 1) * ranks_per_stage, tp))
+        for stage in range(pp)
+        for t in range(tp)
+    ]
+    num_pipeline_groups = world_size // pp
+    pipeline = [list(range(i, world_size, num_pipeline_groups)) for i in range(num_pipeline_groups)]
+    # A model-parallel group: every rank that holds part of one model replica (same dp index).
+    model = [
+        sorted(r for r in range(world_size) if (r % ranks_per_stage) // tp == d) for d in range(dp)
+    ]
+    embedding = [[g[0], g[-1]] if len(g) > 1 else list(g) for g in pipeline]
+    position_embedding = [[g[0]] for g in pipeline]
+    return RankGroups(tensor, pipeline, data, model, embedding, position_embedding)
+
+
+class _State:
+    """The groups of this process; reset by destroy_model_parallel."""
+
+    def __init__(self) -> None:
+        self.groups: Optional[RankGroups] = None
+        self.tensor = self.pipeline = self.data = self.model = None
+        self.embedding = self.position_embedding = None
+        self.pipeline_ranks: list[int] = []
+        self.embedding_ranks: list[int] = []
+        self.position_embedding_ranks: list[int] = []
+        self.data_ranks: list[int] = []
+        self.virtual_pipeline_world_size: Optional[int] = None
+        self.virtual_pipeline_rank: Optional[int] = None
+
+
+_state = _State()
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> None:
+    """Create all process groups. Every rank must call this with the same sizes."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialized before model parallel groups")
+    if model_parallel_is_initialized():
+        raise RuntimeError("model parallel groups are already initialized")
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    groups = build_rank_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
+
+    def make(kind: str):
+        # new_group is collective: every rank creates every group, in the same order.
+        mine = None
+        for ranks in getattr(groups, kind):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+        return mine
+
+    _state.groups = groups
+    _state.tensor = make("tensor")
+    _state.data = make("data")
+    _state.pipeline = make("pipeline")
+    _state.model = make("model")
+    _state.embedding = make("embedding")
+    _state.position_embedding = make("position_embedding")
+    _state.pipeline_ranks = groups.containing("pipeline", rank)
+    _state.data_ranks = groups.containing("data", rank)
+    _state.embedding_ranks = groups.containing("embedding", rank)
+    _state.position_embedding_ranks = groups.containing("position_embedding", rank)
+    if virtual_pipeline_model_parallel_size is not None:
+        _state.virtual_pipeline_world_size = virtual_pipeline_model_parallel_size
+        _state.virtual_pipeline_rank = 0
+
+
+def model_parallel_is_initialized() -> bool:
+    return _state.groups is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget all groups (the torch.distributed default group is left alone)."""
+    global _state
+    _state = _State()
+
+
+def _need(group):
+    if group is None:
+        raise RuntimeError("model parallel groups are not initialized")
+    return group
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+# Groups. With no groups initialized, sizes are 1 and ranks 0 so a single process runs as is.
+def get_tensor_model_parallel_group():
+    return _need(_state.tensor)
+
+
+def get_pipeline_model_parallel_group():
+    return _need(_state.pipeline)
+
+
+def get_data_parallel_group():
+    return _need(_state.data)
+
+
+def get_model_parallel_group():
+    return _need(_state.model)
+
+
+def get_embedding_group():
+    return _need(_state.embedding)
+
+
+def get_position_embedding_group():
+    return _need(_state.position_embedding)
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _size(_state.tensor)
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _rank(_state.tensor)
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _size(_state.pipeline)
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _rank(_state.pipeline)
+
+
+def get_data_parallel_world_size() -> int:
+    return _size(_state.data)
+
+
+def get_data_parallel_rank() -> int:
+    return _rank(_state.data)
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of the first rank in this rank's tensor-parallel group."""
+    if _state.tensor is None:
+        return 0
+    return dist.get_rank() - get_tensor_model_parallel_rank()
+
+
+def get_data_parallel_src_rank() -> int:
+    return _state.data_ranks[0] if _state.data_ranks else 0
+
+
+def get_data_parallel_group_ranks() -> list[int]:
+    return list(_state.data_ranks)
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    return _state.pipeline_ranks[0] if _state.pipeline_ranks else 0
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    return _state.pipeline_ranks[-1] if _state.pipeline_ranks else 0
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    ranks = _state.pipeline_ranks
+    return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    ranks = _state.pipeline_ranks
+    return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    return _state.virtual_pipeline_world_size
+
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    return _state.virtual_pipeline_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    _state.virtual_pipeline_rank = rank
+
+
+def set_virtual_pipeline_model_parallel_world_size(size: Optional[int]) -> None:
+    _state.virtual_pipeline_world_size = size
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    """True on the first stage (and, unless ignore_virtual, the first virtual chunk)."""
+    if not ignore_virtual and _state.virtual_pipeline_world_size is not None:
+        if _state.virtual_pipeline_rank != 0:
+            return False
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    """True on the last stage (and, unless ignore_virtual, the last virtual chunk)."""
+    vp = _state.virtual_pipeline_world_size
+    if not ignore_virtual and vp is not None:
+        if _state.virtual_pipeline_rank != vp - 1:
+            return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
+    """True where this rank holds a copy of the word embeddings that must stay in sync."""
+    if not dist.is_initialized() or not _state.embedding_ranks:
+        return False
+    rank = dist.get_rank()
+    if rank not in _state.embedding_ranks:
+        return False
+    if ignore_virtual:
+        return True
+    if rank == _state.embedding_ranks[0]:
+        return is_pipeline_first_stage()
+    if rank == _state.embedding_ranks[-1]:
+        return is_pipeline_last_stage()
+    return True
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    return dist.is_initialized() and dist.get_rank() in _state.position_embedding_ranks
+
+
+def get_default_device() -> torch.device:
+    """The device this process computes on: its CUDA device under nccl, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if not dist.is_initialized() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

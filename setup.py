@@ -1,0 +1,47 @@
+"""Install the `megatron` package; builds the optional C++ dataset helpers with pybind11."""
+
+import os
+
+from setuptools import find_packages, setup
+
+ext_modules = []
+if os.path.exists(os.path.join("csrc", "helpers.cpp")):
+    try:
+        from pybind11.setup_helpers import Pybind11Extension
+
+        ext_modules.append(
+            Pybind11Extension(
+                "megatron.data.helpers_cpp",
+                ["csrc/helpers.cpp"],
+                extra_compile_args=["-O3"],
+                cxx_std=17,
+            )
+        )
+        # A failed compile must not fail the install: the numpy fallback gives the same results.
+        ext_modules[-1].optional = True
+    except ImportError:
+        pass
+
+setup(
+    name="megatron-gpt",
+    version="0.1.0",
+    description="Megatron-DeepSpeed-compatible 3D-parallel GPT pre-training",
+    packages=find_packages(include=["megatron", "megatron.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.1",
+        "numpy",
+        "regex",
+        "tokenizers>=0.15",
+        "transformers>=4.40",
+        "nltk",
+        "tensorboard",
+        "deepspeed",
+    ],
+    extras_require={
+        "test": ["pytest", "ruff"],
+        "cuda": ["apex", "flash-attn"],
+    },
+    ext_modules=ext_modules,
+    zip_safe=False,
+)
