@@ -1,0 +1,537 @@
+"""Megatron's memory-mapped indexed dataset: a ``.bin`` of token ids and an ``.idx`` index.
+
+On-disk layout (little-endian, identical to Megatron-LM and Megatron-DeepSpeed ``mmap``)::
+
+    .idx  offset  field
+          0       magic           9 bytes  b"MMIDIDX\\x00\\x00"
+          9       version         uint64   always 1
+          17      dtype code      uint8    see DTYPE_CODES
+          18      sequence count  uint64   n
+          26      document count  uint64   d  (= number of documents + 1)
+          34      sizes           int32[n]  tokens per sequence
+          34+4n   pointers        int64[n]  byte offset of each sequence in .bin
+          34+12n  doc_idx         int64[d]  sequence index where each document starts;
+                                            doc_idx[0] = 0, one more entry per end_document()
+    .bin  the token ids of all sequences back to back, in the dtype of the code
+
+Crash safety of the builder: the ``.bin`` is written under ``<bin>.tmp`` and the ``.idx``
+under ``<idx>.tmp``.  ``finalize`` first removes any old ``.idx`` of the same name, then renames
+the ``.bin`` into place and the ``.idx`` last.  So an interrupted run leaves either the previous
+complete pair, only ``*.tmp`` files, or a ``.bin`` without ``.idx`` (which the reader refuses
+with "missing .idx"); never a valid-looking truncated pair.
+
+This module must not import torch: the preprocessing tool imports it in many worker
+processes.  Torch tensors are still accepted by ``add_item`` through duck typing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from typing import Any, Optional, Union
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+HEADER_SIZE = 9 + 8 + 1 + 8 + 8  # 34 bytes: magic, version, dtype code, n, d
+_LEGACY_MAGIC = b"TNTIDX\x00\x00"  # Megatron's old 'lazy'/'cached' format
+
+# Code -> dtype as written by Megatron-LM (megatron/core/datasets) and Megatron-DeepSpeed.
+# Both agree on 1-6 and 8.  Code 7 is float32 in Megatron-LM but float64 in older
+# Megatron-DeepSpeed; the reader settles it from the pointer spacing (see _resolve_code_7).
+DTYPE_CODES: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
+}
+_CODE_OF = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3,
+            np.dtype(np.int32): 4, np.dtype(np.int64): 5, np.dtype(np.float64): 6,
+            np.dtype(np.float32): 7, np.dtype(np.uint16): 8}
+
+DTypeLike = Union[np.dtype, type, str]
+
+
+class IndexedDatasetError(ValueError):
+    """An .idx/.bin pair is missing, corrupt or inconsistent; the message names the file."""
+
+
+def dtype_code(dtype: DTypeLike) -> int:
+    """The .idx code of a numpy dtype (raises for dtypes the format cannot store)."""
+    dt = np.dtype(dtype)
+    if dt not in _CODE_OF:
+        raise ValueError(f"dtype {dt} cannot be stored in an .idx file; use one of "
+                         f"{sorted(str(d) for d in _CODE_OF)}")
+    return _CODE_OF[dt]
+
+
+def best_fitting_dtype(vocab_size: Optional[int] = None) -> np.dtype:
+    """uint16 when every token id fits (vocab < 65500, Megatron's threshold), else int32."""
+    if vocab_size is not None and vocab_size < 65500:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+def data_file_path(prefix_path: str) -> str:
+    return prefix_path + ".bin"
+
+
+def index_file_path(prefix_path: str) -> str:
+    return prefix_path + ".idx"
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------
+
+
+def _read_header(idx_path: str) -> tuple[int, int, int]:
+    """Validate the fixed header of ``idx_path``; returns (dtype code, n sequences, d docs)."""
+    with open(idx_path, "rb") as f:
+        head = f.read(HEADER_SIZE)
+    if head[:8] == _LEGACY_MAGIC[:8] and head[:9] != INDEX_MAGIC:
+        raise IndexedDatasetError(
+            f"{idx_path}: this is Megatron's legacy 'lazy'/'cached' index format (magic "
+            f"{_LEGACY_MAGIC!r}); only the 'mmap' format is supported, re-run preprocess_data.py")
+    if len(head) < 9 or head[:9] != INDEX_MAGIC:
+        raise IndexedDatasetError(
+            f"{idx_path}: bad magic {head[:9]!r}, expected {INDEX_MAGIC!r} (not an mmap .idx file)")
+    if len(head) < HEADER_SIZE:
+        raise IndexedDatasetError(
+            f"{idx_path}: truncated header ({len(head)} bytes, expected {HEADER_SIZE})")
+    (version,) = struct.unpack("<Q", head[9:17])
+    if version != INDEX_VERSION:
+        raise IndexedDatasetError(f"{idx_path}: unknown version {version}, expected 1")
+    code = head[17]
+    if code not in DTYPE_CODES:
+        raise IndexedDatasetError(
+            f"{idx_path}: unknown dtype code {code}, expected one of {sorted(DTYPE_CODES)}")
+    n, d = struct.unpack("<QQ", head[18:34])
+    return code, n, d
+
+
+def _resolve_code_7(idx_path: str, sizes: np.ndarray, pointers: np.ndarray,
+                    bin_bytes: Optional[int]) -> np.dtype:
+    """Code 7 means float32 (Megatron-LM) or float64 (old Megatron-DeepSpeed): ask the data."""
+    tokens = int(sizes.sum(dtype=np.int64))
+    if len(sizes) > 1 and sizes[0] > 0:
+        itemsize = int(pointers[1] - pointers[0]) // int(sizes[0])
+    elif bin_bytes is not None and tokens > 0:
+        itemsize = bin_bytes // tokens
+    else:
+        itemsize = 4
+    if itemsize not in (4, 8):
+        raise IndexedDatasetError(f"{idx_path}: dtype code 7 with {itemsize}-byte items")
+    return np.dtype(np.float32 if itemsize == 4 else np.float64)
+
+
+class MMapIndex:
+    """The parsed ``.idx`` file: ``sizes`` (int32[n]), ``pointers`` (int64[n]),
+    ``doc_idx`` (int64[d]) and the token ``dtype``; arrays are read-only views of the mmap."""
+
+    def __init__(self, idx_path: str, skip_warmup: bool = True,
+                 bin_bytes: Optional[int] = None) -> None:
+        self.path = idx_path
+        code, n, d = _read_header(idx_path)
+        file_bytes = os.path.getsize(idx_path)
+        need = HEADER_SIZE + 4 * n + 8 * n + 8 * d
+        if file_bytes < need:
+            raise IndexedDatasetError(
+                f"{idx_path}: file is {file_bytes} bytes but its header ({n} sequences, {d} "
+                f"document-index entries) needs {need}; the .idx is truncated")
+        if not skip_warmup:
+            _warmup(idx_path)
+        self._mmap = np.memmap(idx_path, mode="r", order="C") if file_bytes else None
+        buf = memoryview(self._mmap) if self._mmap is not None else b""
+        self.sizes = np.frombuffer(buf, dtype="<i4", count=n, offset=HEADER_SIZE)
+        self.pointers = np.frombuffer(buf, dtype="<i8", count=n, offset=HEADER_SIZE + 4 * n)
+        self.doc_idx = np.frombuffer(buf, dtype="<i8", count=d, offset=HEADER_SIZE + 12 * n)
+        self.dtype = DTYPE_CODES[code]
+        if code == 7:
+            self.dtype = _resolve_code_7(idx_path, self.sizes, self.pointers, bin_bytes)
+        if d == 0 or self.doc_idx[0] != 0 or self.doc_idx[-1] > n:
+            first = self.doc_idx[0] if d else None
+            last = self.doc_idx[-1] if d else None
+            raise IndexedDatasetError(
+                f"{idx_path}: document index is inconsistent ({d} entries, first {first}, last "
+                f"{last}, {n} sequences); expected doc_idx[0] = 0 and doc_idx[-1] <= {n}")
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        """(byte pointer into .bin, number of tokens) of sequence i."""
+        return int(self.pointers[i]), int(self.sizes[i])
+
+    def close(self) -> None:
+        self.sizes = self.pointers = self.doc_idx = None
+        if self._mmap is not None:
+            self._mmap._mmap.close()
+            self._mmap = None
+
+
+def _warmup(path: str) -> None:
+    """Read a file once so that its pages are in the OS cache before training starts."""
+    with open(path, "rb") as f:
+        while f.read(100 * 1024 * 1024):
+            pass
+
+
+class MMapIndexedDataset:
+    """Read-only view of a ``prefix.bin`` / ``prefix.idx`` pair; sequences are numpy arrays.
+
+    ``ds[i]`` is the i-th sequence (shares memory with the mmap), ``ds[a:b]`` a list of them.
+    Pickles by path, so DataLoader workers re-open their own mmaps.
+    """
+
+    Index = MMapIndex
+
+    def __init__(self, path_prefix: str, skip_warmup: bool = True) -> None:
+        self._open(path_prefix, skip_warmup)
+
+    def _open(self, path_prefix: str, skip_warmup: bool) -> None:
+        self._path = path_prefix
+        idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
+        for p, what in ((idx_path, ".idx"), (bin_path, ".bin")):
+            if not os.path.isfile(p):
+                raise IndexedDatasetError(
+                    f"{p}: missing {what} file of dataset prefix {path_prefix!r} (the prefix "
+                    "must be the path without .bin/.idx)")
+        bin_bytes = os.path.getsize(bin_path)
+        self._index = MMapIndex(idx_path, skip_warmup, bin_bytes)
+        self._check_bin_size(bin_path, bin_bytes)
+        if not skip_warmup:
+            _warmup(bin_path)
+        self._bin_mmap = np.memmap(bin_path, mode="r", order="C") if bin_bytes else None
+        self._bin = memoryview(self._bin_mmap) if self._bin_mmap is not None else b""
+
+    def _check_bin_size(self, bin_path: str, bin_bytes: int) -> None:
+        # Pointers are increasing in every file Megatron writes, so the last sequence ends last.
+        index = self._index
+        if len(index) == 0:
+            return
+        need = int(index.pointers[-1]) + int(index.sizes[-1]) * index.dtype.itemsize
+        if bin_bytes < need:
+            raise IndexedDatasetError(
+                f"{bin_path}: file is {bin_bytes} bytes but {index.path} says its last sequence "
+                f"ends at byte {need}; the .bin is truncated or belongs to another index")
+
+    def __getstate__(self) -> str:
+        return self._path
+
+    def __setstate__(self, state: str) -> None:
+        self._open(state, skip_warmup=True)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, idx: Union[int, slice]) -> Union[np.ndarray, list[np.ndarray]]:
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step != 1:
+                raise ValueError("slices into an indexed dataset must be contiguous (step 1)")
+            if stop <= start:
+                return []
+            sizes = self._index.sizes[start:stop]
+            flat = self._read(int(self._index.pointers[start]), int(sizes.sum(dtype=np.int64)))
+            return np.split(flat, np.cumsum(sizes)[:-1])
+        return self.get(idx)
+
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """Tokens ``offset : offset + length`` of sequence ``idx`` (to its end if length is None)."""
+        n = len(self)
+        i = int(idx)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sequence {idx} out of range for {self._path} ({n} sequences)")
+        ptr, size = self._index[i]
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"tokens [{offset}, {offset + length}) outside sequence {i} of "
+                             f"{self._path} ({size} tokens)")
+        return self._read(ptr + offset * self.dtype.itemsize, length)
+
+    def _read(self, byte_offset: int, count: int) -> np.ndarray:
+        if count == 0:
+            return np.empty(0, dtype=self.dtype)
+        return np.frombuffer(self._bin, dtype=self.dtype, count=count, offset=byte_offset)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """int32[n]: tokens per sequence."""
+        return self._index.sizes
+
+    def size(self, index: int) -> int:
+        return int(self._index.sizes[index])
+
+    @property
+    def pointers(self) -> np.ndarray:
+        """int64[n]: byte offset of each sequence in the .bin."""
+        return self._index.pointers
+
+    @property
+    def doc_idx(self) -> np.ndarray:
+        """int64[documents + 1]: sequence index where each document starts, then n."""
+        return self._index.doc_idx
+
+    def get_doc_idx(self) -> np.ndarray:
+        return self._index.doc_idx
+
+    def set_doc_idx(self, doc_idx: np.ndarray) -> None:
+        self._index.doc_idx = doc_idx
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._index.dtype
+
+    @property
+    def path_prefix(self) -> str:
+        return self._path
+
+    @property
+    def supports_prefetch(self) -> bool:
+        return False
+
+    @staticmethod
+    def exists(path_prefix: str) -> bool:
+        return os.path.isfile(index_file_path(path_prefix)) and os.path.isfile(
+            data_file_path(path_prefix))
+
+    def close(self) -> None:
+        self._bin = None
+        if self._bin_mmap is not None:
+            self._bin_mmap._mmap.close()
+            self._bin_mmap = None
+        self._index.close()
+
+
+def make_dataset(path: str, impl: str = "mmap", skip_warmup: bool = True) -> MMapIndexedDataset:
+    """Open ``path`` (a prefix) as ``--data-impl`` ``impl``; only 'mmap' (and 'infer') exist."""
+    if impl not in ("mmap", "infer"):
+        raise IndexedDatasetError(
+            f"--data-impl {impl!r} is not supported for {path}; only 'mmap' (Megatron's default "
+            "since 2020) is; re-run tools/preprocess_data.py --dataset-impl mmap")
+    return MMapIndexedDataset(path, skip_warmup)
+
+
+def dataset_exists(path: str, impl: str = "mmap") -> bool:
+    return MMapIndexedDataset.exists(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------
+
+
+class _GrowableArray:
+    """An int64 array with amortised O(1) append and vectorised extend."""
+
+    def __init__(self, initial: int = 1 << 12) -> None:
+        self._data = np.empty(initial, dtype=np.int64)
+        self._len = 0
+
+    def _reserve(self, extra: int) -> None:
+        need = self._len + extra
+        if need > len(self._data):
+            grown = np.empty(max(need, 2 * len(self._data)), dtype=np.int64)
+            grown[: self._len] = self._data[: self._len]
+            self._data = grown
+
+    def append(self, value: int) -> None:
+        self._reserve(1)
+        self._data[self._len] = value
+        self._len += 1
+
+    def extend(self, values: np.ndarray) -> None:
+        self._reserve(len(values))
+        self._data[self._len : self._len + len(values)] = values
+        self._len += len(values)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def view(self) -> np.ndarray:
+        return self._data[: self._len]
+
+
+def _as_numpy(item: Any) -> np.ndarray:
+    """A 1-D numpy view of a numpy array, a list of ints or a (CPU or GPU) torch tensor."""
+    if isinstance(item, np.ndarray):
+        return item.reshape(-1)
+    if hasattr(item, "detach") and hasattr(item, "cpu"):  # torch.Tensor, without importing torch
+        return item.detach().cpu().numpy().reshape(-1)
+    return np.asarray(item).reshape(-1)
+
+
+class MMapIndexedDatasetBuilder:
+    """Writes a ``.bin`` / ``.idx`` pair; sequences go straight to a buffered file.
+
+    Call ``add_item`` per sequence (sentence) and ``end_document`` after each document, or
+    ``add_doc`` for a whole document at once; ``finalize(idx_path)`` makes the pair visible.
+    With ``atomic=True`` (default) the data goes to ``<out_file_bin>.tmp`` until ``finalize``
+    (see the module docstring); ``abort()`` removes the temporary files.
+    """
+
+    def __init__(self, out_file_bin: str, dtype: DTypeLike = np.int64, atomic: bool = True,
+                 buffer_bytes: int = 8 << 20) -> None:
+        self._dtype = np.dtype(dtype)
+        self._code = dtype_code(self._dtype)
+        self._bin_path = out_file_bin
+        self._bin_tmp = out_file_bin + ".tmp" if atomic else out_file_bin
+        self._file = open(self._bin_tmp, "wb", buffering=buffer_bytes)
+        self._sizes = _GrowableArray()
+        self._doc_idx = _GrowableArray()
+        self._doc_idx.append(0)
+        if np.issubdtype(self._dtype, np.integer):
+            info = np.iinfo(self._dtype)
+            self._range = (int(info.min), int(info.max))
+        else:
+            self._range = None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    def _write_tokens(self, tokens: np.ndarray) -> None:
+        if tokens.dtype != self._dtype:
+            self._check_range(tokens)
+            tokens = tokens.astype(self._dtype)
+        self._file.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+
+    def _check_range(self, tokens: np.ndarray) -> None:
+        # A silent wrap of id 70000 into uint16 would corrupt the corpus without any sign.
+        if self._range is None or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+            return
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < self._range[0] or hi > self._range[1]:
+            raise ValueError(
+                f"token ids in [{lo}, {hi}] do not fit the dataset dtype {self._dtype} of "
+                f"{self._bin_path}; pass a larger vocab_size / dtype to the builder")
+
+    def add_item(self, item: Any) -> None:
+        """Append one sequence (numpy array, list of ints or torch tensor)."""
+        tokens = _as_numpy(item)
+        self._write_tokens(tokens)
+        self._sizes.append(tokens.size)
+
+    def add_doc(self, tokens: Any, sentence_lengths: Any) -> None:
+        """Append a whole document: its tokens back to back, split into the given sentences."""
+        tokens = _as_numpy(tokens)
+        lengths = np.asarray(sentence_lengths, dtype=np.int64).reshape(-1)
+        if int(lengths.sum()) != tokens.size:
+            raise ValueError(f"add_doc: sentence lengths sum to {int(lengths.sum())} but the "
+                             f"document has {tokens.size} tokens")
+        self._write_tokens(tokens)
+        self._sizes.extend(lengths)
+        self._doc_idx.append(len(self._sizes))
+
+    def end_document(self) -> None:
+        self._doc_idx.append(len(self._sizes))
+
+    def merge_file_(self, another_prefix: str) -> None:
+        """Append every sequence and document of the dataset at ``another_prefix``."""
+        other = MMapIndexedDataset(another_prefix)
+        if other.dtype != self._dtype:
+            raise IndexedDatasetError(
+                f"{index_file_path(another_prefix)}: dtype {other.dtype} differs from the "
+                f"builder's {self._dtype}; cannot merge")
+        offset = len(self._sizes)
+        self._sizes.extend(other.sizes)
+        self._doc_idx.extend(other.doc_idx[1:] + offset)
+        used = int(other.pointers[-1]) + int(other.sizes[-1]) * self._dtype.itemsize \
+            if len(other) else 0
+        other.close()
+        with open(data_file_path(another_prefix), "rb") as f:
+            _copy_bytes(f, self._file, used)
+
+    def finalize(self, index_file: str) -> None:
+        """Close the .bin, write the .idx, and move both into place (the .idx last)."""
+        self._file.close()
+        sizes = self._sizes.view()
+        if len(sizes) and int(sizes.max()) > np.iinfo(np.int32).max:
+            raise ValueError(f"{self._bin_path}: a sequence longer than 2^31-1 tokens cannot be "
+                             "indexed (sizes are int32)")
+        tmp_idx = index_file + ".tmp"
+        write_index(tmp_idx, self._dtype, sizes, self._doc_idx.view())
+        if self._bin_tmp != self._bin_path:
+            # Drop a stale .idx first: a crash between the renames must not pair it with new data.
+            if os.path.exists(index_file):
+                os.remove(index_file)
+            os.replace(self._bin_tmp, self._bin_path)
+        os.replace(tmp_idx, index_file)
+
+    def abort(self) -> None:
+        """Close and delete the partial output (only meaningful with atomic=True)."""
+        if not self._file.closed:
+            self._file.close()
+        if self._bin_tmp != self._bin_path and os.path.exists(self._bin_tmp):
+            os.remove(self._bin_tmp)
+
+
+def _copy_bytes(src: Any, dst: Any, count: int) -> None:
+    remaining = count
+    while remaining > 0:
+        chunk = src.read(min(remaining, 16 << 20))
+        if not chunk:
+            raise IndexedDatasetError(f"{src.name}: ended {remaining} bytes early while merging")
+        dst.write(chunk)
+        remaining -= len(chunk)
+
+
+def write_index(idx_path: str, dtype: DTypeLike, sizes: np.ndarray, doc_idx: np.ndarray) -> None:
+    """Write an .idx file for sequences of ``sizes`` tokens laid out back to back."""
+    dtype = np.dtype(dtype)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    if len(sizes) > 1:
+        np.cumsum(sizes[:-1] * dtype.itemsize, out=pointers[1:])
+    with open(idx_path, "wb") as f:
+        f.write(INDEX_MAGIC)
+        f.write(struct.pack("<Q", INDEX_VERSION))
+        f.write(struct.pack("<B", dtype_code(dtype)))
+        f.write(struct.pack("<QQ", len(sizes), len(doc_idx)))
+        f.write(sizes.astype("<i4").tobytes())
+        f.write(pointers.astype("<i8").tobytes())
+        f.write(np.asarray(doc_idx, dtype="<i8").tobytes())
+
+
+def make_builder(out_file: str, impl: str = "mmap", vocab_size: Optional[int] = None,
+                 atomic: bool = True) -> MMapIndexedDatasetBuilder:
+    """A builder writing ``out_file`` (the .bin path) in the smallest dtype for ``vocab_size``."""
+    if impl != "mmap":
+        raise ValueError(f"--dataset-impl {impl!r} is not supported; only 'mmap' is")
+    return MMapIndexedDatasetBuilder(out_file, dtype=best_fitting_dtype(vocab_size), atomic=atomic)
+
+
+def merge_datasets(prefixes: list[str], out_prefix: str) -> None:
+    """Concatenate datasets (same dtype) into ``out_prefix``.bin/.idx."""
+    if not prefixes:
+        raise ValueError("merge_datasets: no input prefixes")
+    first = MMapIndexedDataset(prefixes[0])
+    builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=first.dtype)
+    first.close()
+    try:
+        for prefix in prefixes:
+            builder.merge_file_(prefix)
+    except BaseException:
+        builder.abort()
+        raise
+    builder.finalize(index_file_path(out_prefix))
+
+
+__all__ = [
+    "DTYPE_CODES", "HEADER_SIZE", "INDEX_MAGIC", "IndexedDatasetError", "MMapIndex",
+    "MMapIndexedDataset", "MMapIndexedDatasetBuilder", "best_fitting_dtype", "data_file_path",
+    "dataset_exists", "dtype_code", "index_file_path", "make_builder", "make_dataset",
+    "merge_datasets", "write_index",
+]
