@@ -216,3 +216,139 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+_OPTIMIZERS = ("adam", "sgd")
+_LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+_WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer, mixed precision, loss scaling and gradient reduction (Megatron's flags).
+
+    ``lr`` may stay None for runs that build no optimizer; building one without it raises.
+    With ``--bf16``, gradients are accumulated and reduced in fp32, as in Megatron.
+    """
+
+    optimizer: str = "adam"  # "adam" (decoupled weight decay, i.e. AdamW) or "sgd"
+    lr: Optional[float] = None
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0  # global L2 norm; 0 turns clipping (and the norm) off
+    log_num_zeros_in_grad: bool = False
+
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: Optional[float] = None  # None: dynamic loss scaling (fp16)
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    # Not a Megatron flag: stop with an error instead of skipping steps forever.
+    max_skips_at_min_loss_scale: int = 100
+
+    accumulate_allreduce_grads_in_fp32: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    ddp_bucket_size: Optional[int] = None  # elements per bucket; None: one bucket per buffer
+
+    def __post_init__(self) -> None:
+        _require(self.optimizer in _OPTIMIZERS,
+                 f"--optimizer must be one of {', '.join(_OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.lr is not None:
+            _require(self.lr >= 0.0, f"--lr must be non-negative, got {self.lr}")
+            _require(self.min_lr <= self.lr,
+                     f"--min-lr ({self.min_lr}) is larger than --lr ({self.lr})")
+        _require(self.min_lr >= 0.0, f"--min-lr must be non-negative, got {self.min_lr}")
+        _require(self.weight_decay >= 0.0,
+                 f"--weight-decay must be non-negative, got {self.weight_decay}")
+        _probability(self, "adam_beta1", "adam_beta2", "sgd_momentum")
+        _positive(self, "adam_eps")
+        _require(self.clip_grad >= 0.0, f"--clip-grad must be non-negative, got {self.clip_grad}")
+        _require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive")
+        if self.loss_scale is not None:
+            _positive(self, "loss_scale")
+        _positive(self, "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                  "hysteresis", "max_skips_at_min_loss_scale")
+        _require(self.min_loss_scale <= self.initial_loss_scale,
+                 f"--min-loss-scale ({self.min_loss_scale}) is larger than "
+                 f"--initial-loss-scale ({self.initial_loss_scale})")
+        if self.ddp_bucket_size is not None:
+            _positive(self, "ddp_bucket_size")
+        if self.bf16 and not self.accumulate_allreduce_grads_in_fp32:
+            # bf16 has too few mantissa bits to sum micro-batch gradients (Megatron does this too).
+            object.__setattr__(self, "accumulate_allreduce_grads_in_fp32", True)
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        if self.fp16:
+            return torch.float16
+        if self.bf16:
+            return torch.bfloat16
+        return torch.float32
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Learning-rate warmup/decay and weight-decay increment (Megatron's flags).
+
+    Warmup and decay lengths are in iterations, samples or (Megatron-DeepSpeed) tokens;
+    ``megatron.optimizer_param_scheduler.build_optimizer_param_scheduler`` resolves them
+    against ``--train-iters`` or ``--train-samples``. ``start/end_weight_decay`` default to
+    ``--weight-decay``.
+    """
+
+    lr_decay_style: str = "linear"
+    lr_decay_iters: Optional[int] = None
+    lr_decay_samples: Optional[int] = None
+    lr_decay_tokens: Optional[int] = None
+    lr_warmup_fraction: Optional[float] = None
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_warmup_tokens: Optional[int] = None
+    lr_warmup_init: float = 0.0
+    start_weight_decay: Optional[float] = None
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: str = "constant"
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.lr_decay_style in _LR_DECAY_STYLES,
+                 f"--lr-decay-style must be one of {', '.join(_LR_DECAY_STYLES)}, "
+                 f"got {self.lr_decay_style!r}")
+        _require(self.weight_decay_incr_style in _WD_INCR_STYLES,
+                 f"--weight-decay-incr-style must be one of {', '.join(_WD_INCR_STYLES)}, "
+                 f"got {self.weight_decay_incr_style!r}")
+        for name in ("lr_decay_iters", "lr_decay_samples", "lr_decay_tokens"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        for name in ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init"):
+            _require(getattr(self, name) >= 0,
+                     f"{flag(name)} must be non-negative, got {getattr(self, name)}")
+        if self.lr_warmup_tokens is not None:
+            _require(self.lr_warmup_tokens >= 0,
+                     f"--lr-warmup-tokens must be non-negative, got {self.lr_warmup_tokens}")
+        _require(self.lr_decay_iters is None or self.lr_decay_samples is None,
+                 "--lr-decay-iters and --lr-decay-samples are mutually exclusive")
+        _require(self.lr_warmup_iters == 0 or self.lr_warmup_samples == 0,
+                 "--lr-warmup-iters and --lr-warmup-samples are mutually exclusive")
+        if self.lr_warmup_fraction is not None:
+            _require(0.0 <= self.lr_warmup_fraction <= 1.0,
+                     f"--lr-warmup-fraction must be in [0, 1], got {self.lr_warmup_fraction}")
+            _require(self.lr_warmup_iters == 0 and self.lr_warmup_samples == 0,
+                     "--lr-warmup-fraction cannot be combined with --lr-warmup-iters or "
+                     "--lr-warmup-samples")
+        for name in ("start_weight_decay", "end_weight_decay"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0.0,
+                     f"{flag(name)} must be non-negative, got {value}")
+        _require(not (self.override_opt_param_scheduler
+                      and self.use_checkpoint_opt_param_scheduler),
+                 "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                 "are mutually exclusive")

@@ -1,0 +1,25 @@
+"""Tokenizers: GPT-2 BPE (GPT-2's exact ids), Hugging Face (local, offline), Null (ids as text)."""
+
+from megatron.tokenizer.errors import LoneSurrogateError, TokenizerConfigError, TokenizerFileError
+from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from megatron.tokenizer.tokenizer import (
+    NullTokenizer,
+    PretrainedFromHF,
+    Tokenizer,
+    TokenizerConfig,
+    build_tokenizer,
+    canonical_tokenizer_type,
+)
+
+__all__ = [
+    "GPT2BPETokenizer",
+    "LoneSurrogateError",
+    "NullTokenizer",
+    "PretrainedFromHF",
+    "Tokenizer",
+    "TokenizerConfig",
+    "TokenizerConfigError",
+    "TokenizerFileError",
+    "build_tokenizer",
+    "canonical_tokenizer_type",
+]

@@ -1,0 +1,157 @@
+"""Linear and embedding layers split across the tensor-parallel group.
+
+Weights are initialised as one full master weight (fp32, on the CPU, by the caller's
+``init_method``) and then split, so the same seed gives the same model at any tensor-parallel
+size. ``init_method(tensor)`` fills a full-size tensor in place; pass ``None`` (or
+``perform_initialization=False``) to leave the parameters uninitialised, e.g. on the meta
+device or before loading a checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import mappings
+from megatron.core.utils import divide, set_tensor_model_parallel_attributes
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def _tp_world_and_rank(group) -> tuple[int, int]:
+    if group is not None:
+        return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank())
+
+
+def _init_sharded(param: torch.Tensor, full_shape: tuple[int, ...], dim: int, world: int,
+                  rank: int, init_method: Optional[InitMethod]) -> None:
+    """Fill ``param`` with this rank's slice of a full master weight drawn by init_method."""
+    if init_method is None or param.device.type == "meta":
+        return
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    shard = master.chunk(world, dim=dim)[rank]
+    with torch.no_grad():
+        param.copy_(shard)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with A split along its output dim: rank i computes ``Y_i = X A_i^T + b_i``.
+
+    Input ``[s, b, in]`` (or ``[s/tp, b, in]`` under sequence parallelism); output
+    ``[s, b, out/tp]``, or ``[s, b, out]`` with ``gather_output``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, init_method: Optional[InitMethod],
+                 bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 tp_group=None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        world, rank = _tp_world_and_rank(tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, world)
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and world > 1
+        if self.sequence_parallel and gather_output:
+            raise ValueError("gather_output is incompatible with sequence parallelism")
+        kw = dict(dtype=params_dtype, device=device)
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, **kw))
+        set_tensor_model_parallel_attributes(self.weight, True, dim=0)
+        _init_sharded(self.weight, (output_size, input_size), 0, world, rank, init_method)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, **kw))
+            set_tensor_model_parallel_attributes(self.bias, True, dim=0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``weight`` overrides the layer's own (the tied LM head passes the embedding)."""
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
+        else:
+            x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
+        y = F.linear(x, weight, self.bias)  # [s, b, out/tp]
+        if self.gather_output:
+            y = mappings.gather_from_tensor_model_parallel_region(y, self.tp_group)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with A split along its input dim: ``Y = sum_i X_i A_i^T + b``.
+
+    Input ``[s, b, in/tp]`` (``input_is_parallel``) or ``[s, b, in]``; output ``[s, b, out]``,
+    or ``[s/tp, b, out]`` under sequence parallelism (reduce-scatter instead of all-reduce).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, init_method: Optional[InitMethod],
+                 bias: bool = True, input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 tp_group=None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        world, rank = _tp_world_and_rank(tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, world)
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and world > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence parallelism needs input_is_parallel=True")
+        kw = dict(dtype=params_dtype, device=device)
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, **kw))
+        set_tensor_model_parallel_attributes(self.weight, True, dim=1)
+        _init_sharded(self.weight, (output_size, input_size), 1, world, rank, init_method)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, **kw))
+            # Under sequence parallelism each rank adds the bias to its own tokens only, so
+            # its gradient is partial and must be summed over the tensor-parallel group.
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        y = F.linear(x, self.weight)  # partial sums [s, b, out]
+        if self.sequence_parallel:
+            y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        else:
+            y = mappings.reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary: rank i holds rows
+    ``[i * V/tp, (i + 1) * V/tp)``; lookups outside a rank's range give zeros there, and the
+    all-reduce sums them into the full embedding. Input ``[b, s]`` ids, output ``[b, s, h]``."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 init_method: Optional[InitMethod], params_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None, tp_group=None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        world, rank = _tp_world_and_rank(tp_group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        per_rank = divide(num_embeddings, world)
+        self.vocab_start_index, self.vocab_end_index = rank * per_rank, (rank + 1) * per_rank
+        self.world_size = world
+        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, dtype=params_dtype,
+                                               device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, dim=0)
+        _init_sharded(self.weight, (num_embeddings, embedding_dim), 0, world, rank, init_method)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return mappings.reduce_from_tensor_model_parallel_region(out, self.tp_group)

@@ -1,0 +1,158 @@
+"""GPTModel: GPT-2/GPT-3 as one pipeline stage (or the whole model when there is one stage).
+
+The first stage (``pre_process``) owns the embeddings; the last (``post_process``) owns the
+final LayerNorm and the LM head. With tied embeddings a last stage that is not also the first
+holds its own copy of the word embeddings (``word_embeddings``, marked ``shared``), drawn from
+the same generator as the first stage's so both start identical; their gradients are summed
+over the embedding group by the training step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core import tensor_parallel
+from megatron.model.init import InitRNG
+from megatron.model.layer_norm import build_layer_norm
+from megatron.model.rotary import rotary_freqs
+from megatron.model.transformer import ParallelTransformer, dropout
+
+
+class Embedding(nn.Module):
+    """Vocab-parallel word embeddings + learned absolute positions -> ``[s, b, h]``."""
+
+    def __init__(self, config: ModelConfig, *, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+            config.padded_vocab_size, config.hidden_size,
+            init_method=InitRNG(config, "word_embeddings").normal(),
+            params_dtype=config.params_dtype, device=device)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size,
+                dtype=config.params_dtype, device=device)
+            init = InitRNG(config, "position_embeddings").normal()
+            if init is not None and self.position_embeddings.weight.device.type != "meta":
+                with torch.no_grad():
+                    master = torch.empty(self.position_embeddings.weight.shape)
+                    init(master)
+                    self.position_embeddings.weight.copy_(master)
+
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.size(1), device=input_ids.device)
+            x = x + self.position_embeddings(position_ids)
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.config.sequence_parallel:
+            x = tensor_parallel.scatter_to_sequence_parallel_region(x)  # [s/tp, b, h]
+        return dropout(x, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
+
+
+class GPTModel(nn.Module):
+    """One pipeline stage of GPT.
+
+    Args:
+        first_layer, num_layers: the global layers this stage builds (default: all).
+        parallel_output: return logits split over the vocabulary (``[b, s, V/tp]``) rather
+            than gathered (``[b, s, V]``).
+
+    ``forward(input_ids [b, s], position_ids, attention_mask, labels [b, s])`` returns, on the
+    last stage, the per-token loss ``[b, s]`` (fp32) when labels are given, else logits;
+    on other stages the hidden state ``[s, b, h]`` for the next stage.
+    """
+
+    def __init__(self, config: ModelConfig, *, pre_process: bool = True,
+                 post_process: bool = True, first_layer: int = 0,
+                 num_layers: Optional[int] = None, parallel_output: bool = True,
+                 device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.pre_process, self.post_process = pre_process, post_process
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        self.input_tensor: Optional[torch.Tensor] = None
+        num_layers = config.num_layers - first_layer if num_layers is None else num_layers
+
+        if pre_process:
+            self.embedding = Embedding(config, device=device)
+        self.encoder = ParallelTransformer(config, first_layer, num_layers, device=device)
+        if post_process:
+            self.final_layernorm = build_layer_norm(config, device=device)
+            self._build_output_weight(device)
+
+    def _build_output_weight(self, device) -> None:
+        cfg = self.config
+        if not self.share_embeddings_and_output_weights:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                cfg.hidden_size, cfg.padded_vocab_size, bias=False,
+                init_method=InitRNG(cfg, "output_layer").normal(),
+                sequence_parallel=cfg.sequence_parallel, params_dtype=cfg.params_dtype,
+                device=device)
+        elif not self.pre_process:
+            self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+                cfg.padded_vocab_size, cfg.hidden_size,
+                init_method=InitRNG(cfg, "word_embeddings").normal(),
+                params_dtype=cfg.params_dtype, device=device)
+            self.word_embeddings.weight.shared = True
+            self.word_embeddings.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
+        """The hidden state received from the previous stage (pipeline parallelism)."""
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        """The word-embedding weight that the first and last stage share, if this stage has it."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process and self.share_embeddings_and_output_weights:
+            return self.word_embeddings.weight
+        return None
+
+    def _rotary(self, seq_length: int, device) -> Optional[torch.Tensor]:
+        cfg = self.config
+        if cfg.position_embedding_type != "rope":
+            return None
+        return rotary_freqs(seq_length, cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base,
+                            device=device)
+
+    def forward(self, input_ids: Optional[torch.Tensor],
+                position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
+        else:
+            hidden = self.input_tensor
+        seq_length = hidden.size(0) * (self.config.tensor_model_parallel_size
+                                       if self.config.sequence_parallel else 1)
+        hidden = self.encoder(hidden, self._rotary(seq_length, hidden.device), attention_mask)
+        if not self.post_process:
+            return hidden
+        hidden = self.final_layernorm(hidden)
+        return self._lm_head(hidden, labels)
+
+    def _lm_head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.share_embeddings_and_output_weights:
+            weight = self.shared_embedding_or_output_weight()
+            if self.config.sequence_parallel:
+                hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
+            else:
+                hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+            logits = torch.nn.functional.linear(hidden, weight)  # [s, b, V/tp]
+        else:
+            logits = self.output_layer(hidden)  # [s, b, V/tp]
+        if labels is None:
+            if not self.parallel_output:
+                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            return logits.transpose(0, 1).contiguous()  # [b, s, V/tp or V]
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.t())  # [s, b]
+        return loss.t().contiguous()  # [b, s]

@@ -1,0 +1,32 @@
+"""LayerNorm: apex's fused kernel on CUDA when installed, torch's otherwise (same numbers)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+
+
+def _apex_layer_norm_class():
+    try:
+        from apex.normalization import FusedLayerNorm
+    except ImportError:
+        return None
+    return FusedLayerNorm
+
+
+def build_layer_norm(config: ModelConfig, *, device=None) -> nn.Module:
+    """A LayerNorm over the hidden size. Under sequence parallelism its parameters see only
+    this rank's tokens, so they are marked for a gradient all-reduce over tensor ranks."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    apex_cls = _apex_layer_norm_class() if config.apex_layernorm and on_cuda else None
+    if apex_cls is not None:
+        norm = apex_cls(config.hidden_size, eps=config.layernorm_epsilon).to(
+            device=device, dtype=config.params_dtype)
+    else:
+        norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, device=device,
+                            dtype=config.params_dtype)
+    for p in norm.parameters():
+        p.sequence_parallel = config.sequence_parallel
+    return norm

@@ -1,0 +1,201 @@
+"""The GPT transformer: pre-LayerNorm layers with tensor-parallel attention and MLP.
+
+Activations are ``[s, b, h]`` (sequence first, as in Megatron), or ``[s/tp, b, h]`` between
+the tensor-parallel blocks under sequence parallelism. Each rank holds ``heads/tp`` attention
+heads and ``ffn/tp`` MLP columns.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core import tensor_parallel
+from megatron.core.utils import divide
+from megatron.model.init import InitRNG
+from megatron.model.layer_norm import build_layer_norm
+from megatron.model.rotary import apply_rotary_emb
+
+
+def _flash_attn_func() -> Optional[Callable]:
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on replicated activations: the same mask on every tensor rank, except under
+    sequence parallelism where each rank holds different tokens and draws from its own stream."""
+    if not training or p == 0.0:
+        return x
+    if sequence_parallel:
+        with tensor_parallel.get_rng_tracker().fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v, on this rank's heads.
+
+    q, k, v: ``[b, n, s, d]``; output ``[b, n, s, d]``. ``attention_mask`` (optional, bool,
+    ``[b or 1, 1, s, s]``, True = masked out, Megatron's convention) replaces the causal mask.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.dropout_p = config.attention_dropout
+        self.flash = _flash_attn_func() if config.use_flash_attn else None
+        if config.use_flash_attn and self.flash is None:
+            raise ImportError("--use-flash-attn was given but flash_attn is not installed")
+        self.softmax_in_fp32 = config.attention_softmax_in_fp32
+
+    def forward(self, q, k, v, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        p = self.dropout_p if self.training else 0.0
+        if p == 0.0:
+            return self._attend(q, k, v, attention_mask, 0.0)
+        # Dropout on attention probabilities acts on this rank's own heads: its own stream.
+        with tensor_parallel.get_rng_tracker().fork():
+            return self._attend(q, k, v, attention_mask, p)
+
+    def _attend(self, q, k, v, attention_mask, p: float) -> torch.Tensor:
+        if self.flash is not None and q.is_cuda and attention_mask is None:
+            out = self.flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                             dropout_p=p, causal=True)  # [b, s, n, d]
+            return out.transpose(1, 2)
+        if attention_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=p)
+
+
+class ParallelAttention(nn.Module):
+    """Self-attention with a fused column-parallel QKV projection and a row-parallel output.
+
+    The QKV weight's output rows are laid out per head as ``[n, 3, d]`` so a contiguous split
+    across tensor ranks gives each rank whole heads.
+    """
+
+    def __init__(self, config: ModelConfig, init: InitRNG, *, device=None) -> None:
+        super().__init__()
+        tp = config.tensor_model_parallel_size
+        self.config = config
+        self.heads_per_rank = divide(config.num_attention_heads, tp)
+        self.head_dim = config.kv_channels
+        common = dict(params_dtype=config.params_dtype, device=device,
+                      sequence_parallel=config.sequence_parallel, bias=config.add_bias_linear)
+        self.query_key_value = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, 3 * config.projection_size, init_method=init.normal(), **common)
+        self.core_attention = CoreAttention(config)
+        self.dense = tensor_parallel.RowParallelLinear(
+            config.projection_size, config.hidden_size, init_method=init.scaled_normal(),
+            input_is_parallel=True, **common)
+        self.recompute_core = config.recompute_granularity == "selective"
+
+    def forward(self, x: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        qkv = self.query_key_value(x)  # [s, b, 3 * n/tp * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim)
+        q, k, v = qkv.unbind(dim=3)  # each [s, b, n/tp, d]
+        if rotary_freqs is not None:
+            q, k = apply_rotary_emb(q, rotary_freqs), apply_rotary_emb(k, rotary_freqs)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n/tp, s, d]
+        if self.recompute_core and self.training:
+            if attention_mask is None:
+                out = tensor_parallel.checkpoint(self.core_attention, q, k, v)
+            else:
+                out = tensor_parallel.checkpoint(self.core_attention, q, k, v, attention_mask)
+        else:
+            out = self.core_attention(q, k, v, attention_mask)  # [b, n/tp, s, d]
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+        return self.dense(out)  # [s, b, h]
+
+
+class ParallelMLP(nn.Module):
+    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel)."""
+
+    def __init__(self, config: ModelConfig, init: InitRNG, *, device=None) -> None:
+        super().__init__()
+        common = dict(params_dtype=config.params_dtype, device=device,
+                      sequence_parallel=config.sequence_parallel, bias=config.add_bias_linear)
+        self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, config.ffn_hidden_size, init_method=init.normal(), **common)
+        self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, init_method=init.scaled_normal(),
+            input_is_parallel=True, **common)
+        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.gelu(self.dense_h_to_4h(x), approximate=self.approximate)  # [s, b, ffn/tp]
+        return self.dense_4h_to_h(y)  # [s, b, h]
+
+
+class ParallelTransformerLayer(nn.Module):
+    """x + drop(attn(ln(x))), then + drop(mlp(ln(.))). ``layer_number`` is global, 1-based."""
+
+    def __init__(self, config: ModelConfig, layer_number: int, *, device=None) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        init = InitRNG(config, f"layer{layer_number}")
+        self.input_layernorm = build_layer_norm(config, device=device)
+        self.self_attention = ParallelAttention(config, init, device=device)
+        self.post_attention_layernorm = build_layer_norm(config, device=device)
+        self.mlp = ParallelMLP(config, init, device=device)
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        drop = self.hidden_dropout
+        y = self.self_attention(self.input_layernorm(x), rotary_freqs, attention_mask)
+        x = x + dropout(y, drop, self.training, self.sequence_parallel)
+        y = self.mlp(self.post_attention_layernorm(x))
+        return x + dropout(y, drop, self.training, self.sequence_parallel)
+
+
+class ParallelTransformer(nn.Module):
+    """The layers of one pipeline stage (or virtual chunk): global layers
+    ``[first_layer, first_layer + num_layers)``, with optional full activation recompute."""
+
+    def __init__(self, config: ModelConfig, first_layer: int, num_layers: int, *,
+                 device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(
+            ParallelTransformerLayer(config, first_layer + i + 1, device=device)
+            for i in range(num_layers)
+        )
+
+    def _segment(self, start: int, end: int, freqs, mask) -> Callable:
+        """Layers [start, end) as a function of the hidden state alone, for checkpointing
+        (the rotary table and mask never need gradients, so the closure may hold them)."""
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers[start:end]:
+                x = layer(x, freqs, mask)
+            return x
+        return run
+
+    def forward(self, x: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        cfg, n = self.config, len(self.layers)
+        if cfg.recompute_granularity != "full" or not self.training:
+            return self._segment(0, n, rotary_freqs, attention_mask)(x)
+        k = cfg.recompute_num_layers or 1
+        if cfg.recompute_method == "uniform":
+            # Checkpoint groups of k layers; only each group's input is stored.
+            for start in range(0, n, k):
+                end = min(start + k, n)
+                x = tensor_parallel.checkpoint(
+                    self._segment(start, end, rotary_freqs, attention_mask), x)
+            return x
+        # "block": checkpoint each of the first k layers of the stage, run the rest normally.
+        for i in range(n):
+            segment = self._segment(i, i + 1, rotary_freqs, attention_mask)
+            x = tensor_parallel.checkpoint(segment, x) if i < k else segment(x)
+        return x
