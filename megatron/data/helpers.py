@@ -5,11 +5,12 @@ without a compiler still reproduces Megatron's sample order.  No torch import he
 
 ``build_sample_idx`` semantics: lay the documents of ``doc_idx`` end to end (``sizes[doc_idx[j]]``
 tokens each).  Sample k reads ``seq_length + add_extra_token`` tokens starting at global
-position ``k * seq_length``; row k of the result is (j, offset) of that start, where j indexes
-``doc_idx``.  Row ``num_samples`` marks where the last sample ends (its last token is at
-``offset + add_extra_token - 1`` of document row j... see ``GPTDataset``).  With
-``drop_last_partial_sequence`` the tokens after the last full sample are the documented
-remainder: ``total - add_extra_token - num_samples * seq_length`` tokens, fewer than seq_length.
+position ``k * seq_length``, so consecutive samples share ``add_extra_token`` tokens (the label
+of the last input).  Row k of the result is (j, offset) of sample k's first token, with j an
+index into ``doc_idx``; row k + 1 marks where sample k ends (``GPTDataset`` reads up to
+``offset + add_extra_token`` of that row).  With ``drop_last_partial_sequence`` the tokens after
+the last full sample are the documented remainder:
+``total - add_extra_token - num_samples * seq_length`` tokens, fewer than ``seq_length``.
 """
 
 from __future__ import annotations
