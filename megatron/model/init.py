@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 

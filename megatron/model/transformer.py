@@ -7,8 +7,8 @@ heads and ``ffn/tp`` MLP columns.
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -51,8 +51,8 @@ def test_indivisible_world_size_names_numbers():
 
 def _accessors(rank, world_size):
     ps.initialize_model_parallel(2, 2)
-    import torch.distributed as dist
     import torch
+    import torch.distributed as dist
 
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=ps.get_tensor_model_parallel_group())

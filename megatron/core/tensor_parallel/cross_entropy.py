@@ -23,8 +23,9 @@ def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, label_smoothing):
-        # logits: [..., V/tp] (any float dtype; the arithmetic runs in fp32), target: [...]
-        logits = logits.float()
+        # logits: [..., V/tp], target: [...]; half-precision logits are upcast to fp32.
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
         world = _world(group)
         rank = dist.get_rank(group) if world > 1 else 0
         part = logits.size(-1)
@@ -74,6 +75,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     """Per-token loss ``[...]`` from vocab-split logits ``[..., V/tp]`` and ids ``[...]``.
 
     Equals ``F.cross_entropy(full_logits, target, reduction='none')`` on the gathered logits.
-    The gradient is returned in fp32; autograd casts it to the logits' dtype.
+    Half-precision logits are computed on in fp32; the loss is fp32 (or the input's wider
+    dtype).
     """
     return _VocabParallelCrossEntropy.apply(logits, target, _group(group), label_smoothing)

@@ -11,7 +11,8 @@ The tracker works on the device that computes (CUDA generator on GPU, CPU genera
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
