@@ -1,0 +1,503 @@
+"""megatron.arguments: Megatron flag sets -> RunConfig, and every cross check names its flags."""
+
+import pickle
+import re
+
+import pytest
+import torch
+
+from megatron.arguments import (
+    build_parser,
+    flatten_config,
+    parse_args,
+    parse_args_or_exit,
+    print_config,
+    unmapped_flags,
+)
+from megatron.config import ConfigError, RunConfig, split_pipeline_layers
+
+# A tiny valid run; tests append flags (argparse keeps the last value of a repeated flag).
+BASE = (
+    "--num-layers 4 --hidden-size 16 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --train-iters 10 --mock-data --tokenizer-type NullTokenizer "
+    "--vocab-size 100"
+).split()
+
+# examples/pretrain_gpt.sh (the "345M" model) of Megatron-LM / Megatron-DeepSpeed.
+GPT2_345M = """
+    --num-layers 24 --hidden-size 1024 --num-attention-heads 16
+    --micro-batch-size 4 --global-batch-size 8 --seq-length 1024 --max-position-embeddings 1024
+    --train-iters 500000 --lr-decay-iters 320000
+    --save /ckpt/gpt2 --load /ckpt/gpt2 --data-path /data/my-gpt2_text_document
+    --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --data-impl mmap --split 949,50,1
+    --distributed-backend nccl --lr 0.00015 --min-lr 1.0e-5 --lr-decay-style cosine
+    --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction .01 --checkpoint-activations
+    --log-interval 100 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --fp16
+""".split()
+
+# GPT-3 175B (examples/pretrain_gpt3_175B.sh) laid out on 64 ranks: tp 8 x pp 8.
+GPT3_175B = """
+    --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8
+    --num-layers 96 --hidden-size 12288 --num-attention-heads 96
+    --seq-length 2048 --max-position-embeddings 2048
+    --micro-batch-size 1 --global-batch-size 1536 --rampup-batch-size 32 32 1953125
+    --train-samples 146484375 --lr-decay-samples 126953125 --lr-warmup-samples 183105
+    --lr 6.0e-5 --min-lr 6.0e-6 --lr-decay-style cosine
+    --log-interval 10 --eval-iters 40 --eval-interval 1000
+    --data-path 0.2 /data/d1 0.3 /data/d2 0.5 /data/d3
+    --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+    --save-interval 1000 --save /ckpt --load /ckpt --split 98,2,0
+    --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
+    --init-method-std 0.006 --tensorboard-dir /tb --fp16 --checkpoint-activations
+    --sequence-parallel --use-distributed-optimizer
+""".split()
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def parse(*flags: str, world_size: int = 1, **kwargs) -> RunConfig:
+    return parse_args([*BASE, *flags], world_size=world_size, **kwargs)
+
+
+def error_of(argv, world_size: int = 1, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_args(list(argv), world_size=world_size, **kwargs)
+    return str(info.value)
+
+
+def assert_names(message: str, *needles: str) -> None:
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in error: {message}"
+
+
+# ----------------------------------------------------------------------------- real flag sets
+
+
+def test_gpt2_345m_example_flags():
+    c = parse_args(GPT2_345M, world_size=1)
+    m = c.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (24, 1024, 16)
+    assert (m.seq_length, m.max_position_embeddings) == (1024, 1024)
+    assert (m.ffn_hidden_size, m.kv_channels) == (4096, 64)
+    assert m.fp16 and not m.bf16 and m.params_dtype == torch.float16
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == (
+        "full", "uniform", 1)
+    assert m.padded_vocab_size == 50304  # GPT-2's 50257 padded to a multiple of 128
+    t = c.training
+    assert (t.micro_batch_size, t.global_batch_size, t.train_iters) == (4, 8, 500000)
+    assert t.train_samples is None and c.num_microbatches == 2
+    assert t.distributed_backend == ("nccl" if torch.cuda.is_available() else "gloo")
+    s, o = c.scheduler, c.optimizer
+    assert (s.lr_decay_iters, s.lr_decay_style, s.lr_warmup_fraction) == (320000, "cosine", 0.01)
+    assert (o.lr, o.min_lr, o.weight_decay, o.clip_grad) == (1.5e-4, 1e-5, 0.01, 1.0)
+    assert o.fp16 and o.initial_loss_scale == 2.0**32 and o.loss_scale is None
+    d = c.data
+    assert d.data_path == ("/data/my-gpt2_text_document",)
+    assert d.blend == (("/data/my-gpt2_text_document",), None)
+    assert d.split_fractions == pytest.approx((0.949, 0.050, 0.001))
+    assert (d.vocab_file, d.merge_file, d.tokenizer_type) == (
+        "gpt2-vocab.json", "gpt2-merges.txt", "GPT2BPETokenizer")
+    assert (c.checkpoint.save, c.checkpoint.load, c.checkpoint.save_interval) == (
+        "/ckpt/gpt2", "/ckpt/gpt2", 10000)
+    assert (c.logging.log_interval, t.eval_interval, t.eval_iters) == (100, 1000, 10)
+    assert c.parallel.world_size == 1 and c.data_parallel_size == 1
+
+
+def test_gpt3_175b_on_64_ranks():
+    c = parse_args(GPT3_175B, world_size=64)
+    p = c.parallel
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (8, 8)
+    assert p.data_parallel_size == 1 and p.sequence_parallel and p.use_distributed_optimizer
+    assert c.model.tensor_model_parallel_size == 8 and c.model.sequence_parallel
+    assert c.pipeline_stage_num_layers == (12,) * 8
+    assert c.model.padded_vocab_size == 51200  # 50257 up to a multiple of 128 x 8
+    assert c.model.init_method_std == 0.006
+    t = c.training
+    assert t.rampup_batch_size == (32, 32, 1953125)
+    assert (t.train_samples, t.train_iters, t.global_batch_size) == (146484375, None, 1536)
+    assert c.num_microbatches == 1536
+    assert (c.scheduler.lr_decay_samples, c.scheduler.lr_warmup_samples) == (126953125, 183105)
+    assert c.optimizer.adam_beta2 == 0.95
+    assert c.data.blend == (("/data/d1", "/data/d2", "/data/d3"), (0.2, 0.3, 0.5))
+    assert c.data.split_fractions == pytest.approx((0.98, 0.02, 0.0))
+    assert c.logging.tensorboard_dir == "/tb"
+
+
+def test_gpt3_175b_interleaved_virtual_pipeline():
+    c = parse_args([*GPT3_175B, "--num-layers-per-virtual-pipeline-stage", "4"], world_size=64)
+    assert c.parallel.virtual_pipeline_model_parallel_size == 3  # 96 / 8 stages / 4 per chunk
+
+
+def test_megatron_deepspeed_flags_are_stored():
+    c = parse(
+        "--deepspeed", "--deepspeed_config", "ds_config.json", "--zero-stage", "1",
+        "--deepspeed-activation-checkpointing", "--no-pipeline-parallel",
+    )
+    ds = c.deepspeed
+    assert ds.deepspeed and ds.deepspeed_config == "ds_config.json" and ds.zero_stage == 1
+    assert ds.deepspeed_activation_checkpointing and not ds.ds_pipeline_enabled
+    assert parse("--deepspeed-config", "x.json").deepspeed.deepspeed_config == "x.json"
+
+
+# ----------------------------------------------------------------------------- defaults, aliases
+
+
+def test_defaults_follow_megatron():
+    c = parse()
+    assert c.model.max_position_embeddings == 32  # = --seq-length
+    assert c.training.global_batch_size == 2  # = micro x data-parallel
+    assert (c.training.eval_interval, c.training.eval_iters, c.logging.log_interval) == (
+        1000, 100, 100)
+    assert (c.training.seed, c.model.seed, c.data.seed) == (1234, 1234, 1234)
+    assert (c.data.split, c.data.num_workers, c.data.data_impl) == ("969,30,1", 2, "mmap")
+    assert c.model.recompute_granularity is None and c.model.recompute_num_layers is None
+    o = c.optimizer
+    assert (o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad) == (
+        0.9, 0.999, 1e-8, 0.01, 1.0)
+    assert (o.min_loss_scale, o.loss_scale_window, o.hysteresis) == (1.0, 1000, 2)
+    assert c.scheduler.lr_decay_style == "linear"
+    assert c.model.vocab_size == 100  # NullTokenizer's --vocab-size
+
+
+def test_world_size_from_argument_then_env_then_one(monkeypatch):
+    assert parse_args(BASE).parallel.world_size == 1
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    c = parse_args([*BASE, "--global-batch-size", "8"])
+    assert c.parallel.world_size == 4 and c.data_parallel_size == 4
+    assert parse_args(BASE, world_size=2).parallel.world_size == 2
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    assert_names(error_of(BASE, world_size=None), "WORLD_SIZE", "four")
+
+
+def test_old_and_fork_aliases_map_to_one_field():
+    c = parse("--vocab", "v.json", "--activations-checkpoint-method", "block",
+              "--checkpoint-activations", "--checkpoint-num-layers", "2",
+              "--override-lr-scheduler")
+    assert c.data.vocab_file == "v.json"
+    assert (c.model.recompute_granularity, c.model.recompute_method) == ("full", "block")
+    assert c.model.recompute_num_layers == 2
+    assert c.scheduler.override_opt_param_scheduler
+    c = parse("--use-checkpoint-lr-scheduler", "--recompute-activations")
+    assert c.scheduler.use_checkpoint_opt_param_scheduler
+    assert c.model.recompute_granularity == "selective"
+    for alias in ("PretrainedFromHF", "HFTokenizer", "HuggingFaceTokenizer"):
+        c = parse("--tokenizer-type", alias, "--tokenizer-name-or-path", "gpt2")
+        assert c.data.tokenizer_type == "PretrainedFromHF"
+    assert parse("--tokenizer-type", "HFTokenizer", "--tokenizer-model", "m").data \
+        .tokenizer_name_or_path == "m"
+
+
+def test_model_switches():
+    c = parse("--openai-gelu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+              "--position-embedding-type", "rope", "--rotary-percent", "0.5", "--use-flash-attn")
+    m = c.model
+    assert m.activation == "gelu_tanh" and not m.add_bias_linear
+    assert m.untie_embeddings_and_output_weights and m.use_flash_attn
+    assert (m.position_embedding_type, m.rotary_percent) == ("rope", 0.5)
+    assert parse("--gelu-tanh").model.activation == "gelu_tanh"
+    assert parse().model.activation == "gelu"
+
+
+def test_bf16_reduces_gradients_in_fp32():
+    c = parse("--bf16")
+    assert c.model.bf16 and c.model.params_dtype == torch.bfloat16
+    assert c.optimizer.bf16 and c.optimizer.accumulate_allreduce_grads_in_fp32
+
+
+def test_launcher_local_rank_and_no_op_flags_are_tolerated():
+    for flags in (["--local_rank", "3"], ["--local_rank=3"], ["--local-rank", "3"]):
+        assert parse(*flags).training.micro_batch_size == 2
+    c = parse("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+              "--no-gradient-accumulation-fusion", "--use-mcore-models",
+              "--fp32-residual-connection", "--wandb-project", "p", "--use-checkpoint-args",
+              "--distribute-checkpointed-activations", "--checkpoint-activations")
+    assert c.logging.wandb_project == "p" and c.checkpoint.use_checkpoint_args
+
+
+def test_sequence_parallel_is_silently_off_at_tp1():
+    c = parse("--sequence-parallel")
+    assert not c.parallel.sequence_parallel and not c.model.sequence_parallel
+    c = parse("--sequence-parallel", "--tensor-model-parallel-size", "2", world_size=2)
+    assert c.parallel.sequence_parallel and c.model.sequence_parallel
+
+
+def test_weight_decay_increment():
+    c = parse("--weight-decay", "0.1")
+    assert (c.scheduler.start_weight_decay, c.scheduler.end_weight_decay) == (0.1, 0.1)
+    c = parse("--weight-decay-incr-style", "linear", "--start-weight-decay", "0.0",
+              "--end-weight-decay", "0.1")
+    assert (c.scheduler.start_weight_decay, c.scheduler.end_weight_decay) == (0.0, 0.1)
+    assert_names(error_of([*BASE, "--weight-decay-incr-style", "cosine"]),
+                 "--weight-decay-incr-style cosine", "--start-weight-decay", "--end-weight-decay")
+    assert_names(error_of([*BASE, "--start-weight-decay", "0.1"]), "--start-weight-decay",
+                 "--weight-decay-incr-style")
+
+
+def test_uneven_pipeline_split():
+    c = parse("--num-layers", "10", "--pipeline-model-parallel-size", "4",
+              "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers",
+              "3", world_size=4, **{})
+    assert c.pipeline_stage_num_layers == (1, 3, 3, 3)
+    assert split_pipeline_layers(10, 4, None, 4) == (2, 2, 2, 4)
+    assert split_pipeline_layers(7, 2, 3, 4) == (3, 4)
+
+
+def test_with_vocab_size_returns_a_new_config():
+    c = parse_args(GPT2_345M, world_size=1)
+    c2 = c.with_vocab_size(50000)
+    assert c2.model.vocab_size == 50000 and c.model.vocab_size == 50257
+    assert c2.model.padded_vocab_size == 50048 and c2.training == c.training
+
+
+def test_extra_args_provider_and_defaults():
+    def provider(parser):
+        group = parser.add_argument_group("mine")
+        group.add_argument("--my-flag", type=int, default=7)
+        return parser
+
+    c = parse("--my-flag", "3", extra_args_provider=provider)
+    assert c.extra == {"my_flag": 3}
+    assert parse(extra_args_provider=provider).extra == {"my_flag": 7}
+
+    def no_training_needed(parser):
+        parser.set_defaults(train_iters=1, mock_data=True)
+        return parser
+
+    argv = [a for a in BASE if a not in ("--train-iters", "10", "--mock-data")]
+    assert parse_args(argv, no_training_needed, 1).training.train_iters == 1
+    c = parse_args(argv, world_size=1, defaults={"train_iters": 5, "mock_data": True})
+    assert c.training.train_iters == 5 and c.data.mock_data
+    assert parse_args([*argv, "--train-iters", "9"], world_size=1,
+                      defaults={"train_iters": 5, "mock_data": True}).training.train_iters == 9
+    assert_names(error_of(BASE, defaults={"not_a_flag": 1}), "not_a_flag")
+    assert parse_args(argv, world_size=1, require_training=False).training.train_iters is None
+
+
+def test_every_flag_lands_in_a_config_field():
+    assert unmapped_flags() == []
+
+
+def test_config_pickles_for_spawned_ranks():
+    c = parse_args(GPT3_175B, world_size=64)
+    assert pickle.loads(pickle.dumps(c)) == c
+    d = c.to_dict()
+    assert d["model"]["params_dtype"] == "float16" and d["training"]["global_batch_size"] == 1536
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def test_print_config_megatron_block():
+    c = parse_args(GPT2_345M, world_size=1)
+    printed = []
+    text = print_config(c, printed.append)
+    assert printed == [text]
+    lines = text.splitlines()
+    assert lines[0] == "------------------------ arguments ------------------------"
+    assert lines[-1] == "-------------------- end of arguments ---------------------"
+    body = lines[1:-1]
+    names = [line.split()[0] for line in body]
+    assert names == sorted(names, key=str.lower) and len(names) == len(set(names))
+    assert "  num_layers " + "." * (48 - len("num_layers")) + " 24" in body
+    assert any(re.fullmatch(r"  lr \.+ 0\.00015", line) for line in body)
+    assert "  data_parallel_size " + "." * 30 + " 1" in body
+    assert set(flatten_config(c)) == set(names)
+
+
+def test_print_config_only_on_rank_zero(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    printed = []
+    text = print_config(parse(), printed.append)
+    assert printed == [] and "arguments" in text
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_unknown_flag_is_named_with_a_suggestion():
+    message = error_of([*BASE, "--num-layer", "3"])
+    assert_names(message, "unrecognized", "--num-layer", "did you mean --num-layers")
+    assert_names(error_of([*BASE, "--bogus-thing=1"]), "--bogus-thing")
+
+
+def test_bad_value_names_the_flag():
+    assert_names(error_of([*BASE, "--num-layers", "two"]), "--num-layers", "two")
+    assert_names(error_of([*BASE, "--lr-decay-style", "wild"]), "--lr-decay-style", "wild")
+    assert_names(error_of([*BASE, "--tokenizer-type", "Foo"]), "--tokenizer-type", "Foo")
+
+
+def test_entry_point_exits_with_status_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args_or_exit([*BASE, "--num-layer", "3"], world_size=1)
+    assert info.value.code == 2
+    assert "error: unrecognized arguments: --num-layer" in capsys.readouterr().err
+
+
+def test_missing_required_flags_are_all_named():
+    message = error_of(["--mock-data", "--train-iters", "1", "--tokenizer-type", "NullTokenizer",
+                        "--vocab-size", "8"])
+    assert_names(message, "--num-layers", "--hidden-size", "--num-attention-heads",
+                 "--seq-length", "--micro-batch-size")
+    no_length = [a for a in BASE if a not in ("--train-iters", "10")]
+    assert_names(error_of(no_length), "--train-iters or --train-samples")
+    no_data = [a for a in BASE if a != "--mock-data"]
+    assert_names(error_of(no_data), "--data-path", "--mock-data")
+    gpt2 = [a for a in BASE if a not in ("NullTokenizer", "--tokenizer-type")]
+    assert_names(error_of(gpt2), "--vocab-file", "--merge-file", "GPT2BPETokenizer")
+    assert_names(error_of([*BASE, "--tokenizer-type", "HFTokenizer"]), "--tokenizer-name-or-path")
+
+
+def test_global_batch_not_divisible_names_the_three_numbers():
+    message = error_of([*BASE, "--global-batch-size", "12"], world_size=4)
+    assert_names(message, "--global-batch-size (12)", "--micro-batch-size (2)",
+                 "data-parallel size (4)")
+
+
+def test_layers_not_divisible_by_pipeline():
+    message = error_of([*BASE, "--num-layers", "10", "--pipeline-model-parallel-size", "4"],
+                       world_size=4)
+    assert_names(message, "--num-layers (10)", "--pipeline-model-parallel-size (4)")
+
+
+def test_uneven_split_inconsistent():
+    pp4 = [*BASE, "--num-layers", "10", "--pipeline-model-parallel-size", "4"]
+    message = error_of([*pp4, "--decoder-first-pipeline-num-layers", "2",
+                        "--decoder-last-pipeline-num-layers", "3"], world_size=4)
+    assert_names(message, "--decoder-first-pipeline-num-layers (2)",
+                 "--decoder-last-pipeline-num-layers (3)", "--num-layers (10)", "5 layers")
+    message = error_of([*BASE, "--decoder-first-pipeline-num-layers", "1"])
+    assert_names(message, "--decoder-first-pipeline-num-layers",
+                 "--pipeline-model-parallel-size > 1")
+    message = error_of([*BASE, "--pipeline-model-parallel-size", "2",
+                        "--decoder-first-pipeline-num-layers", "1",
+                        "--decoder-last-pipeline-num-layers", "2"], world_size=2)
+    assert_names(message, "--num-layers (4)")
+
+
+def test_world_size_not_divisible_by_tp_times_pp():
+    message = error_of([*BASE, "--tensor-model-parallel-size", "4"], world_size=6)
+    assert_names(message, "world size (6)", "--tensor-model-parallel-size (4)",
+                 "--pipeline-model-parallel-size (1)")
+
+
+def test_rampup_needs_sample_based_training():
+    message = error_of([*BASE, "--rampup-batch-size", "2", "2", "100"])
+    assert_names(message, "--rampup-batch-size", "--train-iters (10)")
+    samples = [a for a in BASE if a not in ("--train-iters", "10")] + ["--train-samples", "100"]
+    message = error_of([*samples, "--global-batch-size", "8", "--rampup-batch-size", "2", "4",
+                        "100"])
+    assert_names(message, "--rampup-batch-size", "--global-batch-size (8)", "START (2)",
+                 "INCREMENT (4)")
+    assert_names(error_of([*samples, "--rampup-batch-size", "2", "x", "1"]),
+                 "--rampup-batch-size", "'x'")
+
+
+def test_fp16_with_bf16():
+    assert_names(error_of([*BASE, "--fp16", "--bf16"]), "--fp16", "--bf16")
+
+
+def test_heads_not_divisible_by_tensor_parallel():
+    message = error_of([*BASE, "--num-attention-heads", "2", "--hidden-size", "16",
+                        "--tensor-model-parallel-size", "4"], world_size=4)
+    assert_names(message, "--num-attention-heads (2)", "--tensor-model-parallel-size (4)")
+
+
+def test_virtual_pipeline_checks():
+    pp4 = [*BASE, "--num-layers", "24", "--pipeline-model-parallel-size", "4"]
+    message = error_of([*pp4, "--num-layers-per-virtual-pipeline-stage", "4"], world_size=4)
+    assert_names(message, "--num-layers-per-virtual-pipeline-stage (4)", "--num-layers (24)",
+                 "--pipeline-model-parallel-size (4)", "= 6")
+    message = error_of([*BASE, "--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "1"], world_size=2)
+    assert_names(message, "--num-layers-per-virtual-pipeline-stage",
+                 "--pipeline-model-parallel-size > 2", "got 2")
+    c = parse_args([*pp4, "--num-layers-per-virtual-pipeline-stage", "2"], world_size=4)
+    assert c.parallel.virtual_pipeline_model_parallel_size == 3
+
+
+def test_iteration_and_sample_schedules_do_not_mix():
+    samples = [a for a in BASE if a not in ("--train-iters", "10")] + ["--train-samples", "100"]
+    assert_names(error_of([*samples, "--lr-decay-iters", "5"]), "--lr-decay-iters (5)",
+                 "--train-samples", "--lr-decay-samples")
+    assert_names(error_of([*samples, "--lr-warmup-iters", "5"]), "--lr-warmup-iters (5)",
+                 "--train-samples")
+    assert_names(error_of([*BASE, "--lr-decay-samples", "50"]), "--lr-decay-samples (50)",
+                 "--train-iters")
+    assert_names(error_of([*BASE, "--train-samples", "100"]), "--train-iters (10)",
+                 "--train-samples (100)")
+
+
+def test_data_path_pairs_are_validated():
+    assert_names(error_of([*BASE, "--data-path", "0.3", "a", "0.7"]), "--data-path", "3 values")
+    assert_names(error_of([*BASE, "--data-path", "a", "0.3", "b", "0.7"]), "--data-path",
+                 "weight 1", "'a'")
+    assert_names(error_of([*BASE, "--data-path", "0.5", "a", "-0.5", "b"]), "--data-path",
+                 "weight 2", "-0.5")
+    assert_names(error_of([*BASE, "--data-path", "corpus_text_document.bin"]), "--data-path",
+                 ".bin")
+    assert_names(error_of([*BASE, "--train-data-path", "1", "a", "x", "b"]), "--train-data-path")
+    c = parse("--data-path", "1", "a", "3", "b")
+    assert c.data.blend == (("a", "b"), (1.0, 3.0))
+    c = parse("--train-data-path", "t", "--valid-data-path", "0.5", "v1", "0.5", "v2")
+    assert c.data.blend_per_split == ((("t",), None), (("v1", "v2"), (0.5, 0.5)), None)
+    assert_names(error_of([*BASE, "--data-path", "a", "--train-data-path", "t"]),
+                 "--data-path", "--train-data-path")
+
+
+def test_split_is_validated():
+    assert parse("--split", "969, 30, 1").data.split_fractions == pytest.approx(
+        (0.969, 0.030, 0.001))
+    assert parse("--split", "90,10").data.split_fractions == pytest.approx((0.9, 0.1, 0.0))
+    assert_names(error_of([*BASE, "--split", "9,x,1"]), "--split", "9,x,1")
+
+
+def test_recompute_checks():
+    message = error_of([*BASE, "--recompute-granularity", "full"])
+    assert_names(message, "--recompute-granularity full", "--recompute-method")
+    message = error_of([*BASE, "--recompute-granularity", "selective",
+                        "--recompute-method", "block"])
+    assert_names(message, "--recompute-method (block)", "selective")
+    message = error_of([*BASE, "--distribute-checkpointed-activations"])
+    assert_names(message, "--distribute-checkpointed-activations", "--checkpoint-activations")
+    message = error_of([*BASE, "--checkpoint-activations", "--recompute-num-layers", "5"])
+    assert_names(message, "--recompute-num-layers (5)", "(4)")
+    message = error_of([*BASE, "--checkpoint-activations", "--recompute-granularity",
+                        "selective"])
+    assert_names(message, "--checkpoint-activations", "selective")
+
+
+def test_checkpoint_and_deepspeed_checks():
+    assert_names(error_of([*BASE, "--save", "/ckpt"]), "--save (/ckpt)", "--save-interval")
+    message = error_of([*BASE, "--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"],
+                       world_size=2)
+    assert_names(message, "--no-pipeline-parallel", "--pipeline-model-parallel-size 1", "got 2")
+    assert_names(error_of([*BASE, "--zero-stage", "4"]), "--zero-stage", "4")
+
+
+def test_scheduler_and_optimizer_checks_name_flags():
+    assert_names(error_of([*BASE, "--lr", "1e-4", "--min-lr", "1e-3"]), "--min-lr", "--lr")
+    assert_names(error_of([*BASE, "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"]),
+                 "--lr-warmup-fraction", "--lr-warmup-iters")
+    assert_names(error_of([*BASE, "--override-opt_param-scheduler",
+                           "--use-checkpoint-opt_param-scheduler"]),
+                 "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
+
+
+def test_run_config_rejects_slices_that_disagree():
+    from megatron.config import ModelConfig, ParallelConfig
+
+    with pytest.raises(ConfigError) as info:
+        RunConfig(model=ModelConfig(tensor_model_parallel_size=2),
+                  parallel=ParallelConfig(world_size=2))
+    assert_names(str(info.value), "--tensor-model-parallel-size", "model", "parallel")
+
+
+def test_parser_help_lists_megatron_spellings():
+    text = build_parser().format_help()
+    for spelling in ("--override-opt_param-scheduler", "--deepspeed_config", "--local_rank",
+                     "--num-layers-per-virtual-pipeline-stage", "--rampup-batch-size"):
+        assert spelling in text
