@@ -1,0 +1,204 @@
+import os
+import pickle
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.data import indexed_dataset as ix
+from megatron.data.indexed_dataset import (
+    IndexedDatasetError,
+    MMapIndexedDataset,
+    MMapIndexedDatasetBuilder,
+)
+
+
+def _build(prefix, items, dtype, docs_after=None):
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for i, item in enumerate(items):
+        builder.add_item(item)
+        if docs_after is None or i in docs_after:
+            builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_round_trip(tmp_path, dtype):
+    prefix = str(tmp_path / "rt")
+    rng = np.random.default_rng(0)
+    high = 65000 if dtype == np.uint16 else 2**31 - 1
+    items = [rng.integers(0, high, size=n) for n in (5, 1, 0, 17, 3)]
+    _build(prefix, items, dtype, docs_after={1, 3, 4})
+    ds = MMapIndexedDataset(prefix)
+    assert len(ds) == 5 and ds.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(ds.sizes, [5, 1, 0, 17, 3])
+    np.testing.assert_array_equal(ds.doc_idx, [0, 2, 4, 5])
+    for i, item in enumerate(items):
+        np.testing.assert_array_equal(ds[i], item)
+    np.testing.assert_array_equal(ds[-1], items[-1])
+    for got, want in zip(ds[1:4], items[1:4]):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(ds.get(3, offset=4, length=6), items[3][4:10])
+    np.testing.assert_array_equal(ds.get(3, offset=10), items[3][10:])
+    with pytest.raises(IndexError):
+        ds[5]
+    with pytest.raises(IndexError):
+        ds.get(0, offset=3, length=3)
+    again = pickle.loads(pickle.dumps(ds))
+    np.testing.assert_array_equal(again[3], items[3])
+    assert MMapIndexedDataset.exists(prefix) and not MMapIndexedDataset.exists(prefix + "x")
+
+
+def test_idx_header_layout_field_by_field(tmp_path):
+    prefix = str(tmp_path / "hdr")
+    _build(prefix, [[1, 2, 3], [4, 5], [6]], np.uint16, docs_after={1, 2})
+    raw = open(prefix + ".idx", "rb").read()
+    assert raw[0:9] == b"MMIDIDX\x00\x00"
+    assert struct.unpack("<Q", raw[9:17]) == (1,)
+    assert raw[17] == 8  # uint16
+    n, d = struct.unpack("<QQ", raw[18:34])
+    assert (n, d) == (3, 3)
+    assert struct.unpack("<3i", raw[34:46]) == (3, 2, 1)
+    assert struct.unpack("<3q", raw[46:70]) == (0, 6, 10)  # byte offsets, 2 bytes per token
+    assert struct.unpack("<3q", raw[70:94]) == (0, 2, 3)
+    assert len(raw) == 94
+    assert open(prefix + ".bin", "rb").read() == np.arange(1, 7, dtype="<u2").tobytes()
+
+
+def _write_by_hand(prefix, code, itemsize, seqs):
+    """An independent writer of the documented layout (as Megatron-LM/-DeepSpeed write it)."""
+    sizes = [len(s) for s in seqs]
+    pointers = np.concatenate([[0], np.cumsum(sizes)[:-1]]) * itemsize
+    with open(prefix + ".idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, len(seqs), len(seqs) + 1))
+        f.write(struct.pack(f"<{len(seqs)}i", *sizes))
+        f.write(struct.pack(f"<{len(seqs)}q", *pointers))
+        f.write(struct.pack(f"<{len(seqs) + 1}q", *range(len(seqs) + 1)))
+    fmt = {1: "B", 4: "i", 5: "q", 6: "d", 7: "f" if itemsize == 4 else "d", 8: "H"}[code]
+    with open(prefix + ".bin", "wb") as f:
+        for s in seqs:
+            f.write(struct.pack(f"<{len(s)}{fmt}", *s))
+
+
+@pytest.mark.parametrize("code,itemsize,dtype", [(1, 1, np.uint8), (4, 4, np.int32),
+                                                 (5, 8, np.int64), (8, 2, np.uint16),
+                                                 (6, 8, np.float64), (7, 4, np.float32),
+                                                 (7, 8, np.float64)])
+def test_reads_files_written_by_megatron_layout(tmp_path, code, itemsize, dtype):
+    prefix = str(tmp_path / f"m{code}")
+    seqs = [[1, 2, 3], [7], [9, 10]]
+    _write_by_hand(prefix, code, itemsize, seqs)
+    ds = MMapIndexedDataset(prefix)
+    assert ds.dtype == np.dtype(dtype)
+    for got, want in zip(ds[0:3], seqs):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_add_doc_torch_and_list_inputs(tmp_path):
+    prefix = str(tmp_path / "doc")
+    b = ix.make_builder(prefix + ".bin", vocab_size=50257)
+    assert b.dtype == np.uint16
+    b.add_doc(np.arange(10), [4, 6])
+    b.add_item(torch.tensor([10, 11]))
+    b.add_item([12])
+    b.end_document()
+    b.finalize(prefix + ".idx")
+    ds = ix.make_dataset(prefix, "mmap", skip_warmup=False)
+    np.testing.assert_array_equal(ds.sizes, [4, 6, 2, 1])
+    np.testing.assert_array_equal(ds.doc_idx, [0, 2, 4])
+    np.testing.assert_array_equal(np.concatenate(ds[0:4]), np.arange(13))
+    assert ix.best_fitting_dtype(65499) == np.uint16 and ix.best_fitting_dtype(65500) == np.int32
+    assert ix.best_fitting_dtype(None) == np.int32
+
+
+def test_token_that_does_not_fit_dtype_is_refused(tmp_path):
+    b = MMapIndexedDatasetBuilder(str(tmp_path / "x.bin"), dtype=np.uint16)
+    with pytest.raises(ValueError, match="70000"):
+        b.add_item(np.array([1, 70000]))
+    with pytest.raises(ValueError, match="sum to"):
+        b.add_doc([1, 2, 3], [1, 1])
+    b.abort()
+    assert os.listdir(tmp_path) == []
+
+
+def test_merge(tmp_path):
+    a, c, out = (str(tmp_path / n) for n in ("a", "c", "out"))
+    _build(a, [[1, 2], [3]], np.int32, docs_after={0, 1})
+    _build(c, [[4, 5, 6], [7]], np.int32, docs_after={1})
+    ix.merge_datasets([a, c], out)
+    ds = MMapIndexedDataset(out)
+    np.testing.assert_array_equal(ds.sizes, [2, 1, 3, 1])
+    np.testing.assert_array_equal(ds.doc_idx, [0, 1, 2, 4])
+    np.testing.assert_array_equal(np.concatenate(ds[0:4]), np.arange(1, 8))
+
+
+def test_interrupted_build_never_leaves_a_valid_pair(tmp_path):
+    prefix = str(tmp_path / "crash")
+    _build(prefix, [[1, 2, 3]], np.int32)  # an old complete pair
+    b = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    b.add_item(np.arange(100))
+    # Until finalize the new data lives under .tmp names; the old pair stays intact.
+    np.testing.assert_array_equal(MMapIndexedDataset(prefix)[0], [1, 2, 3])
+    assert os.path.exists(prefix + ".bin.tmp")
+    b.abort()
+    assert not os.path.exists(prefix + ".bin.tmp")
+    b = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    b.add_item(np.arange(100))
+    b.end_document()
+    b.finalize(prefix + ".idx")
+    np.testing.assert_array_equal(MMapIndexedDataset(prefix)[0], np.arange(100))
+    assert sorted(os.listdir(tmp_path)) == ["crash.bin", "crash.idx"]
+
+
+def _corrupt(tmp_path, name, mutate_idx=None, mutate_bin=None):
+    prefix = str(tmp_path / name)
+    _build(prefix, [[1, 2, 3], [4, 5]], np.int32)
+    for path, mutate in ((prefix + ".idx", mutate_idx), (prefix + ".bin", mutate_bin)):
+        if mutate is not None:
+            raw = bytearray(open(path, "rb").read())
+            raw = mutate(raw)
+            if raw is None:
+                os.remove(path)
+            else:
+                open(path, "wb").write(bytes(raw))
+    return prefix
+
+
+def _set(offset, value):
+    def mutate(raw):
+        raw[offset:offset + len(value)] = value
+        return raw
+    return mutate
+
+
+@pytest.mark.parametrize("case,kwargs,suffix,words", [
+    ("magic", dict(mutate_idx=_set(0, b"XXIDIDX")), ".idx", "bad magic"),
+    ("legacy", dict(mutate_idx=_set(0, b"TNTIDX\x00\x00\x01")), ".idx", "legacy"),
+    ("version", dict(mutate_idx=_set(9, struct.pack("<Q", 2))), ".idx", "unknown version 2"),
+    ("dtype", dict(mutate_idx=_set(17, bytes([9]))), ".idx", "unknown dtype code 9"),
+    ("header", dict(mutate_idx=lambda r: r[:20]), ".idx", "truncated header"),
+    ("short_idx", dict(mutate_idx=lambda r: r[:-9]), ".idx", "truncated"),
+    ("short_bin", dict(mutate_bin=lambda r: r[:-4]), ".bin", "truncated"),
+    ("no_bin", dict(mutate_bin=lambda r: None), ".bin", "missing .bin"),
+    ("no_idx", dict(mutate_idx=lambda r: None), ".idx", "missing .idx"),
+])
+def test_corrupt_input_errors_name_the_file(tmp_path, case, kwargs, suffix, words):
+    prefix = _corrupt(tmp_path, case, **kwargs)
+    with pytest.raises(IndexedDatasetError) as err:
+        MMapIndexedDataset(prefix)
+    assert prefix + suffix in str(err.value)
+    assert words in str(err.value)
+
+
+def test_unsupported_impl_is_an_error(tmp_path):
+    with pytest.raises(IndexedDatasetError, match="lazy"):
+        ix.make_dataset(str(tmp_path / "x"), "lazy")
+
+
+def test_module_imports_without_torch():
+    code = ("import sys; import megatron.data.indexed_dataset, megatron.data.helpers, "
+            "megatron.data.gpt_dataset; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
