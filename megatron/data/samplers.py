@@ -1,0 +1,151 @@
+"""Resumable batch samplers and the pre-training DataLoader.
+
+A global batch of ``micro_batch_size * data_parallel_size`` consecutive sample indices is cut
+into one micro-batch per data-parallel rank (rank r gets the r-th slice), as in Megatron.
+Resuming from ``consumed_samples`` (saved in checkpoints) continues the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+
+from megatron.data.dataset_utils import DataConfigError
+
+
+def _check_common(total_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                  data_parallel_size: int) -> None:
+    if total_samples <= 0:
+        raise DataConfigError(f"no samples to consume: the dataset has {total_samples}")
+    if micro_batch_size <= 0:
+        raise DataConfigError(f"--micro-batch-size must be positive, got {micro_batch_size}")
+    if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
+        raise DataConfigError(f"data-parallel rank {data_parallel_rank} outside "
+                              f"[0, {data_parallel_size})")
+
+
+class MegatronPretrainingSampler:
+    """Sequential: yields this rank's micro-batch of each global window
+    ``[consumed + k * mb * dp, consumed + (k + 1) * mb * dp)``."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True
+                 ) -> None:
+        _check_common(total_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        if not 0 <= consumed_samples < total_samples:
+            raise DataConfigError(f"no samples left: consumed {consumed_samples} of "
+                                  f"{total_samples}")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        return self.total_samples
+
+    def _my_slice(self, window: list[int]) -> list[int]:
+        start = self.data_parallel_rank * self.micro_batch_size
+        return window[start:start + self.micro_batch_size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.micro_batch_times_data_parallel_size
+        start = self.consumed_samples
+        while start + step <= self.total_samples:
+            yield self._my_slice(list(range(start, start + step)))
+            start += step
+        if start < self.total_samples and not self.drop_last:
+            tail = self._my_slice(list(range(start, self.total_samples)))
+            if tail:
+                yield tail
+
+
+class MegatronPretrainingRandomSampler:
+    """Megatron's 'cyclic' sampler: each epoch is a fresh permutation seeded by the epoch
+    number (``torch.randperm``); resumes mid-epoch from ``consumed_samples``.
+
+    Without ``data_sharding`` the permutation covers the whole dataset and ranks take strided
+    samples; with it each rank permutes its own contiguous bucket.
+    """
+
+    def __init__(self, dataset: Any, total_samples: int, consumed_samples: int,
+                 micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int,
+                 data_sharding: bool = True, seed: int = 0) -> None:
+        _check_common(total_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        self.dataset = dataset
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.data_sharding = data_sharding
+        self.seed = seed
+        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
+        self.last_batch_size = total_samples % self.micro_batch_times_data_parallel_size
+        if total_samples < self.micro_batch_times_data_parallel_size:
+            raise DataConfigError(f"{total_samples} samples cannot fill one global micro-batch "
+                                  f"of {self.micro_batch_times_data_parallel_size}")
+
+    def __len__(self) -> int:
+        return self.total_samples
+
+    def _epoch_order(self, epoch: int, done_in_epoch: int) -> list[int]:
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        if self.data_sharding:
+            bucket = (self.total_samples // self.micro_batch_times_data_parallel_size
+                      * self.micro_batch_size)
+            first = self.data_parallel_rank * bucket
+            order = torch.randperm(bucket, generator=g).tolist()
+            return [first + x for x in order[done_in_epoch // self.data_parallel_size:]]
+        full = self.total_samples // self.micro_batch_size * self.micro_batch_size
+        order = torch.randperm(full, generator=g).tolist()[done_in_epoch:]
+        return order[self.data_parallel_rank::self.data_parallel_size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        active = self.total_samples - self.last_batch_size
+        epoch, done = divmod(self.consumed_samples, active)
+        if done % self.micro_batch_times_data_parallel_size:
+            raise DataConfigError(f"consumed samples {self.consumed_samples} is not a multiple "
+                                  f"of micro-batch x data-parallel size")
+        batch: list[int] = []
+        for idx in self._epoch_order(epoch, done):
+            batch.append(idx)
+            if len(batch) == self.micro_batch_size:
+                self.consumed_samples += self.micro_batch_times_data_parallel_size
+                yield batch
+                batch = []
+
+
+def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_batch_size: int,
+                                  data_parallel_rank: int, data_parallel_size: int,
+                                  num_workers: int = 2, dataloader_type: str = "single",
+                                  drop_last: bool = True, data_sharding: bool = True,
+                                  seed: int = 0, pin_memory: Optional[bool] = None
+                                  ) -> Optional[torch.utils.data.DataLoader]:
+    """A DataLoader yielding this data-parallel rank's micro-batches, or None for no dataset.
+
+    ``dataloader_type`` is ``--dataloader-type``: 'single' (sequential over the already
+    shuffled dataset) or 'cyclic' (re-permuted every epoch).
+    """
+    if dataset is None:
+        return None
+    if dataloader_type == "single":
+        batch_sampler: Any = MegatronPretrainingSampler(
+            len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
+            data_parallel_size, drop_last=drop_last)
+    elif dataloader_type == "cyclic":
+        batch_sampler = MegatronPretrainingRandomSampler(
+            dataset, len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
+            data_parallel_size, data_sharding=data_sharding, seed=seed)
+    else:
+        raise DataConfigError(f"--dataloader-type {dataloader_type!r}: expected 'single' or "
+                              "'cyclic'")
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    return torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
+                                       num_workers=num_workers, pin_memory=pin_memory,
+                                       persistent_workers=num_workers > 0)
