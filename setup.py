@@ -35,7 +35,7 @@ setup(
         "numpy",
         "regex",
         "tokenizers>=0.15",
-        "tiktoken>=0.5",  # fast GPT-2 BPE for preprocessing; falls back to tokenizers
+        "tiktoken>=0.8",  # fast GPT-2 BPE for preprocessing; falls back to tokenizers
         "transformers>=4.40",
         "nltk",
         "tensorboard",
