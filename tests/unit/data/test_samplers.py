@@ -1,0 +1,81 @@
+import numpy as np
+import pytest
+import torch
+
+from megatron.data.dataset_utils import DataConfigError
+from megatron.data.gpt_dataset import build_train_valid_test_datasets
+from megatron.data.samplers import (
+    MegatronPretrainingRandomSampler,
+    MegatronPretrainingSampler,
+    build_pretraining_data_loader,
+)
+
+from .corpus import random_lengths, write_corpus
+
+
+def _sequential(total, consumed, mbs, dp, drop_last=True):
+    return [list(MegatronPretrainingSampler(total, consumed, mbs, r, dp, drop_last))
+            for r in range(dp)]
+
+
+def test_ranks_partition_each_global_batch_in_order():
+    per_rank = _sequential(total=50, consumed=0, mbs=2, dp=3)
+    assert all(len(b) == 8 for b in per_rank)  # 50 // 6 steps, last partial one dropped
+    for step, batches in enumerate(zip(*per_rank)):
+        assert sum(batches, []) == list(range(6 * step, 6 * step + 6))
+
+
+def test_sequential_resume_gives_the_same_remaining_order():
+    full = _sequential(total=50, consumed=0, mbs=2, dp=3)
+    resumed = _sequential(total=50, consumed=18, mbs=2, dp=3)
+    assert resumed == [b[3:] for b in full]
+
+
+def test_sequential_keeps_partial_last_batch_when_asked():
+    per_rank = _sequential(total=10, consumed=0, mbs=2, dp=2, drop_last=False)
+    assert per_rank == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7]]]
+
+
+def test_sampler_argument_errors():
+    with pytest.raises(DataConfigError, match="consumed 10 of 10"):
+        MegatronPretrainingSampler(10, 10, 2, 0, 1)
+    with pytest.raises(DataConfigError, match="rank 2"):
+        MegatronPretrainingSampler(10, 0, 2, 2, 2)
+
+
+def _random(total, consumed, mbs, dp, sharding):
+    return [list(MegatronPretrainingRandomSampler(None, total, consumed, mbs, r, dp,
+                                                  data_sharding=sharding))
+            for r in range(dp)]
+
+
+@pytest.mark.parametrize("sharding", [True, False])
+def test_random_sampler_partitions_and_resumes(sharding):
+    total, mbs, dp = 40, 3, 2
+    full = _random(total, 0, mbs, dp, sharding)
+    steps = list(zip(*full))
+    assert len(steps) == total // (mbs * dp)
+    seen = [i for step in steps for b in step for i in b]
+    assert len(seen) == len(set(seen)) and max(seen) < total  # disjoint across ranks and steps
+    resumed = _random(total, 2 * mbs * dp, mbs, dp, sharding)
+    assert resumed == [b[2:] for b in full]
+    # The next epoch is a different permutation.
+    next_epoch = _random(total, total - total % (mbs * dp), mbs, dp, sharding)
+    assert next_epoch != full
+
+
+def test_data_loader_yields_this_ranks_micro_batches(tmp_path):
+    prefix = str(tmp_path / "d")
+    write_corpus(prefix, random_lengths(30, 1, 40, seed=8))
+    train, _, _ = build_train_valid_test_datasets([prefix], "mmap", "1", [40, 0, 0], 8, 3, True,
+                                                  data_cache_path=str(tmp_path / "c"))
+    loader = build_pretraining_data_loader(train, consumed_samples=4, micro_batch_size=2,
+                                           data_parallel_rank=1, data_parallel_size=2,
+                                           num_workers=0)
+    batch = next(iter(loader))
+    assert batch["text"].dtype == torch.int64 and batch["text"].shape == (2, 9)
+    np.testing.assert_array_equal(batch["text"].numpy(), np.stack([train[6]["text"],
+                                                                   train[7]["text"]]))
+    assert build_pretraining_data_loader(None, 0, 1, 0, 1) is None
+    with pytest.raises(DataConfigError, match="dataloader-type"):
+        build_pretraining_data_loader(train, 0, 1, 0, 1, dataloader_type="x")
