@@ -1,7 +1,7 @@
 import pytest
 
-from megatron.config import ConfigError, ModelConfig, ParallelConfig
-from megatron.model.stages import layer_range, stage_layer_counts
+from megatron.config import ConfigError, ModelConfig, ParallelConfig, split_pipeline_layers
+from megatron.model.stages import layer_range
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
@@ -38,12 +38,13 @@ def test_parallel_config():
 
 
 def test_layer_ranges():
-    assert [layer_range(96, 8, r) for r in range(8)] == [(12 * r, 12) for r in range(8)]
+    assert [layer_range([12] * 8, r) for r in range(8)] == [(12 * r, 12) for r in range(8)]
     # interleaved: stage 1 of 4 with 2 chunks holds chunks 1 and 5 of 8
-    assert layer_range(16, 4, 1, virtual_size=2, virtual_rank=0) == (2, 2)
-    assert layer_range(16, 4, 1, virtual_size=2, virtual_rank=1) == (10, 2)
-    assert stage_layer_counts(10, 4, first_stage_layers=1, last_stage_layers=3) == [1, 3, 3, 3]
+    assert layer_range([4] * 4, 1, virtual_size=2, virtual_rank=0) == (2, 2)
+    assert layer_range([4] * 4, 1, virtual_size=2, virtual_rank=1) == (10, 2)
+    counts = split_pipeline_layers(10, 4, first=1, last=3)
+    assert counts == (1, 3, 3, 3) and layer_range(counts, 2) == (4, 3)
     with pytest.raises(ConfigError, match=r"--num-layers \(10\).*\(4\)"):
-        stage_layer_counts(10, 4)
+        split_pipeline_layers(10, 4)
     with pytest.raises(ConfigError, match="virtual stages"):
-        layer_range(12, 4, 0, virtual_size=2)
+        layer_range([3] * 4, 0, virtual_size=2)

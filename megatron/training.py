@@ -1,0 +1,522 @@
+"""pretrain(): the training loop with evaluation, logging, checkpoints and clean exits.
+
+Users supply three callbacks, as in Megatron (with the run context passed explicitly instead of
+a global ``args``)::
+
+    model_provider(ctx, pre_process, post_process, first_layer, num_layers) -> nn.Module
+    train_valid_test_datasets_provider(ctx, [n_train, n_valid, n_test]) -> (train, valid, test)
+    forward_step(ctx, data_iterator, model) -> (output_tensor, loss_func)
+
+``loss_func(output_tensor) -> (loss, {"lm loss": loss.detach()})``; reported values are
+averaged over micro-batches and data-parallel ranks here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.arguments import parse_args_or_exit, print_config
+from megatron.config import RunConfig
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.initialize import initialize_megatron
+from megatron.microbatches import NumMicroBatchesCalculator
+from megatron.model.stages import layer_range
+from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
+from megatron.timers import Timers
+from megatron.training_log import (
+    TensorBoard,
+    flops_per_token,
+    format_eval,
+    format_log_line,
+    memory_gb,
+)
+
+
+def print_rank_0(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What the callbacks may need: the resolved config, the tokenizer, the timers."""
+
+    config: RunConfig
+    tokenizer: Any = None
+    timers: Timers = dataclasses.field(default_factory=Timers)
+    device: torch.device = torch.device("cpu")
+
+
+@dataclasses.dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    best_valid_loss: float = math.inf
+    last_saved: Optional[int] = None
+    # Per iteration of this process: {"iteration", "losses", "grad_norm", "skipped",
+    # "loss_scale"}; what tests and benchmarks read instead of parsing the log.
+    history: list = dataclasses.field(default_factory=list)
+
+
+# Model, optimizer, scheduler ---------------------------------------------------------------
+
+
+def build_model_chunks(model_provider: Callable, ctx: RunContext) -> list[nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), each built for its layers."""
+    cfg = ctx.config
+    vp = cfg.parallel.virtual_pipeline_model_parallel_size
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = []
+    for v in range(vp or 1):
+        if vp is not None:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(v)
+        first_layer, num_layers = layer_range(cfg.pipeline_stage_num_layers, pp_rank, vp, v)
+        chunks.append(model_provider(
+            ctx, pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            first_layer=first_layer, num_layers=num_layers))
+    if vp is not None:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    return chunks
+
+
+def wrap_data_parallel(chunks: Sequence[nn.Module], cfg: RunConfig) -> list[nn.Module]:
+    opt = cfg.optimizer
+    return [
+        DistributedDataParallel(
+            chunk, accumulate_allreduce_grads_in_fp32=opt.accumulate_allreduce_grads_in_fp32
+            or not (opt.fp16 or opt.bf16),
+            overlap_grad_reduce=opt.overlap_grad_reduce,
+            use_distributed_optimizer=opt.use_distributed_optimizer,
+            bucket_size=opt.ddp_bucket_size)
+        for chunk in chunks
+    ]
+
+
+def setup_model_and_optimizer(model_provider: Callable, ctx: RunContext):
+    cfg = ctx.config
+    chunks = wrap_data_parallel(build_model_chunks(model_provider, ctx), cfg)
+    optimizer = get_megatron_optimizer(cfg.optimizer, chunks)
+    scheduler = build_optimizer_param_scheduler(
+        cfg.scheduler, cfg.optimizer, optimizer,
+        global_batch_size=cfg.training.global_batch_size,
+        train_iters=cfg.training.train_iters, train_samples=cfg.training.train_samples)
+    return chunks, optimizer, scheduler
+
+
+def num_parameters(chunks: Sequence[nn.Module]) -> int:
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())
+
+
+# Data ------------------------------------------------------------------------------------
+
+
+def train_valid_test_num_samples(cfg: RunConfig) -> list[int]:
+    t = cfg.training
+    gbs = t.global_batch_size
+    train_samples = t.train_samples if t.train_samples is not None else t.train_iters * gbs
+    train_iters = t.train_iters if t.train_iters is not None else train_samples // gbs
+    eval_runs = train_iters // t.eval_interval + 1
+    return [train_samples, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs]
+
+
+def build_data_iterators(provider: Callable, ctx: RunContext, state: TrainState):
+    """Iterators over this data-parallel rank's micro-batches for train, valid and test.
+
+    Only the first and last pipeline stages read data (tokens and labels); others get None.
+    """
+    from megatron.data.samplers import build_pretraining_data_loader
+
+    cfg = ctx.config
+    needs_data = (parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+                  or parallel_state.is_pipeline_last_stage(ignore_virtual=True))
+    if not needs_data:
+        return None, None, None
+    datasets = provider(ctx, train_valid_test_num_samples(cfg))
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    consumed = [state.consumed_train_samples, state.consumed_valid_samples, 0]
+    iterators = []
+    for dataset, start in zip(datasets, consumed):
+        loader = build_pretraining_data_loader(
+            dataset, start, cfg.training.micro_batch_size, dp_rank, dp_size,
+            num_workers=cfg.data.num_workers, dataloader_type=cfg.data.dataloader_type,
+            seed=cfg.training.seed)
+        iterators.append(iter(loader) if loader is not None else None)
+    return tuple(iterators)
+
+
+# One iteration ---------------------------------------------------------------------------
+
+
+def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Mean over micro-batches here, then over data-parallel ranks; sent from the last
+    pipeline stage to every rank of its pipeline group."""
+    names = sorted({name for d in losses for name in d}) if losses else []
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        # Other stages do not know the names: the last stage's list is canonical.
+        names = ["lm loss"]
+    values = torch.zeros(len(names), dtype=torch.float64)
+    if losses:
+        for i, name in enumerate(names):
+            values[i] = torch.stack([d[name].detach().double().cpu() for d in losses]).mean()
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        values.zero_()
+    if dist.is_initialized():
+        values /= parallel_state.get_data_parallel_world_size()
+        dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+    return {name: values[i].item() for i, name in enumerate(names)}
+
+
+def train_step(forward_step: Callable, data_iterator, chunks, optimizer, scheduler,
+               ctx: RunContext, num_microbatches: int):
+    """Forward and backward over all micro-batches, gradient reduction, optimizer step."""
+    cfg, timers = ctx.config, ctx.timers
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    timers("forward-backward", log_level=1).start()
+    schedule = get_forward_backward_func()
+    losses = schedule(forward_step_func=forward_step, data_iterator=data_iterator,
+                      model=chunks, num_microbatches=num_microbatches,
+                      seq_length=cfg.model.seq_length,
+                      micro_batch_size=cfg.training.micro_batch_size,
+                      grad_scale_func=optimizer.scale_loss, timers=timers)
+    timers("forward-backward").stop()
+    timers("grads-reduce", log_level=1).start()
+    finalize_model_grads(chunks)
+    timers("grads-reduce").stop()
+    timers("optimizer", log_level=1).start()
+    updated, grad_norm, num_zeros = optimizer.step()
+    timers("optimizer").stop()
+    if updated:
+        scheduler.step(increment=num_microbatches * cfg.training.micro_batch_size
+                       * parallel_state.get_data_parallel_world_size())
+    return _reduce_losses(losses), not updated, grad_norm, num_zeros
+
+
+def evaluate(forward_step: Callable, data_iterator, chunks, ctx: RunContext,
+             num_microbatches: int, eval_iters: int) -> dict[str, float]:
+    """Mean loss over ``eval_iters`` forward-only iterations."""
+    for chunk in chunks:
+        chunk.eval()
+    totals: dict[str, float] = {}
+    schedule = get_forward_backward_func()
+    for _ in range(eval_iters):
+        losses = schedule(forward_step_func=forward_step, data_iterator=data_iterator,
+                          model=chunks, num_microbatches=num_microbatches,
+                          seq_length=ctx.config.model.seq_length,
+                          micro_batch_size=ctx.config.training.micro_batch_size,
+                          forward_only=True)
+        for name, value in _reduce_losses(losses).items():
+            totals[name] = totals.get(name, 0.0) + value
+    for chunk in chunks:
+        chunk.train()
+    return {name: value / max(eval_iters, 1) for name, value in totals.items()}
+
+
+# Exits -----------------------------------------------------------------------------------
+
+
+class _SignalFlag:
+    """Remembers that SIGTERM arrived; the loop checks it between iterations."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.received = False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+
+def _any_rank(flag: bool) -> bool:
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+# The loop --------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Holds what the loop needs between iterations; ``train()`` runs to the end or an exit."""
+
+    def __init__(self, ctx: RunContext, forward_step, chunks, optimizer, scheduler,
+                 iterators, state: TrainState) -> None:
+        self.ctx, self.cfg = ctx, ctx.config
+        self.forward_step, self.chunks = forward_step, chunks
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.train_iter, self.valid_iter, self.test_iter = iterators
+        self.state = state
+        t = self.cfg.training
+        self.calculator = NumMicroBatchesCalculator(
+            t.global_batch_size, t.micro_batch_size,
+            parallel_state.get_data_parallel_world_size(), t.rampup_batch_size)
+        is_logger = not dist.is_initialized() or dist.get_rank() == 0
+        self.tensorboard = TensorBoard(self.cfg.logging.tensorboard_dir, is_logger,
+                                       self.cfg.logging.tensorboard_queue_size)
+        self.signal = _SignalFlag(t.exit_signal_handler)
+        self.start_time = time.time()
+        self._interval: dict[str, float] = {}
+        self._interval_iters = self._skipped = self._nan = 0
+        self._interval_tokens = 0
+        self._interval_start = time.perf_counter()
+
+    @property
+    def train_iters(self) -> int:
+        t = self.cfg.training
+        if t.train_iters is not None:
+            return t.train_iters
+        return self._iters_for_samples(t.train_samples)
+
+    def _iters_for_samples(self, samples: int) -> int:
+        """Iterations needed to consume ``samples`` under the batch-size ramp-up."""
+        calc = NumMicroBatchesCalculator(
+            self.calculator.global_batch_size, self.cfg.training.micro_batch_size,
+            parallel_state.get_data_parallel_world_size(), self.cfg.training.rampup_batch_size)
+        consumed = iterations = 0
+        while consumed < samples:
+            calc.update(consumed)
+            consumed += calc.current_global_batch_size
+            iterations += 1
+        return iterations
+
+    def train(self) -> str:
+        """Run until train_iters; returns why it stopped ("done", "signal", ...)."""
+        s = self.state
+        for chunk in self.chunks:
+            chunk.train()
+        while s.iteration < self.train_iters:
+            self.calculator.update(s.consumed_train_samples)
+            num_micro = self.calculator.num_microbatches
+            gbs = self.calculator.current_global_batch_size
+            losses, skipped, grad_norm, num_zeros = train_step(
+                self.forward_step, self.train_iter, self.chunks, self.optimizer,
+                self.scheduler, self.ctx, num_micro)
+            s.iteration += 1
+            s.consumed_train_samples += gbs
+            self._account(losses, skipped, grad_norm, num_zeros, gbs)
+            reason = self._after_iteration()
+            if reason:
+                return reason
+        return "done"
+
+    def _account(self, losses, skipped, grad_norm, num_zeros, gbs) -> None:
+        s = self.state
+        scale = self.optimizer.get_loss_scale()
+        s.history.append(dict(iteration=s.iteration, losses=losses, grad_norm=grad_norm,
+                              skipped=bool(skipped),
+                              loss_scale=float(scale) if scale is not None else None))
+        self._interval_iters += 1
+        self._interval_tokens += gbs * self.cfg.model.seq_length
+        self._skipped += int(skipped)
+        bad = any(not math.isfinite(v) for v in losses.values())
+        self._nan += int(bad)
+        if not skipped and not bad:
+            for name, value in losses.items():
+                self._interval[name] = self._interval.get(name, 0.0) + value
+        if s.iteration % self.cfg.logging.log_interval == 0:
+            self._log(gbs, grad_norm, num_zeros)
+
+    def _log(self, gbs: int, grad_norm, num_zeros) -> None:
+        s, cfg = self.state, self.cfg
+        elapsed = time.perf_counter() - self._interval_start
+        iters = max(self._interval_iters, 1)
+        good = max(self._interval_iters - self._skipped - self._nan, 1)
+        losses = {name: total / good for name, total in self._interval.items()}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        tgs = self._interval_tokens / max(elapsed, 1e-9) / world
+        tflops = tgs * flops_per_token(cfg.model) / 1e12
+        lr = self.optimizer.param_groups[0]["lr"]
+        scale = self.optimizer.get_loss_scale()
+        scale = float(scale) if (cfg.optimizer.fp16 and scale is not None) else None
+        print_rank_0(format_log_line(
+            iteration=s.iteration, train_iters=self.train_iters,
+            consumed_samples=s.consumed_train_samples, elapsed_ms=1000.0 * elapsed / iters,
+            lr=lr, global_batch_size=gbs, losses=losses,
+            loss_scale=scale if cfg.optimizer.fp16 else 1.0, grad_norm=grad_norm,
+            skipped=self._skipped, nan=self._nan, tgs=tgs, tflops=tflops,
+            num_zeros=num_zeros if cfg.optimizer.log_num_zeros_in_grad else None))
+        timings = self.ctx.timers.pop_all()
+        if timings and cfg.logging.timing_log_level > 0:
+            print_rank_0(self.ctx.timers.format(timings, iters))
+        scalars = {f"{name}": value for name, value in losses.items()}
+        scalars.update({"learning-rate": lr, "grad-norm": grad_norm, "loss-scale": scale,
+                        "batch-size": gbs, "tokens-per-gpu-per-second": tgs,
+                        "tflops-per-gpu": tflops, "mem-max-gb": memory_gb(),
+                        "iteration-time-ms": 1000.0 * elapsed / iters})
+        if cfg.logging.log_timers_to_tensorboard:
+            scalars.update({f"timers/{k}": 1000.0 * v / iters for k, v in timings.items()})
+        self.tensorboard.scalars(scalars, s.iteration)
+        self._interval, self._interval_iters, self._interval_tokens = {}, 0, 0
+        self._skipped = self._nan = 0
+        self._interval_start = time.perf_counter()
+
+    def run_evaluation(self, prefix: str, data_iterator, eval_iters: int) -> dict[str, float]:
+        if data_iterator is None or eval_iters == 0:
+            return {}
+        num_micro = self.cfg.num_microbatches
+        losses = evaluate(self.forward_step, data_iterator, self.chunks, self.ctx, num_micro,
+                          eval_iters)
+        print_rank_0(format_eval(prefix, losses))
+        step = self.state.iteration
+        for name, value in losses.items():
+            tag = "validation" if "valid" in prefix else "test"
+            self.tensorboard.scalars({f"{name} {tag}": value,
+                                      f"{name} {tag} ppl": math.exp(min(20.0, value))}, step)
+        return losses
+
+    def _after_iteration(self) -> Optional[str]:
+        s, cfg = self.state, self.cfg
+        it = s.iteration
+        t, ck = cfg.training, cfg.checkpoint
+        if t.eval_interval and it % t.eval_interval == 0 and self.valid_iter is not None:
+            losses = self.run_evaluation(f"validation loss at iteration {it}", self.valid_iter,
+                                         t.eval_iters)
+            s.consumed_valid_samples += t.eval_iters * t.global_batch_size
+            self._track_best(losses)
+        if ck.save and ck.save_interval and it % ck.save_interval == 0:
+            self.save()
+        reason = None
+        if _any_rank(self.signal.received):
+            reason = "signal"
+        elif t.exit_duration_in_mins and _any_rank(
+                (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins):
+            reason = "duration"
+        elif t.exit_interval and it % t.exit_interval == 0:
+            reason = "interval"
+        if reason and ck.save and not (ck.save_interval and it % ck.save_interval == 0):
+            self.save()
+        return reason
+
+    def _track_best(self, losses: dict[str, float]) -> None:
+        loss = losses.get("lm loss")
+        ck = self.cfg.checkpoint
+        if loss is None or not ck.save_best or not ck.save:
+            return
+        if loss < self.state.best_valid_loss:
+            self.state.best_valid_loss = loss
+            self.save()
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                from megatron import checkpointing
+
+                checkpointing.update_best_checkpoint(ck.save, self.state.iteration, loss)
+
+    def save(self) -> None:
+        s = self.state
+        timer = self.ctx.timers("save-checkpoint", log_level=0)
+        timer.start()
+        from megatron import checkpointing
+
+        checkpointing.save_checkpoint(
+            s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
+            consumed_train_samples=s.consumed_train_samples,
+            consumed_valid_samples=s.consumed_valid_samples)
+        timer.stop()
+        s.last_saved = s.iteration
+
+
+# Entry -----------------------------------------------------------------------------------
+
+
+def build_run_tokenizer(cfg: RunConfig):
+    """The tokenizer named by the data flags; with --mock-data and no files, none (the
+    vocabulary size then comes from --vocab-size or GPT-2's 50257)."""
+    from megatron.tokenizer import build_tokenizer
+
+    d = cfg.data
+    if d.mock_data and not (d.vocab_file or d.tokenizer_name_or_path):
+        return None
+    return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file,
+                           d.tokenizer_name_or_path, d.vocab_size)
+
+
+def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
+             forward_step_func: Callable, *, extra_args_provider: Optional[Callable] = None,
+             args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
+    """Parse flags, initialize, build, train, evaluate and save; returns the final state."""
+    cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
+    initialize_megatron(cfg)
+    tokenizer = build_run_tokenizer(cfg)
+    vocab = tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)
+    cfg = cfg.with_vocab_size(vocab)
+    ctx = RunContext(cfg, tokenizer, Timers(cfg.logging.timing_log_level),
+                     parallel_state.get_default_device())
+    print_config(cfg)
+    _warn_slow_precision(cfg, ctx.device)
+
+    chunks, optimizer, scheduler = setup_model_and_optimizer(model_provider, ctx)
+    print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
+                 f"({parallel_state.get_tensor_model_parallel_rank()}, "
+                 f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_parameters(chunks)}")
+    state = TrainState()
+    if cfg.checkpoint.load:
+        from megatron import checkpointing
+
+        state.iteration, state.consumed_train_samples, state.consumed_valid_samples = \
+            checkpointing.load_checkpoint(chunks, optimizer, scheduler, cfg)
+    forward_step = functools.partial(forward_step_func, ctx)
+    iterators = build_data_iterators(train_valid_test_datasets_provider, ctx, state)
+    trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state)
+    print_rank_0(f"training from iteration {state.iteration} to {trainer.train_iters} ...")
+    reason = trainer.train()
+    if reason != "done":
+        print_rank_0(f"exiting at iteration {state.iteration} ({_EXIT_MESSAGES[reason]}); "
+                     + ("checkpoint saved" if cfg.checkpoint.save else "no --save given"))
+        trainer.tensorboard.close()
+        _finish()
+        return state
+    t = cfg.training
+    if t.eval_iters and state.iteration % t.eval_interval != 0:
+        losses = trainer.run_evaluation(
+            f"validation loss at the end of training (iteration {state.iteration})",
+            trainer.valid_iter, t.eval_iters)
+        trainer._track_best(losses)
+    if cfg.checkpoint.save and state.iteration != state.last_saved:
+        trainer.save()
+    trainer.run_evaluation(f"test loss at the end of training (iteration {state.iteration})",
+                           trainer.test_iter, t.eval_iters)
+    trainer.tensorboard.close()
+    _finish()
+    return state
+
+
+_EXIT_MESSAGES = {
+    "signal": "SIGTERM received with --exit-signal-handler",
+    "duration": "--exit-duration-in-mins reached",
+    "interval": "--exit-interval reached",
+}
+
+
+def _warn_slow_precision(cfg: RunConfig, device: torch.device) -> None:
+    if device.type == "cpu" and (cfg.optimizer.bf16 or cfg.optimizer.fp16):
+        print_rank_0(
+            "WARNING: --bf16/--fp16 on a CPU: most CPUs have no fast half-precision matmul, "
+            "and on an AVX2-only CPU bf16 ran about 35x slower than fp32 (13 vs 490 tokens/s "
+            "for a 30M-parameter GPT). Use fp32 on CPU unless you are testing precision.")
+
+
+def _finish() -> None:
+    sys.stdout.flush()
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,83 @@
+"""Pretrain GPT: the model, batch and dataset callbacks handed to megatron.training.pretrain.
+
+    torchrun --nproc_per_node 4 pretrain_gpt.py --tensor-model-parallel-size 2 ... (Megatron flags)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.model.gpt_model import GPTModel
+from megatron.training import RunContext, pretrain, print_rank_0
+from megatron.utils import get_ltor_masks_and_position_ids
+
+
+def model_provider(ctx: RunContext, pre_process: bool = True, post_process: bool = True,
+                   first_layer: int = 0, num_layers=None) -> GPTModel:
+    print_rank_0("building GPT model ...")
+    return GPTModel(ctx.config.model, pre_process=pre_process, post_process=post_process,
+                    first_layer=first_layer, num_layers=num_layers, device=ctx.device)
+
+
+def get_batch(ctx: RunContext, data_iterator):
+    """tokens/labels ``[b, s]``, loss mask, attention mask (None = causal), position ids."""
+    data = ctx.config.data
+    sample = next(data_iterator)["text"].long().to(ctx.device)  # [b, s + 1]
+    tokens, labels = sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
+    eod = ctx.tokenizer.eod if ctx.tokenizer is not None else None
+    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+        tokens, eod, data.reset_position_ids, data.reset_attention_mask, data.eod_mask_loss)
+    return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean of the per-token losses where the loss mask is one."""
+    losses = output_tensor.float()  # [b, s]
+    loss = torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(ctx: RunContext, data_iterator, model):
+    """One micro-batch through this stage; stages that read no data get their input from the
+    previous stage (set by the pipeline schedule)."""
+    first = parallel_state.is_pipeline_first_stage()
+    last = parallel_state.is_pipeline_last_stage()
+    if first or last:
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(ctx, data_iterator)
+    else:
+        tokens = labels = loss_mask = attention_mask = position_ids = None
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    return output, lambda out: loss_func(loss_mask, out)
+
+
+def train_valid_test_datasets_provider(ctx: RunContext, num_samples: list[int]):
+    """GPT datasets from --data-path (or per-split paths), or synthetic ones (--mock-data)."""
+    cfg = ctx.config
+    if cfg.data.mock_data:
+        from megatron.data.mock_dataset import MockGPTDataset
+
+        return tuple(MockGPTDataset(n, cfg.model.seq_length, cfg.model.vocab_size,
+                                    cfg.training.seed + i) if n > 0 else None
+                     for i, n in enumerate(num_samples))
+    from megatron.data.gpt_dataset import build_train_valid_test_datasets
+
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    d = cfg.data
+    return build_train_valid_test_datasets(
+        data_prefix=list(d.data_path) if d.data_path else None, data_impl=d.data_impl,
+        splits_string=d.split, train_valid_test_num_samples=num_samples,
+        seq_length=cfg.model.seq_length, seed=cfg.training.seed,
+        skip_warmup=not d.mmap_warmup,
+        train_data_prefix=list(d.train_data_path) if d.train_data_path else None,
+        valid_data_prefix=list(d.valid_data_path) if d.valid_data_path else None,
+        test_data_prefix=list(d.test_data_path) if d.test_data_path else None,
+        data_cache_path=d.data_cache_path)
+
+
+def main(argv=None):
+    return pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+
+
+if __name__ == "__main__":
+    main()
