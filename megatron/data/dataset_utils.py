@@ -65,7 +65,7 @@ def parse_data_path(data_path: DataPath, flag_name: str = "--data-path"
     if data_path is None:
         return None
     items = [data_path] if isinstance(data_path, str) else [str(x) for x in data_path]
-    if len(items) == 1 and len(items[0].split()) > 1:
+    if len(items) == 1 and len(items[0].split()) > 1 and _is_number(items[0].split()[0]):
         items = items[0].split()  # "0.35 wiki 0.65 owt" given as one string
     if not items:
         return None
@@ -88,6 +88,14 @@ def parse_data_path(data_path: DataPath, flag_name: str = "--data-path"
         prefixes.append(prefix.strip())
         weights.append(weight)
     return prefixes, weights
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 def normalize_weights(weights: Sequence[float]) -> list[float]:
@@ -286,21 +294,32 @@ class FileLock:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         deadline = time.monotonic() + self.timeout_s
         waited = False
-        while True:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    os.close(self._fd)
-                    self._fd = None
-                    raise TimeoutError(
-                        f"waited {self.timeout_s:.0f} s for {self.path}: another process is "
-                        "still building this index cache") from None
-                if not waited:
-                    log_rank0(" > waiting for %s (another process builds the cache)", self.path)
-                    waited = True
-                time.sleep(self.poll_s)
+        while not self._try_lock():
+            if time.monotonic() > deadline:
+                os.close(self._fd)
+                self._fd = None
+                raise TimeoutError(
+                    f"waited {self.timeout_s:.0f} s for {self.path}: another process is "
+                    "still building this index cache")
+            if not waited:
+                log_rank0(" > waiting for %s (another process builds the cache)", self.path)
+                waited = True
+            time.sleep(self.poll_s)
+        return self
+
+    def _try_lock(self) -> bool:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            # Some network file systems refuse flock (ENOLCK). Building without the lock is
+            # still safe: every file is written under a unique name and then renamed.
+            logger.warning("cannot lock %s (%s); building without a lock", self.path, e)
+            os.close(self._fd)
+            self._fd = None
+            return True
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:

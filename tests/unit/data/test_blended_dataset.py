@@ -101,3 +101,10 @@ def test_blended_dataset_checks_each_dataset_is_long_enough():
         blend[100]
     with pytest.raises(DataConfigError, match="/data/0 \\(train\\), which has only 20"):
         BlendedDataset([_Fixed(20, 0), _Fixed(80, 1)], [0.3, 0.7], 100)
+
+
+def test_data_path_parsing_keeps_paths_with_spaces():
+    assert parse_data_path("/data/my corpus/text_document") == (
+        ["/data/my corpus/text_document"], None)
+    assert parse_data_path(["/d/a"]) == (["/d/a"], None)
+    assert parse_data_path(None) is None

@@ -312,3 +312,16 @@ def test_numpy_fallback_gives_the_same_index(corpus, monkeypatch):
     for name, array in with_default.items():
         assert array.dtype == fallback[name].dtype
         np.testing.assert_array_equal(array, fallback[name])
+
+
+def test_pickles_without_index_arrays(corpus, tmp_path):
+    import pickle
+
+    indexed = MMapIndexedDataset(corpus)
+    ds = GPTDataset("train", corpus, np.arange(60, dtype=np.int32), indexed, "1", 30, 8, 1,
+                    data_cache_path=str(tmp_path / "cache"))
+    blob = pickle.dumps(ds)
+    assert len(blob) < 2000  # paths and parameters, not the arrays
+    again = pickle.loads(blob)
+    for i in (0, 7, len(ds) - 1):
+        np.testing.assert_array_equal(again[i]["text"], ds[i]["text"])
