@@ -438,6 +438,8 @@ class MMapIndexedDatasetBuilder:
     def end_document(self) -> None:
         self._doc_idx.append(len(self._sizes))
 
+    add_document = add_doc  # Megatron-LM core's name
+
     def merge_file_(self, another_prefix: str) -> None:
         """Append every sequence and document of the dataset at ``another_prefix``."""
         other = MMapIndexedDataset(another_prefix)
@@ -453,6 +455,8 @@ class MMapIndexedDatasetBuilder:
         other.close()
         with open(data_file_path(another_prefix), "rb") as f:
             _copy_bytes(f, self._file, used)
+
+    add_index = merge_file_  # Megatron-LM core's name
 
     def finalize(self, index_file: str) -> None:
         """Close the .bin, write the .idx, and move both into place (the .idx last)."""
