@@ -1,0 +1,200 @@
+"""Data-parallel wrapper: gradients accumulate in contiguous buffers and are averaged once.
+
+Each parameter gets ``param.main_grad``, a view into a flat buffer (one per
+(param dtype, grad dtype) pair). A hook that runs after autograd has accumulated
+``param.grad`` adds it into ``main_grad`` and frees ``param.grad``, so gradients of successive
+micro-batches sum in the buffer (in fp32 with ``accumulate_allreduce_grads_in_fp32``).
+``finish_grad_sync()`` averages the buffers over the data-parallel group: an all-reduce, or a
+reduce-scatter when the distributed optimizer owns one shard per rank.
+
+With ``overlap_grad_reduce`` the buffer is cut into buckets and a bucket's reduction starts,
+asynchronously, as soon as every parameter in it has its gradient for the last micro-batch;
+earlier micro-batches run inside ``no_sync()``. Under pipeline parallelism the word-embedding
+weight shared by the first and last stage (``module.shared_embedding_or_output_weight()``) is
+kept in a bucket of its own that only ``finish_grad_sync`` launches, so ``finalize_model_grads`` can first add the other stage's
+gradient to it (that order is what keeps the distributed optimizer's shards right).
+
+Typical step::
+
+    model.zero_grad_buffer(); optimizer.zero_grad()
+    for i, batch in enumerate(micro_batches):
+        with (model.no_sync() if i < len(micro_batches) - 1 else nullcontext()):
+            (loss_fn(model(batch)) / len(micro_batches)).backward()
+    finalize_model_grads([model])
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.core import parallel_state
+from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+
+# Megatron's default bucket when overlapping: large enough to keep the links busy.
+_DEFAULT_OVERLAP_BUCKET_SIZE = 40_000_000
+
+
+def default_data_parallel_group() -> Optional[Any]:
+    """The data-parallel group from parallel_state, else the world group, else None."""
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_group()
+    if dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps one model chunk; ``module`` is the wrapped model and forward passes through."""
+
+    def __init__(self, module: nn.Module, *, data_parallel_group: Optional[Any] = None,
+                 accumulate_allreduce_grads_in_fp32: bool = True,
+                 overlap_grad_reduce: bool = False, use_distributed_optimizer: bool = False,
+                 bucket_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.module = module
+        if data_parallel_group is None:
+            data_parallel_group = default_data_parallel_group()
+        self.data_parallel_group = group = data_parallel_group
+        self.data_parallel_size = dist.get_world_size(group) if group is not None else 1
+        self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        if bucket_size is None and overlap_grad_reduce:
+            bucket_size = max(_DEFAULT_OVERLAP_BUCKET_SIZE, 1_000_000 * self.data_parallel_size)
+        self.bucket_size = bucket_size
+        self.is_last_microbatch = True
+
+        self.buffers: list[ParamAndGradBuffer] = []
+        self._bucket_of: dict[nn.Parameter, Any] = {}
+        self._buffer_of: dict[nn.Parameter, ParamAndGradBuffer] = {}
+        self._build_buffers()
+        for param in self._buffer_of:
+            param.register_post_accumulate_grad_hook(self._accumulate_hook)
+
+    # Construction ----------------------------------------------------------------------------
+
+    def _deferred_params(self) -> list[nn.Parameter]:
+        """Parameters whose bucket must wait for finalize_model_grads (see module docstring)."""
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return []
+        getter = getattr(self.module, "shared_embedding_or_output_weight", None)
+        weight = getter() if callable(getter) else None
+        return [weight] if weight is not None and weight.requires_grad else []
+
+    def _build_buffers(self) -> None:
+        # Reverse registration order approximates the order in which backward makes gradients.
+        params = [p for p in self.module.parameters() if p.requires_grad][::-1]
+        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
+        for p in params:
+            grad_dtype = torch.float32 if self.accumulate_allreduce_grads_in_fp32 else p.dtype
+            by_dtype.setdefault((p.dtype, grad_dtype), []).append(p)
+        deferred = self._deferred_params()
+        for (_, grad_dtype), group_params in by_dtype.items():
+            buffer = ParamAndGradBuffer(
+                group_params, grad_dtype, self.bucket_size, self.data_parallel_group,
+                self.data_parallel_size, shard_over_dp=self.use_distributed_optimizer,
+                isolate=[p for p in deferred if p in group_params],
+            )
+            self.buffers.append(buffer)
+            for bucket in buffer.buckets:
+                for p in bucket.params:
+                    self._bucket_of[p] = bucket
+                    self._buffer_of[p] = buffer
+
+    # Gradient accumulation and synchronization -------------------------------------------------
+
+    def _accumulate_hook(self, param: nn.Parameter) -> None:
+        if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
+            param.main_grad.add_(param.grad)
+        param.grad = None
+        if hasattr(param, "grad_added_to_main_grad"):
+            param.grad_added_to_main_grad = False
+        if not (self.overlap_grad_reduce and self.is_last_microbatch):
+            return
+        bucket = self._bucket_of[param]
+        if bucket.launched:
+            raise RuntimeError(
+                "a gradient arrived after its bucket was already being reduced over data "
+                "parallel (a parameter used by two backward passes in the last micro-batch?)"
+            )
+        bucket.ready.add(param)
+        if len(bucket.ready) == len(bucket.params) and not bucket.deferred:
+            self._buffer_of[param].launch(bucket, async_op=True)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate (micro-batches before the last one)."""
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = True
+
+    def start_grad_sync(self) -> None:
+        """Launch, asynchronously, the reduction of every bucket not launched yet.
+
+        Deferred buckets (the shared embedding weight) wait for ``finish_grad_sync``.
+        """
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                if not bucket.launched and not bucket.deferred:
+                    buffer.launch(bucket, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Average all gradients over data parallel (after the last micro-batch's backward).
+
+        Afterwards ``main_grad`` holds the average (with the distributed optimizer: only in
+        the shard of the buffer this rank owns).
+        """
+        for buffer in self.buffers:
+            buffer.finish()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` (call before the first micro-batch of a step)."""
+        for buffer in self.buffers:
+            buffer.zero()
+        for param in self._buffer_of:
+            param.grad = None
+
+    def broadcast_params(self) -> None:
+        """Copy every parameter from data-parallel rank 0 to the other data-parallel ranks."""
+        if self.data_parallel_size == 1:
+            return
+        src = dist.get_global_rank(self.data_parallel_group, 0)
+        for param in self.module.parameters():
+            dist.broadcast(param.data, src=src, group=self.data_parallel_group)
+
+    # Pass-through ------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Attributes the wrapper lacks (set_input_tensor, shared_embedding_or_output_weight,
+        # ...) come from the wrapped model, so schedules need not unwrap it.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside any stack of wrappers that expose it as ``.module``."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model

@@ -1,0 +1,112 @@
+"""Global gradient norm, clipping and zero counting across model-parallel ranks.
+
+A model replica is spread over tensor- and pipeline-parallel ranks, so the norm of its gradient
+is a sum of per-rank partial sums. Each parameter must count exactly once: tensor-parallel
+shards count on every rank, replicated parameters only on tensor rank 0
+(``param_is_not_tensor_parallel_duplicate``), and the second copy of a tied weight
+(``param.shared``) not at all. With the distributed optimizer each data-parallel rank holds a
+disjoint shard of the main parameters, so the sum also runs over the data-parallel group:
+pass both groups.
+
+``groups`` arguments accept one process group, a sequence of groups (reduced one after the
+other, which sums over their product), or None (no reduction: a single process).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.utils import param_is_not_shared, param_is_not_tensor_parallel_duplicate
+
+Groups = Union[None, Any, Sequence[Any]]
+
+
+def _as_group_list(groups: Groups) -> list:
+    if groups is None:
+        return []
+    if isinstance(groups, (list, tuple)):
+        return [g for g in groups if g is not None]
+    return [groups]
+
+
+def all_reduce_over(tensor: torch.Tensor, groups: Groups,
+                    op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce ``tensor`` in place over each group in turn (a no-op without torch.distributed)."""
+    if not dist.is_initialized():
+        return tensor
+    for group in _as_group_list(groups):
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def grads_for_norm(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients that count towards the norm on this rank (see the module docstring)."""
+    return [
+        p.grad for p in parameters
+        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+    ]
+
+
+def get_grad_norm_fp32(grads: Sequence[torch.Tensor], groups: Groups = None,
+                       norm_type: float = 2.0) -> float:
+    """The norm of all ``grads`` of every rank in ``groups``, computed in fp32."""
+    norm_type = float(norm_type)
+    device = grads[0].device if grads else torch.device("cpu")
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    if norm_type == math.inf:
+        local = max((g.detach().abs().max().float() for g in grads), default=None)
+        total = torch.zeros(1, device=device) if local is None else local.reshape(1).to(device)
+        all_reduce_over(total, groups, dist.ReduceOp.MAX)
+        return float(total)
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    if grads:
+        norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
+        total += torch.stack(norms).to(device).pow(norm_type).sum()
+    all_reduce_over(total, groups)
+    return float(total.pow(1.0 / norm_type))
+
+
+def clip_grads_by_total_norm(parameters: Iterable[torch.Tensor], max_norm: float,
+                             total_norm: float) -> None:
+    """Scale every gradient by ``max_norm / (total_norm + 1e-6)`` if that is below one."""
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        grads = [p.grad.detach() for p in parameters if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, clip_coeff)
+
+
+def clip_grad_norm_fp32(parameters: Iterable[torch.Tensor], max_norm: float,
+                        model_parallel_group: Groups = None, norm_type: float = 2.0) -> float:
+    """Clip the gradients of ``parameters`` to a global norm of ``max_norm``.
+
+    The norm counts each parameter of the model once across the ranks in
+    ``model_parallel_group`` (a group or a sequence of groups; see the module docstring).
+    Every gradient is scaled, the norm only reads the ones that count. Returns the total norm
+    before clipping.
+    """
+    parameters = list(parameters)
+    total_norm = get_grad_norm_fp32(grads_for_norm(parameters), model_parallel_group, norm_type)
+    if max_norm > 0.0:
+        clip_grads_by_total_norm(parameters, max_norm, total_norm)
+    return total_norm
+
+
+def count_zeros_fp32(parameters: Iterable[torch.Tensor], model_parallel_group: Groups = None) -> int:
+    """The number of exactly-zero gradient entries, counted like the norm (each param once)."""
+    grads = grads_for_norm(parameters)
+    device = grads[0].device if grads else torch.device("cpu")
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:
+        total += (g.detach() == 0).sum().to(device)
+    all_reduce_over(total, model_parallel_group)
+    return int(total.item())
