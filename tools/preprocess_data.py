@@ -465,6 +465,8 @@ class ChunkEncoder:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise BadLine(f"malformed JSON: {e.msg} at column {e.colno}") from None
+        except (ValueError, RecursionError) as e:  # e.g. a 5000-digit number, deep nesting
+            raise BadLine(f"malformed JSON: {e}") from None
         if not isinstance(data, dict):
             raise BadLine(f"expected a JSON object, got {type(data).__name__}")
         return [self._encode_document(data, key) for key in self.keys]

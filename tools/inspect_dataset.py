@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""Show what a Megatron ``.bin``/``.idx`` dataset holds, and with ``--check`` verify it.
+
+    python tools/inspect_dataset.py my-gpt2_text_document --docs 3 \\
+        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+    python tools/inspect_dataset.py my-gpt2_text_document --check --eod 50256
+
+``--check`` catches the index that Megatron-DeepSpeed's preprocess_data.py writes with
+``--append-eod``: its sizes leave out each document's EOD, so the sizes sum to fewer tokens
+than the ``.bin`` holds and every document after the first is read from the wrong offset
+(document k starts k tokens early; document 1 starts with document 0's EOD). Exit code 1 when
+a problem is found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron.data.indexed_dataset import (  # noqa: E402
+    IndexedDatasetError,
+    MMapIndexedDataset,
+    data_file_path,
+)
+
+
+def summary(dataset: MMapIndexedDataset) -> dict:
+    sizes = dataset.sizes
+    doc_idx = dataset.doc_idx
+    bin_bytes = os.path.getsize(data_file_path(dataset.path_prefix))
+    return {
+        "dtype": str(dataset.dtype),
+        "sequences": len(sizes),
+        "documents": len(doc_idx) - 1,
+        "empty documents": int(np.sum(np.diff(doc_idx) == 0)),
+        "tokens (sum of sizes)": int(sizes.sum(dtype=np.int64)),
+        "tokens in .bin": bin_bytes // dataset.dtype.itemsize,
+    }
+
+
+def document(dataset: MMapIndexedDataset, d: int) -> np.ndarray:
+    """All tokens of document ``d`` as the reader returns them."""
+    start, end = int(dataset.doc_idx[d]), int(dataset.doc_idx[d + 1])
+    parts = [dataset[i] for i in range(start, end)]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=dataset.dtype)
+
+
+def check(dataset: MMapIndexedDataset, eod: Optional[int]) -> list[str]:
+    """Problems found in the dataset (empty when it is consistent)."""
+    info = summary(dataset)
+    problems = []
+    in_sizes, in_bin = info["tokens (sum of sizes)"], info["tokens in .bin"]
+    bin_bytes = os.path.getsize(data_file_path(dataset.path_prefix))
+    if bin_bytes % dataset.dtype.itemsize:
+        problems.append(f".bin size {bin_bytes} is not a multiple of the {dataset.dtype} item size")
+    if in_sizes != in_bin:
+        nonempty = int(np.sum(np.diff(dataset.doc_idx) > 0))
+        missing = in_bin - in_sizes
+        problem = (f"the .idx sizes sum to {in_sizes} tokens but the .bin holds {in_bin} "
+                   f"({missing:+d})")
+        if missing == nonempty:
+            problem += (
+                "; exactly one token per non-empty document is left out of the sizes: this is "
+                "Megatron-DeepSpeed's preprocess_data.py --append-eod index, which does not "
+                "count the EOD, so each document is read shifted by one token per earlier "
+                "document. Re-run tools/preprocess_data.py on the source JSON to fix it"
+            )
+        problems.append(problem)
+    if eod is not None:
+        problems += _check_eod(dataset, eod)
+    diffs = np.diff(dataset.pointers) if len(dataset) > 1 else np.empty(0)
+    expected = dataset.sizes[:-1].astype(np.int64) * dataset.dtype.itemsize
+    if len(diffs) and not np.array_equal(diffs, expected):
+        problems.append("pointers do not advance by the sequence sizes")
+    return problems
+
+
+def _check_eod(dataset: MMapIndexedDataset, eod: int, sample: int = 1000) -> list[str]:
+    problems = []
+    documents = len(dataset.doc_idx) - 1
+    starts, ends, nonempty = 0, 0, 0
+    for d in range(min(documents, sample)):
+        tokens = document(dataset, d)
+        if len(tokens) == 0:
+            continue
+        nonempty += 1
+        starts += int(d > 0 and tokens[0] == eod)
+        ends += int(tokens[-1] == eod)
+    if starts:
+        problems.append(f"{starts} of the first {nonempty} non-empty documents start with the "
+                        f"EOD id {eod} (an index whose sizes leave out the EOD)")
+    if 0 < ends < nonempty:
+        problems.append(f"only {ends} of the first {nonempty} non-empty documents end with the "
+                        f"EOD id {eod}")
+    return problems
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("prefix", help="dataset path without .bin/.idx")
+    parser.add_argument("--docs", type=int, default=2, help="documents to print")
+    parser.add_argument("--check", action="store_true", help="verify; exit 1 on a problem")
+    parser.add_argument("--eod", type=int, default=None,
+                        help="end-of-document id to check for (default: the tokenizer's)")
+    parser.add_argument("--tokenizer-type", default=None)
+    parser.add_argument("--vocab-file", "--vocab", dest="vocab_file", default=None)
+    parser.add_argument("--merge-file", default=None)
+    parser.add_argument("--tokenizer-name-or-path", default=None)
+    parser.add_argument("--vocab-size", type=int, default=None)
+    return parser
+
+
+def _tokenizer(args):
+    if args.tokenizer_type is None and args.vocab_file is None:
+        return None
+    from megatron.tokenizer import build_tokenizer
+
+    return build_tokenizer(args.tokenizer_type or "GPT2BPETokenizer", args.vocab_file,
+                           args.merge_file, args.tokenizer_name_or_path, args.vocab_size)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    prefix = args.prefix[:-4] if args.prefix.endswith((".bin", ".idx")) else args.prefix
+    try:
+        tokenizer = _tokenizer(args)
+        dataset = MMapIndexedDataset(prefix)
+    except (IndexedDatasetError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(prefix)
+    for name, value in summary(dataset).items():
+        print(f"  {name}: {value}")
+    for d in range(min(args.docs, len(dataset.doc_idx) - 1)):
+        tokens = document(dataset, d)
+        print(f"  document {d}: {len(tokens)} tokens: {tokens[:32].tolist()}"
+              + (" ..." if len(tokens) > 32 else ""))
+        if tokenizer is not None:
+            print(f"    {tokenizer.detokenize(tokens[:200].tolist())!r}")
+    if not args.check:
+        return 0
+    eod = args.eod if args.eod is not None else getattr(tokenizer, "eod", None)
+    problems = check(dataset, eod)
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    print("check: " + ("FAILED" if problems else "OK"))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Merge several Megatron ``.bin``/``.idx`` datasets into one, keeping documents and order.
+
+    python tools/merge_datasets.py --input data/shards/ --output-prefix data/all_text_document
+    python tools/merge_datasets.py --input a_text_document b_text_document --output-prefix ab
+
+A directory input takes every ``*.idx`` with a matching ``.bin`` in it, sorted by name. All
+inputs must have the same token dtype; the output is written under temporary names and
+renamed when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron.data import indexed_dataset  # noqa: E402
+from megatron.data.indexed_dataset import (  # noqa: E402
+    IndexedDatasetError,
+    MMapIndexedDataset,
+    data_file_path,
+    index_file_path,
+)
+
+
+class MergeError(Exception):
+    """The inputs cannot be merged; the message names the files."""
+
+
+def _strip_suffix(path: str) -> str:
+    for suffix in (".bin", ".idx"):
+        if path.endswith(suffix):
+            return path[: -len(suffix)]
+    return path
+
+
+def resolve_prefixes(inputs: Sequence[str], output_prefix: str) -> list[str]:
+    """Dataset prefixes from directories (sorted) and prefixes, in order; checks both files.
+
+    A directory's pair named like the output (an earlier merge) is left out.
+    """
+    out = os.path.abspath(output_prefix)
+    prefixes: list[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(
+                os.path.join(item, name[:-4])
+                for name in os.listdir(item)
+                if name.endswith(".idx") and os.path.isfile(os.path.join(item, name[:-4] + ".bin"))
+            )
+            found = [p for p in found if os.path.abspath(p) != out]
+            if not found:
+                raise MergeError(f"--input directory {item!r} holds no .bin/.idx pairs")
+            prefixes.extend(found)
+            continue
+        prefix = _strip_suffix(item)
+        if os.path.abspath(prefix) == out:
+            raise MergeError(f"--output-prefix {output_prefix!r} is also an --input")
+        for path in (index_file_path(prefix), data_file_path(prefix)):
+            if not os.path.isfile(path):
+                raise MergeError(f"--input {item!r}: {path} does not exist")
+        prefixes.append(prefix)
+    return prefixes
+
+
+def check_dtypes(prefixes: Sequence[str]) -> None:
+    """Raise MergeError naming every file when the inputs do not share one token dtype."""
+    dtypes = {}
+    for prefix in prefixes:
+        dataset = MMapIndexedDataset(prefix)
+        dtypes[prefix] = dataset.dtype
+        dataset.close()
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{index_file_path(p)} ({d})" for p, d in dtypes.items())
+        raise MergeError(f"cannot merge datasets of different token dtypes: {listing}")
+
+
+def merge(prefixes: Sequence[str], output_prefix: str) -> tuple[int, int]:
+    """Write ``output_prefix``.bin/.idx; returns (sequences, documents) written."""
+    check_dtypes(prefixes)
+    first = MMapIndexedDataset(prefixes[0])
+    builder = indexed_dataset.MMapIndexedDatasetBuilder(
+        data_file_path(output_prefix), dtype=first.dtype
+    )
+    first.close()
+    try:
+        for prefix in prefixes:
+            builder.merge_file_(prefix)
+        builder.finalize(index_file_path(output_prefix))
+    except BaseException:
+        builder.abort()
+        tmp_idx = index_file_path(output_prefix) + ".tmp"
+        if os.path.exists(tmp_idx):
+            os.remove(tmp_idx)
+        raise
+    merged = MMapIndexedDataset(output_prefix)
+    counts = len(merged), len(merged.doc_idx) - 1
+    merged.close()
+    return counts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="a directory of .bin/.idx pairs, or dataset prefixes in order")
+    parser.add_argument("--output-prefix", required=True, help="merged dataset path prefix")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.time()
+    try:
+        prefixes = resolve_prefixes(args.input, args.output_prefix)
+        print(f"Merging {len(prefixes)} datasets into {args.output_prefix}")
+        sequences, documents = merge(prefixes, args.output_prefix)
+    except (MergeError, IndexedDatasetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"Done: {documents} documents, {sequences} sequences in {time.time() - start:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
