@@ -461,6 +461,8 @@ class ChunkEncoder:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
             raise BadLine(f"invalid UTF-8 at byte {e.start} of the line ({e.reason})") from None
+        if text.startswith("\ufeff"):  # a byte-order mark some editors put at a file's start
+            text = text[1:]
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -468,7 +470,7 @@ class ChunkEncoder:
         except (ValueError, RecursionError) as e:  # e.g. a 5000-digit number, deep nesting
             raise BadLine(f"malformed JSON: {e}") from None
         if not isinstance(data, dict):
-            raise BadLine(f"expected a JSON object, got {type(data).__name__}")
+            raise BadLine(f"expected a JSON object, got {_json_type(data)}")
         return [self._encode_document(data, key) for key in self.keys]
 
     def _encode_document(self, data: dict, key: str) -> list[np.ndarray]:
@@ -491,12 +493,12 @@ class ChunkEncoder:
         if isinstance(value, list):
             for item in value:
                 if not isinstance(item, str):
-                    raise BadLine(f"key {key!r} is a list holding {type(item).__name__}, "
+                    raise BadLine(f"key {key!r} is an array holding {_json_type(item)}, "
                                   "expected strings (pre-split sentences)")
             return value
         if not isinstance(value, str):
-            raise BadLine(f"key {key!r} holds {type(value).__name__}, expected a string or a "
-                          "list of strings")
+            raise BadLine(f"key {key!r} holds {_json_type(value)}, expected a string or an "
+                          "array of strings")
         if self.splitter is None:
             return [value]
         return [
@@ -517,6 +519,12 @@ class ChunkEncoder:
             doc_sentences=np.asarray(n_sentences, dtype=np.int64),
             doc_tokens=np.asarray(totals, dtype=np.int64),
         )
+
+
+def _json_type(value: Any) -> str:
+    names = {str: "a string", bool: "a boolean", int: "a number", float: "a number",
+             list: "an array", dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 _WORKER_ENCODER: Optional[ChunkEncoder] = None

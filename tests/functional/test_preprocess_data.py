@@ -221,7 +221,7 @@ def test_split_sentences_offline(tmp_path):
         (b'{"text": "unterminated}\n', "malformed JSON"),
         (b'{"title": "no text key"}\n', "missing key 'text'"),
         (b'{"text": "\xff\xfe bad bytes"}\n', "invalid UTF-8"),
-        (b'{"text": 42}\n', "holds int"),
+        (b'{"text": 42}\n', "holds a number"),
         (b'["not", "an", "object"]\n', "expected a JSON object"),
         (b'{"text": "lone \\ud800 surrogate"}\n', "lone surrogate"),
     ],
