@@ -138,11 +138,14 @@ def _two_rank_suite(rank, world_size):
     """Every 2-rank scenario in one spawn (starting ranks costs more than running them)."""
     out = {"dp": _dp_cases(list(CASES)), "checkpoint": _dp2_save_and_continue()}
     out["tp_clip"] = _tp_clip(rank, max_norm=1.0)
+    out["sequence_parallel"] = _sequence_parallel_grads(rank)
     return _pack(out)
 
 
 def _dp4_suite(rank, world_size):
-    return _pack(_dp_cases(["distributed_optimizer"]))
+    out = {"dp": _dp_cases(["distributed_optimizer"])}
+    out["pipeline"] = {name: _tied_pipeline(rank, **flags) for name, flags in PIPELINE_CASES.items()}
+    return _pack(out)
 
 
 @pytest.fixture(scope="module")
@@ -192,12 +195,16 @@ def test_distributed_optimizer_shards_main_params(dp2_results):
     assert dp2_results[0]["allreduce"]["owned"] == total
 
 
-def test_distributed_optimizer_dp4(reference):
-    results = packed(_dp4_suite)(4)
-    for r in results:
-        assert_matches(r["distributed_optimizer"], reference)
+@pytest.fixture(scope="module")
+def four_rank():
+    return packed(_dp4_suite)(4)
+
+
+def test_distributed_optimizer_dp4(four_rank, reference):
+    for r in four_rank:
+        assert_matches(r["dp"]["distributed_optimizer"], reference)
     total = sum(p.numel() for p in build_model().parameters())
-    assert sum(r["distributed_optimizer"]["owned"] for r in results) == total
+    assert sum(r["dp"]["distributed_optimizer"]["owned"] for r in four_rank) == total
 
 
 # Tensor-parallel gradient norm -------------------------------------------------------------
@@ -299,3 +306,109 @@ def test_distributed_optimizer_checkpoint_dp2_to_dp1(two_rank):
 
     with pytest.raises(ValueError, match="data-parallel rank 0 of 2"):
         opt.load_state_dict(sharded)
+
+
+# finalize_model_grads: tied embeddings over pipeline stages, sequence-parallel norms ----------
+
+
+class TiedStage(nn.Module):
+    """A pipeline stage that uses the shared weight ``E`` [5, 3] and a weight of its own."""
+
+    def __init__(self, stage: int):
+        super().__init__()
+        torch.manual_seed(99)
+        self.E = nn.Parameter(torch.randn(5, 3) * 0.5)
+        torch.manual_seed(stage)
+        # Different sizes per stage, so the two stages lay out their buffers differently.
+        self.W = nn.Parameter(torch.randn(3, 2 + 2 * stage) * 0.5)
+        if stage == 1:
+            self.E.shared = True  # the second copy: the norm must not count it
+
+    def shared_embedding_or_output_weight(self):
+        return self.E
+
+    def forward(self, x):
+        return x @ self.E @ self.W
+
+
+def tied_batch(step: int, stage: int):
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(GLOBAL_BATCH, 5, generator=g)
+    ys = torch.randn(GLOBAL_BATCH, 2, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
+    return x, ys[stage]
+
+
+def tied_reference(steps: int = STEPS):
+    """One process: both stages share one E; the loss is the sum of the stages' losses."""
+    s0, s1 = TiedStage(0), TiedStage(1)
+    s1.E = s0.E
+    params = {"E": s0.E, "W0": s0.W, "W1": s1.W}
+    opt = torch.optim.AdamW(list(params.values()), lr=LR, weight_decay=WD)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = sum(((s(tied_batch(step, i)[0]) - tied_batch(step, i)[1]) ** 2).mean()
+                   for i, s in enumerate((s0, s1)))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params.values(), CLIP)))
+        opt.step()
+    return norms, {k: v.detach().clone() for k, v in params.items()}
+
+
+PIPELINE_CASES = {
+    "allreduce": dict(),
+    "distributed_optimizer_overlap": dict(use_distributed_optimizer=True, overlap_grad_reduce=True),
+}
+
+
+def _tied_pipeline(rank, **flags):
+    """pp=2 x dp=2: each stage trains its own loss; E's gradient is summed over stages."""
+    parallel_state.initialize_model_parallel(1, 2)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    config = OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP, **flags)
+    ddp = DistributedDataParallel(TiedStage(stage), bucket_size=4,
+                                  overlap_grad_reduce=config.overlap_grad_reduce,
+                                  use_distributed_optimizer=config.use_distributed_optimizer)
+    opt = get_megatron_optimizer(config, [ddp])
+    dp_rank, per_rank = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // 2
+    norms = []
+    for step in range(STEPS):
+        x, y = tied_batch(step, stage)
+        x, y = x[dp_rank * per_rank:(dp_rank + 1) * per_rank], y[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        finalize_model_grads([ddp])
+        norms.append(opt.step()[1])
+    parallel_state.destroy_model_parallel()
+    return stage, norms, ddp.module.E.detach().clone(), ddp.module.W.detach().clone()
+
+
+@pytest.mark.parametrize("case", list(PIPELINE_CASES))
+def test_tied_embedding_over_pipeline_stages(case, four_rank):
+    ref_norms, ref = tied_reference()
+    for r in four_rank:
+        stage, norms, e, w = r["pipeline"][case]
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=RTOL, atol=0.0)
+        torch.testing.assert_close(e, ref["E"], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(w, ref[f"W{stage}"], rtol=RTOL, atol=ATOL)
+
+
+def _sequence_parallel_grads(rank):
+    """tp=2: a LayerNorm-like weight saw half the sequence per rank; finalize sums its grad."""
+    parallel_state.initialize_model_parallel(2, 1)
+    module = nn.Linear(3, 3)
+    module.weight.sequence_parallel = True
+    ddp = DistributedDataParallel(module)
+    module.weight.main_grad.fill_(rank + 1.0)
+    module.bias.main_grad.fill_(rank + 1.0)
+    finalize_model_grads([ddp])
+    parallel_state.destroy_model_parallel()
+    return module.weight.main_grad.clone(), module.bias.main_grad.clone()
+
+
+def test_sequence_parallel_grads_summed_over_tensor_ranks(two_rank):
+    for rank, r in enumerate(two_rank):
+        weight_grad, bias_grad = r["sequence_parallel"]
+        assert torch.equal(weight_grad, torch.full((3, 3), 3.0))
+        assert torch.equal(bias_grad, torch.full((3,), rank + 1.0))  # not marked: untouched

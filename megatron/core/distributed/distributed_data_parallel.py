@@ -95,12 +95,12 @@ class DistributedDataParallel(nn.Module):
         for p in params:
             grad_dtype = torch.float32 if self.accumulate_allreduce_grads_in_fp32 else p.dtype
             by_dtype.setdefault((p.dtype, grad_dtype), []).append(p)
-        deferred = self._deferred_params()
+        deferred = {id(p) for p in self._deferred_params()}  # by identity: == is elementwise
         for (_, grad_dtype), group_params in by_dtype.items():
             buffer = ParamAndGradBuffer(
                 group_params, grad_dtype, self.bucket_size, self.data_parallel_group,
                 self.data_parallel_size, shard_over_dp=self.use_distributed_optimizer,
-                isolate=[p for p in deferred if p in group_params],
+                isolate=[p for p in group_params if id(p) in deferred],
             )
             self.buffers.append(buffer)
             for bucket in buffer.buckets:

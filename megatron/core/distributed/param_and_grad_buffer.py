@@ -83,7 +83,7 @@ class ParamAndGradBuffer:
         self.shard_over_dp = shard_over_dp
         self.param_index: dict[torch.nn.Parameter, tuple[int, int]] = {}
         self.buckets: list[Bucket] = []
-        self._layout(bucket_size, set(isolate))
+        self._layout(bucket_size, {id(p) for p in isolate})
         device = self.params[0].device
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.param_data = None
@@ -91,7 +91,7 @@ class ParamAndGradBuffer:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
         self._bind_views()
 
-    def _layout(self, bucket_size: Optional[int], isolate: set) -> None:
+    def _layout(self, bucket_size: Optional[int], isolate: set[int]) -> None:
         """Assign each parameter its ``[start, end)`` and cut the buffer into buckets."""
         offset, current = 0, []
 
@@ -105,12 +105,12 @@ class ParamAndGradBuffer:
             offset, current = end, []
 
         for p in self.params:
-            if p in isolate:
+            if id(p) in isolate:
                 close()
             self.param_index[p] = (offset, offset + p.numel())
             offset += p.numel()
             current.append(p)
-            if p in isolate:
+            if id(p) in isolate:
                 close(deferred=True)
             elif bucket_size is not None and offset - self.param_index[current[0]][0] >= bucket_size:
                 close()
