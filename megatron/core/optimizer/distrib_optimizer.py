@@ -50,6 +50,10 @@ from megatron.core.optimizer.optimizer import (
 GATHERED_FORMAT = "megatron-distributed-optimizer/gathered-v1"
 SHARDED_FORMAT = "megatron-distributed-optimizer/sharded-v1"
 
+# Group keys that describe how this run computes, not what it trained: never taken from a
+# checkpoint (a state saved with fused CUDA kernels must load on a CPU run).
+_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
 # Optimizer state tensors that have the shape of the parameter (and are sharded like it).
 _SHARDED_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
@@ -174,8 +178,10 @@ class DistributedOptimizer(MegatronOptimizer):
         """A flat fp32 tensor of ``buffer``'s size holding ``key`` (``param``: main weights)."""
         full = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.grad_data.device)
         for s in self.shards:
-            if s.buffer is buffer:
-                value = s.main.data if key == "param" else self.optimizer.state[s.main][key]
+            if s.buffer is not buffer:
+                continue
+            value = s.main.data if key == "param" else self.optimizer.state[s.main].get(key)
+            if value is not None:  # a shard without state (yet) contributes zeros
                 full[s.lo:s.hi].copy_(value)
         if self.dp_size > 1:
             for bucket in buffer.buckets:
@@ -253,7 +259,10 @@ class DistributedOptimizer(MegatronOptimizer):
                 state[index] = piece
         self.optimizer.load_state_dict({
             "state": state,
-            "param_groups": [{**s, "params": c["params"]} for s, c in zip(saved, current)],
+            "param_groups": [
+                {**s, **{k: c[k] for k in _IMPLEMENTATION_KEYS if k in c}, "params": c["params"]}
+                for s, c in zip(saved, current)
+            ],
         })
         self._load_scaler(state_dict)
         with torch.no_grad():
