@@ -260,31 +260,20 @@ def plan_partitions(files: Sequence[str], partitions: int) -> list[list[Span]]:
     """
     sizes = [os.path.getsize(p) for p in files]
     total = sum(sizes)
-    # A cut is (file index, byte offset of a line start in that file).
-    cuts = [(0, 0)]
-    for k in range(1, partitions):
-        cuts.append(_line_aligned_cut(files, sizes, total * k // partitions))
-    cuts.append((len(files), 0))
+    # A cut is (file index, offset of a line start in that file); (len(files), 0) is the end.
+    cuts = {_line_aligned_cut(files, sizes, total * k // partitions) for k in range(1, partitions)}
+    bounds = [(0, 0), *sorted(cuts), (len(files), 0)]
     pieces = []
-    for (f0, o0), (f1, o1) in zip(cuts, cuts[1:]):
+    for (f0, o0), (f1, o1) in zip(bounds, bounds[1:]):
         spans = []
-        for i in range(f0, min(f1 + 1, len(files))):
+        for i in range(f0, f1 + (o1 > 0)):
             start = o0 if i == f0 else 0
             end = o1 if i == f1 else None
-            if end is not None and end <= start:
-                continue
-            if end is not None and end >= sizes[i]:
-                end = None
-            if end is None and start >= sizes[i] and sizes[i] > 0:
-                continue
-            spans.append(Span(files[i], start, end, 0 if start == 0 else None))
-        if spans and any(_span_bytes(s, sizes[files.index(s.path)]) > 0 for s in spans):
+            if (sizes[i] if end is None else end) > start:
+                spans.append(Span(files[i], start, end, 0 if start == 0 else None))
+        if spans:
             pieces.append(spans)
     return pieces
-
-
-def _span_bytes(span: Span, file_size: int) -> int:
-    return (file_size if span.end is None else span.end) - span.start
 
 
 def _line_aligned_cut(files: Sequence[str], sizes: Sequence[int], target: int) -> tuple[int, int]:
@@ -512,7 +501,8 @@ class ChunkEncoder:
         if flat.size and np.issubdtype(self.dtype, np.integer):
             top = int(flat.max())
             if top > np.iinfo(self.dtype).max:
-                raise ValueError(f"token id {top} does not fit the dataset dtype {self.dtype}")
+                raise InputError(f"token id {top} does not fit the dataset dtype {self.dtype} "
+                                 f"chosen from the tokenizer's vocab size")
         return KeyArrays(
             tokens=flat.astype(self.dtype, copy=False),
             sizes=np.asarray(sizes, dtype=np.int64),

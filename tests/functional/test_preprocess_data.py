@@ -282,6 +282,45 @@ def test_null_tokenizer_and_many_cores_alias(tmp_path):
     assert dataset[0].tolist() == [1, 2, 3, 70000] and dataset[1].tolist() == [69999, 70000]
 
 
+def _load_tool(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_partition_plan_covers_every_line_once(tmp_path):
+    tool = _load_tool("preprocess_data")
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        files = []
+        for j in range(int(rng.integers(1, 4))):
+            lines = [b"x" * int(rng.integers(0, 30)) + b"\n" for _ in range(rng.integers(0, 7))]
+            data = b"".join(lines)
+            if data and rng.random() < 0.3:
+                data = data[:-1]  # no newline at the end of the file
+            path = tmp_path / f"t{trial}_f{j}.jsonl"
+            path.write_bytes(data)
+            files.append(str(path))
+        whole = [(s.path, line) for s in map(tool.Span, files)
+                 for chunk in tool.iter_chunks([s], 3) for line in chunk.lines]
+        for partitions in range(1, 6):
+            pieces = tool.plan_partitions(files, partitions)
+            assert len(pieces) <= partitions
+            got = []
+            for spans in pieces:
+                for chunk in tool.iter_chunks(spans, 2):
+                    span = spans[chunk.span_index]
+                    file_lines = open(span.path, "rb").read().splitlines(keepends=True)
+                    for k, line in enumerate(chunk.lines):
+                        assert file_lines[span.line_number(chunk.first_line + k) - 1] == line
+                        got.append((span.path, line))
+            assert got == whole, (trial, partitions)
+
+
 def _make_dataset(prefix, docs, dtype=np.uint16):
     builder = MMapIndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
     for doc in docs:
