@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
-from tests.unit.tokenizer.conftest import MERGES, VARIED_STRINGS, VOCAB, WIKITEXT
 from tests.unit.tokenizer.gpt2_reference import ReferenceGPT2
+from tests.unit.tokenizer.strings import MERGES, VARIED_STRINGS, VOCAB, WIKITEXT
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EOD = 50256

@@ -11,8 +11,8 @@ from megatron.tokenizer import (
     build_tokenizer,
     canonical_tokenizer_type,
 )
-from tests.unit.tokenizer.conftest import VARIED_STRINGS
 from tests.unit.tokenizer.gpt2_reference import ReferenceGPT2
+from tests.unit.tokenizer.strings import VARIED_STRINGS
 
 
 @pytest.mark.parametrize(

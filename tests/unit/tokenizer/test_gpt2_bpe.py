@@ -15,8 +15,8 @@ from megatron.tokenizer import (
     build_tokenizer,
 )
 from megatron.tokenizer.gpt2_bpe import EOD_TOKEN, bytes_to_unicode
-from tests.unit.tokenizer.conftest import VARIED_STRINGS, WIKITEXT
 from tests.unit.tokenizer.gpt2_reference import ReferenceGPT2
+from tests.unit.tokenizer.strings import VARIED_STRINGS, WIKITEXT
 
 BACKENDS = ["tiktoken", "tokenizers"]
 
