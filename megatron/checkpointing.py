@@ -426,11 +426,18 @@ def _check_extra(extra: Optional[dict]) -> None:
 
 def _make_tmp_dir(save_dir: str, iteration: int, layout: _Layout) -> str:
     """A fresh folder for this save, created by global rank 0 and named to every rank."""
-    tmp_dir = None
+    tmp_dir, problem = None, None
     if layout.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        tmp_dir = tempfile.mkdtemp(prefix=f"{iteration_dir_name(iteration)}.tmp-", dir=save_dir)
-    return _broadcast_from_rank0(tmp_dir)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            tmp_dir = tempfile.mkdtemp(prefix=f"{iteration_dir_name(iteration)}.tmp-",
+                                       dir=save_dir)
+        except OSError as error:  # the other ranks wait for the name: tell them instead
+            problem = f"cannot create a folder in --save {save_dir}: {error}"
+    tmp_dir, problem = _broadcast_from_rank0((tmp_dir, problem))
+    if problem is not None:
+        raise CheckpointError(problem)
+    return tmp_dir
 
 
 def _write_rank_files(tmp_dir: str, layout: _Layout, state_fn, distrib_optim_state) -> None:

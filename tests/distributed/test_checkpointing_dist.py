@@ -1,0 +1,278 @@
+"""Checkpoints on real gloo ranks: tensor/pipeline-sharded folders, failures on one rank, and
+the distributed optimizer's state moving between data-parallel sizes.
+
+One spawn of 2 ranks runs every multi-rank scenario (spawning is the slow part); the
+single-process halves (dp=1 save/load, loading at the wrong layout) run in this process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron import checkpointing as ckpt
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import DistributedOptimizer, get_megatron_optimizer
+from megatron.core.tensor_parallel import model_parallel_seed
+from megatron.model.gpt_model import GPTModel
+from tests.dist_utils import run_distributed
+from tests.unit.test_checkpointing import (
+    assert_params_equal,
+    batch,
+    build_scheduler,
+    params,
+    run_config,
+    scramble_rngs,
+    train_step,
+)
+
+GLOBAL_BATCH = 4
+STEPS_BEFORE, STEPS_AFTER = 2, 2
+
+
+# Tensor parallel: two mp_rank folders, bit-identical resumption, one rank failing ------------
+
+
+def _tensor_parallel(rank: int, root: str) -> dict:
+    parallel_state.initialize_model_parallel(2, 1)
+    config = run_config(os.path.join(root, "tp2"), tp=2, world_size=2)
+
+    def build(seed):
+        model_parallel_seed(seed)
+        model = GPTModel(config.model)
+        optimizer = get_megatron_optimizer(config.optimizer, [model])
+        return model, optimizer, build_scheduler(optimizer)
+
+    model, optimizer, scheduler = build(5)
+    for step in range(STEPS_BEFORE):
+        train_step(model, optimizer, scheduler, batch(step))
+    ckpt.save_checkpoint(STEPS_BEFORE, [model], optimizer, scheduler, config,
+                         consumed_train_samples=8)
+    failure = _save_failing_on_rank1(rank, model, optimizer, scheduler, config)
+    reference = [train_step(model, optimizer, scheduler, batch(STEPS_BEFORE + i))
+                 for i in range(3)]
+    reference_params = params(model)
+
+    model, optimizer, scheduler = build(77)
+    scramble_rngs(99 + rank)
+    loaded = ckpt.load_checkpoint([model], optimizer, scheduler, config)
+    resumed = [train_step(model, optimizer, scheduler, batch(STEPS_BEFORE + i)) for i in range(3)]
+    assert_params_equal(params(model), reference_params)
+    parallel_state.destroy_model_parallel()
+    return {"reference": reference, "resumed": resumed, "loaded": tuple(loaded),
+            "failure": failure, "folders": sorted(os.listdir(os.path.join(root, "tp2")))}
+
+
+def _save_failing_on_rank1(rank, model, optimizer, scheduler, config) -> str:
+    """Save iteration 3 with rank 1's write failing; every rank must raise."""
+    real_save = torch.save
+
+    def failing_save(*args, **kwargs):
+        raise OSError("disk full on rank 1 (simulated)")
+
+    if rank == 1:
+        torch.save = failing_save
+    try:
+        ckpt.save_checkpoint(3, [model], optimizer, scheduler, config, consumed_train_samples=12)
+    except ckpt.CheckpointError as error:
+        return str(error)
+    finally:
+        torch.save = real_save
+    return "no error"
+
+
+# Pipeline parallel: mp_rank_XX_YYY folders ----------------------------------------------------
+
+
+def _pipeline_parallel(rank: int, root: str) -> dict:
+    parallel_state.initialize_model_parallel(1, 2)
+    config = run_config(os.path.join(root, "pp2"), pp=2, world_size=2)
+
+    def build(seed):
+        model_parallel_seed(seed)
+        return GPTModel(config.model, pre_process=rank == 0, post_process=rank == 1,
+                        first_layer=rank, num_layers=1)
+
+    model = build(5)
+    optimizer = get_megatron_optimizer(config.optimizer, [model])
+    ckpt.save_checkpoint(4, [model], optimizer, None, config, consumed_train_samples=8)
+    fresh = build(6)
+    loaded = ckpt.load_checkpoint([fresh], get_megatron_optimizer(config.optimizer, [fresh]),
+                                  None, config)
+    assert_params_equal(params(fresh), params(model))
+    parallel_state.destroy_model_parallel()
+    return {"loaded": tuple(loaded),
+            "folders": sorted(os.listdir(os.path.join(root, "pp2", "iter_0000004")))}
+
+
+# Distributed optimizer: saved at one data-parallel size, continued at another -----------------
+
+
+def build_distributed(config, seed: int = 5):
+    model_parallel_seed(seed)
+    model = DistributedDataParallel(GPTModel(config.model), use_distributed_optimizer=True)
+    optimizer = get_megatron_optimizer(config.optimizer, [model])
+    assert isinstance(optimizer, DistributedOptimizer)
+    return model, optimizer, build_scheduler(optimizer)
+
+
+def ddp_step(model, optimizer, scheduler, step: int) -> float:
+    """One step on this rank's rows of the global batch; returns the global-batch loss."""
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    rows = GLOBAL_BATCH // dp_size
+    tokens = batch(step, GLOBAL_BATCH)[dp_rank * rows:(dp_rank + 1) * rows]
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+    loss.backward()
+    finalize_model_grads([model])
+    optimizer.step()
+    scheduler.step(GLOBAL_BATCH)
+    loss = loss.detach()
+    if dp_size > 1:
+        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return loss.item() / dp_size
+
+
+def train_save_continue(config) -> tuple[list[float], dict]:
+    """Train, save at STEPS_BEFORE, continue: the uninterrupted run's losses and weights."""
+    model, optimizer, scheduler = build_distributed(config)
+    for step in range(STEPS_BEFORE):
+        ddp_step(model, optimizer, scheduler, step)
+    ckpt.save_checkpoint(STEPS_BEFORE, [model], optimizer, scheduler, config,
+                         consumed_train_samples=STEPS_BEFORE * GLOBAL_BATCH)
+    losses = [ddp_step(model, optimizer, scheduler, STEPS_BEFORE + i) for i in range(STEPS_AFTER)]
+    return losses, params(model)
+
+
+def load_and_continue(config) -> tuple[tuple, list[float], dict]:
+    model, optimizer, scheduler = build_distributed(config, seed=77)
+    loaded = ckpt.load_checkpoint([model], optimizer, scheduler, config)
+    losses = [ddp_step(model, optimizer, scheduler, STEPS_BEFORE + i) for i in range(STEPS_AFTER)]
+    return tuple(loaded), losses, params(model)
+
+
+def _distributed_optimizer(rank: int, root: str) -> dict:
+    parallel_state.initialize_model_parallel(1, 1)
+    save_config = run_config(os.path.join(root, "dp2"), world_size=2, dropout=0.0,
+                             distributed_optimizer=True)
+    reference, reference_params = train_save_continue(save_config)
+    load_config = run_config(os.path.join(root, "dp1"), world_size=2, dropout=0.0,
+                             distributed_optimizer=True)
+    loaded, resumed, resumed_params = load_and_continue(load_config)
+    parallel_state.destroy_model_parallel()
+    folder = os.path.join(root, "dp2", "iter_0000002", "mp_rank_00")
+    return {"reference": reference, "reference_params": _picklable(reference_params),
+            "loaded": loaded, "resumed": resumed, "resumed_params": _picklable(resumed_params),
+            "files": sorted(os.listdir(folder))}
+
+
+def _picklable(tensors: dict) -> dict:
+    # Tensors sent back from a rank travel as shared-memory handles that die with the rank
+    # process (ConnectionResetError in the parent); numpy arrays travel by value.
+    return {name: t.numpy() for name, t in tensors.items()}
+
+
+def _world2(rank: int, world_size: int, root: str) -> dict:
+    return {"tp": _tensor_parallel(rank, root), "pp": _pipeline_parallel(rank, root),
+            "dp": _distributed_optimizer(rank, root)}
+
+
+# -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("checkpoints"))
+    dp1_config = run_config(os.path.join(root, "dp1"), dropout=0.0, distributed_optimizer=True)
+    dp1_reference, dp1_params = train_save_continue(dp1_config)
+    ranks = run_distributed(_world2, 2, root)
+    dp2_config = run_config(os.path.join(root, "dp2"), dropout=0.0, distributed_optimizer=True)
+    loaded, resumed, resumed_params = load_and_continue(dp2_config)
+    return {"root": root, "ranks": ranks, "dp1_reference": dp1_reference, "dp1_params": dp1_params,
+            "dp1_loaded": loaded, "dp1_resumed": resumed, "dp1_resumed_params": resumed_params}
+
+
+def test_tensor_parallel_saves_one_folder_per_rank_and_resumes_exactly(runs):
+    root = runs["root"]
+    iter_dir = os.path.join(root, "tp2", "iter_0000002")
+    assert sorted(os.listdir(iter_dir)) == ["mp_rank_00", "mp_rank_01"]
+    for tp_rank in (0, 1):
+        assert os.path.isfile(ckpt.checkpoint_path(os.path.join(root, "tp2"), 2, tp_rank, 0, 1))
+    for result in (r["tp"] for r in runs["ranks"]):
+        assert result["loaded"] == (2, 8, 0)
+        assert result["resumed"] == result["reference"]  # bit-identical, dropout on
+
+
+def test_a_failing_rank_fails_the_whole_save(runs):
+    messages = [r["tp"]["failure"] for r in runs["ranks"]]
+    assert "disk full on rank 1" in messages[1]
+    assert "another rank" in messages[0]
+    assert runs["ranks"][0]["tp"]["folders"] == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def test_pipeline_parallel_folder_names(runs):
+    for result in (r["pp"] for r in runs["ranks"]):
+        assert result["folders"] == ["mp_rank_00_000", "mp_rank_00_001"]
+        assert result["loaded"] == (4, 8, 0)
+
+
+def test_loading_at_another_tensor_parallel_size_names_both_layouts(runs):
+    config = run_config(os.path.join(runs["root"], "tp2"))
+    model_parallel_seed(1)
+    model = GPTModel(config.model)
+    with pytest.raises(ckpt.CheckpointLayoutError) as info:
+        ckpt.load_checkpoint(model, None, None, config)
+    message = str(info.value)
+    assert "tp=2, pp=1" in message and "tp=1, pp=1" in message
+    assert "tools/checkpoint_util.py" in message
+
+
+def _assert_close(got: list[float], expected: list[float]) -> None:
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def _assert_params_close(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(torch.as_tensor(got[name]), torch.as_tensor(expected[name]),
+                                   rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_distributed_optimizer_saved_at_dp2_continues_at_dp1(runs):
+    dp2 = runs["ranks"][0]["dp"]
+    assert dp2["files"] == ["distrib_optim.pt", "model_optim_rng.pt"]
+    assert runs["dp1_loaded"] == (STEPS_BEFORE, STEPS_BEFORE * GLOBAL_BATCH, 0)
+    _assert_close(runs["dp1_resumed"], dp2["reference"])
+    _assert_params_close(runs["dp1_resumed_params"], dp2["reference_params"])
+
+
+def test_distributed_optimizer_saved_at_dp1_continues_at_dp2(runs):
+    for result in (r["dp"] for r in runs["ranks"]):
+        assert result["loaded"] == (STEPS_BEFORE, STEPS_BEFORE * GLOBAL_BATCH, 0)
+        _assert_close(result["resumed"], runs["dp1_reference"])
+        _assert_params_close(result["resumed_params"], runs["dp1_params"])
+
+
+def test_distributed_optimizer_checkpoint_without_its_state(runs):
+    """--no-load-optim refreshes the fp32 main shards from the loaded weights; a run without
+    --use-distributed-optimizer is told why it cannot load the optimizer state."""
+    config = run_config(os.path.join(runs["root"], "dp2"), dropout=0.0,
+                        distributed_optimizer=True, no_load_optim=True)
+    model, optimizer, scheduler = build_distributed(config, seed=77)
+    assert ckpt.load_checkpoint([model], optimizer, scheduler, config).iteration == STEPS_BEFORE
+    for shard in optimizer.shards:
+        flat = shard.model_param.detach().reshape(-1)[shard.param_lo:shard.param_hi]
+        assert torch.equal(shard.main.data, flat.float())
+    plain = run_config(os.path.join(runs["root"], "dp2"), dropout=0.0)
+    model_parallel_seed(3)
+    model = GPTModel(plain.model)
+    optimizer = get_megatron_optimizer(plain.optimizer, [model])
+    with pytest.raises(ckpt.CheckpointError, match="saved with --use-distributed-optimizer"):
+        ckpt.load_checkpoint(model, optimizer, build_scheduler(optimizer), plain)
