@@ -371,3 +371,18 @@ def test_inspect_check_flags_megatron_deepspeed_index(tmp_path):
                    expect_ok=False)
     assert bad.returncode == 1
     assert "Megatron-DeepSpeed" in bad.stdout and "start with the EOD" in bad.stdout
+
+
+def test_tool_never_imports_torch_or_transformers(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": "light start"}])
+    code = (
+        "import sys; sys.path.insert(0, 'tools'); import preprocess_data; "
+        f"rc = preprocess_data.main(['--input', {src!r}, '--output-prefix', "
+        f"{str(tmp_path / 'out')!r}, '--tokenizer-type', 'GPT2BPETokenizer', "
+        f"'--vocab-file', {VOCAB!r}, '--merge-file', {MERGES!r}, '--workers', '2']); "
+        "heavy = [m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules]; "
+        "print('heavy', heavy); sys.exit(rc or bool(heavy))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "heavy []" in proc.stdout
