@@ -220,13 +220,17 @@ def _legacy_safe_globals() -> list:
             (_reconstruct, "numpy.core.multiarray._reconstruct")]
 
 
-def _read_torch(path: str) -> dict:
-    """``torch.load(weights_only=True)`` with errors that name the file."""
+def _read_torch(path: str, mmap: bool = False) -> dict:
+    """``torch.load(weights_only=True)`` with errors that name the file.
+
+    ``mmap``: tensors stay in the (page-cached) file until touched, so ranks that each need a
+    slice of a large file read only that slice.
+    """
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} does not exist")
     try:
         with torch.serialization.safe_globals(_legacy_safe_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as error:  # noqa: BLE001 - zipfile, pickle and torch errors all mean "bad"
         size = os.path.getsize(path)
         raise CheckpointError(f"cannot read checkpoint file {path} ({size} bytes): it is "
@@ -656,7 +660,8 @@ def _read_distrib_optim(state: dict, optimizer: Any, path: str) -> Optional[dict
             "--no-load-optim to load the weights only")
     if not saved_distributed:
         return None
-    return _read_torch(os.path.join(os.path.dirname(path), DISTRIB_OPTIM_FILENAME))
+    # Every data-parallel rank reads the file but copies out only its own shard.
+    return _read_torch(os.path.join(os.path.dirname(path), DISTRIB_OPTIM_FILENAME), mmap=True)
 
 
 def _load_optimizer(state: dict, distrib_state: Optional[dict], optimizer: Any,

@@ -8,6 +8,7 @@ single-process halves (dp=1 save/load, loading at the wrong layout) run in this 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -276,3 +277,15 @@ def test_distributed_optimizer_checkpoint_without_its_state(runs):
     optimizer = get_megatron_optimizer(plain.optimizer, [model])
     with pytest.raises(ckpt.CheckpointError, match="saved with --use-distributed-optimizer"):
         ckpt.load_checkpoint(model, optimizer, build_scheduler(optimizer), plain)
+
+
+def test_corrupt_distributed_optimizer_file_names_it(runs, tmp_path):
+    shutil.copytree(os.path.join(runs["root"], "dp2"), tmp_path / "dp2")
+    path = str(tmp_path / "dp2" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 3)
+    config = run_config(tmp_path / "dp2", dropout=0.0, distributed_optimizer=True)
+    model, optimizer, scheduler = build_distributed(config)
+    with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint file") as info:
+        ckpt.load_checkpoint([model], optimizer, scheduler, config)
+    assert path in str(info.value)
