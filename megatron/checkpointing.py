@@ -214,8 +214,10 @@ def _write_torch(obj: Any, path: str) -> None:
 def _legacy_safe_globals() -> list:
     """Types Megatron(-DeepSpeed)'s own checkpoints pickle: the argparse Namespace under
     'args' and numpy's RNG state. Allowed for those files only; none runs code on load."""
-    from numpy._core.multiarray import _reconstruct
-
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+    except ImportError:
+        from numpy.core.multiarray import _reconstruct
     return [argparse.Namespace, np.ndarray, np.dtype, type(np.dtype(np.uint32)), _reconstruct,
             (_reconstruct, "numpy.core.multiarray._reconstruct")]
 
