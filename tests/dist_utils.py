@@ -8,6 +8,7 @@ If a rank raises, the others are stopped and the failing rank's traceback is re-
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -38,7 +39,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 init_method=f"tcp://127.0.0.1:{port}")
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        # Plain pickle copies tensors: torch's queue would share them by handles that die
+        # with this process before the parent reads them.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -75,7 +78,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)

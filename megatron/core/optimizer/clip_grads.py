@@ -65,9 +65,17 @@ def get_grad_norm_fp32(grads: Sequence[torch.Tensor], groups: Groups = None,
         total = torch.zeros(1, device=device) if local is None else local.reshape(1).to(device)
         all_reduce_over(total, groups, dist.ReduceOp.MAX)
         return float(total)
-    total = torch.zeros(1, dtype=torch.float32, device=device)
+    # On CUDA the fp32 reduction is a tree and accurate. The CPU kernel accumulates long
+    # runs in fp32, whose rounding depends on how a tensor is split over tensor ranks (1e-6
+    # of the norm for a 1.6M-element embedding): sum in fp64 there, so layouts agree.
+    accumulate = torch.float32 if device.type == "cuda" else torch.float64
+    total = torch.zeros(1, dtype=accumulate, device=device)
     if grads:
-        norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
+        if accumulate == torch.float32:
+            norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
+        else:
+            norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=accumulate)
+                     for g in grads]
         total += torch.stack(norms).to(device).pow(norm_type).sum()
     all_reduce_over(total, groups)
     return float(total.pow(1.0 / norm_type))

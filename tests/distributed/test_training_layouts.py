@@ -1,0 +1,84 @@
+"""Every (tensor, data) layout trains the same model: losses and grad norms through the
+real pretrain() entry equal the one-process run within 1e-5 relative (fp32)."""
+
+import math
+
+import pytest
+
+import pretrain_gpt
+from tests.corpus import build_corpus
+from tests.dist_utils import run_distributed
+
+ITERS = 5
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+def base_argv(corpus, cache_dir, **overrides):
+    flags = {
+        "--num-layers": 2, "--hidden-size": 32, "--num-attention-heads": 4,
+        "--seq-length": 32, "--max-position-embeddings": 32, "--micro-batch-size": 2,
+        "--global-batch-size": 8, "--train-iters": ITERS, "--lr": 1e-3, "--min-lr": 1e-4,
+        "--lr-warmup-iters": 1, "--lr-decay-style": "cosine", "--clip-grad": 1.0,
+        "--hidden-dropout": 0.0, "--attention-dropout": 0.0, "--log-interval": 1,
+        "--eval-interval": 1000, "--eval-iters": 0, "--num-workers": 0, "--split": "98,2,0",
+        "--make-vocab-size-divisible-by": 64, "--seed": 1234,
+        "--data-path": corpus["prefix"], "--data-cache-path": cache_dir,
+    }
+    flags.update(overrides)
+    argv = []
+    for name, value in flags.items():
+        if value is True:
+            argv.append(name)
+        elif value is not None and value is not False:
+            argv += [name, str(value)]
+    return argv + corpus["tokenizer_flags"]
+
+
+def _train(rank, world_size, argv):
+    state = pretrain_gpt.main(argv)
+    return [(h["losses"]["lm loss"], h["grad_norm"]) for h in state.history]
+
+
+def train(world_size, argv):
+    histories = run_distributed(_train, world_size, argv)
+    for other in histories[1:]:  # every rank reports the same reduced loss and norm
+        assert other == histories[0]
+    return histories[0]
+
+
+def assert_same_run(got, expected, rel=1e-5):
+    assert len(got) == len(expected) == ITERS
+    for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, expected)):
+        assert math.isclose(loss, ref_loss, rel_tol=rel), (i, loss, ref_loss)
+        assert math.isclose(norm, ref_norm, rel_tol=rel), (i, norm, ref_norm)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("cache"))
+    run = train(1, base_argv(corpus, cache))
+    losses = [loss for loss, _ in run]
+    assert losses[-1] < losses[0], "the reference run does not learn"
+    return cache, run
+
+
+@pytest.mark.parametrize("world,flags", [
+    (2, {"--tensor-model-parallel-size": 2}),
+    (2, {}),  # dp = 2
+    (4, {"--tensor-model-parallel-size": 2}),  # tp = 2, dp = 2
+    (2, {"--use-distributed-optimizer": True}),
+    (2, {"--tensor-model-parallel-size": 2, "--sequence-parallel": True}),
+    (2, {"--overlap-grad-reduce": True, "--micro-batch-size": 1}),
+], ids=["tp2", "dp2", "tp2dp2", "dp2-distopt", "tp2-seqpar", "dp2-overlap-accum"])
+def test_layout_matches_single_process(corpus, reference, world, flags):
+    cache, expected = reference
+    assert_same_run(train(world, base_argv(corpus, cache, **flags)), expected)
+
+
+def test_gradient_accumulation_equals_one_big_micro_batch(corpus, reference):
+    cache, expected = reference  # global batch 8 = 4 micro-batches of 2
+    assert_same_run(train(1, base_argv(corpus, cache, **{"--micro-batch-size": 8})), expected)
