@@ -445,7 +445,8 @@ def build_run_tokenizer(cfg: RunConfig):
     from megatron.tokenizer import build_tokenizer
 
     d = cfg.data
-    if d.mock_data and not (d.vocab_file or d.tokenizer_name_or_path):
+    has_files = d.vocab_file or d.tokenizer_name_or_path
+    if d.mock_data and d.tokenizer_type != "NullTokenizer" and not has_files:
         return None
     return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file,
                            d.tokenizer_name_or_path, d.vocab_size)
