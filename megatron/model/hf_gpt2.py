@@ -36,6 +36,15 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+# Per-layer tensors whose names differ but whose values map one to one (Linear <-> Conv1D
+# weights are transposed; LayerNorm weights are not). Ours -> HF's, inside one layer.
+_LAYER_NAMES = {
+    "input_layernorm": "ln_1", "post_attention_layernorm": "ln_2",
+    "self_attention.dense": "attn.c_proj", "mlp.dense_h_to_4h": "mlp.c_fc",
+    "mlp.dense_4h_to_h": "mlp.c_proj",
+}
+
+
 def _qkv_rows_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
     """``[3 * n * d, ...]`` ordered q, k, v -> ordered per head (n, 3, d)."""
     rest = t.shape[1:]
@@ -66,12 +75,7 @@ def hf_to_megatron_state_dict(hf_sd: dict[str, torch.Tensor],
     }
     for i in range(config.num_layers):
         src, dst = f"h.{i}.", f"encoder.layers.{i}."
-        pairs = {
-            "input_layernorm": "ln_1", "post_attention_layernorm": "ln_2",
-            "self_attention.dense": "attn.c_proj", "mlp.dense_h_to_4h": "mlp.c_fc",
-            "mlp.dense_4h_to_h": "mlp.c_proj",
-        }
-        for ours, theirs in pairs.items():
+        for ours, theirs in _LAYER_NAMES.items():
             weight = sd[src + theirs + ".weight"]
             out[dst + ours + ".weight"] = weight if "layernorm" in ours else weight.t()
             out[dst + ours + ".bias"] = sd[src + theirs + ".bias"]
@@ -96,14 +100,9 @@ def megatron_to_hf_state_dict(sd: dict[str, torch.Tensor],
     }
     for i in range(config.num_layers):
         src, dst = f"encoder.layers.{i}.", f"transformer.h.{i}."
-        pairs = {
-            "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
-            "attn.c_proj": "self_attention.dense", "mlp.c_fc": "mlp.dense_h_to_4h",
-            "mlp.c_proj": "mlp.dense_4h_to_h",
-        }
-        for theirs, ours in pairs.items():
+        for ours, theirs in _LAYER_NAMES.items():
             weight = sd[src + ours + ".weight"]
-            out[dst + theirs + ".weight"] = weight if "ln" in theirs else weight.t()
+            out[dst + theirs + ".weight"] = weight if "layernorm" in ours else weight.t()
             out[dst + theirs + ".bias"] = sd[src + ours + ".bias"]
         qkv = src + "self_attention.query_key_value"
         out[dst + "attn.c_attn.weight"] = _qkv_rows_per_kind(sd[qkv + ".weight"], heads).t()
