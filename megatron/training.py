@@ -31,7 +31,11 @@ from megatron.config import RunConfig
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.pipeline_parallel import bubble
+from megatron.core.pipeline_parallel.schedules import (
+    check_interleaved_microbatches,
+    get_forward_backward_func,
+)
 from megatron.initialize import initialize_megatron
 from megatron.microbatches import NumMicroBatchesCalculator
 from megatron.model.stages import layer_range
@@ -80,6 +84,9 @@ def build_model_chunks(model_provider: Callable, ctx: RunContext) -> list[nn.Mod
     """This rank's model chunks (one per virtual pipeline stage), each built for its layers."""
     cfg = ctx.config
     vp = cfg.parallel.virtual_pipeline_model_parallel_size
+    if vp is not None and vp > 1:
+        check_interleaved_microbatches(cfg.num_microbatches,
+                                       cfg.parallel.pipeline_model_parallel_size)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
     for v in range(vp or 1):
@@ -267,6 +274,9 @@ class Trainer:
         self.forward_step, self.chunks = forward_step, chunks
         self.optimizer, self.scheduler = optimizer, scheduler
         self.train_iter, self.valid_iter, self.test_iter = iterators
+        # Middle pipeline stages read no data but must join every evaluation.
+        self.has_valid = _any_rank(self.valid_iter is not None)
+        self.has_test = _any_rank(self.test_iter is not None)
         self.state = state
         t = self.cfg.training
         self.calculator = NumMicroBatchesCalculator(
@@ -360,6 +370,11 @@ class Trainer:
         timings = self.ctx.timers.pop_all()
         if timings and cfg.logging.timing_log_level > 0:
             print_rank_0(self.ctx.timers.format(timings, iters))
+        if cfg.logging.log_bubble and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            stages = bubble.gather_stage_times(bubble.StageTimes.from_timings(timings))
+            print_rank_0(bubble.format_bubble(
+                stages, self.calculator.num_microbatches,
+                cfg.parallel.virtual_pipeline_model_parallel_size, iters))
         scalars = {f"{name}": value for name, value in losses.items()}
         scalars.update({"learning-rate": lr, "grad-norm": grad_norm, "loss-scale": scale,
                         "batch-size": gbs, "tokens-per-gpu-per-second": tgs,
@@ -372,8 +387,9 @@ class Trainer:
         self._skipped = self._nan = 0
         self._interval_start = time.perf_counter()
 
-    def run_evaluation(self, prefix: str, data_iterator, eval_iters: int) -> dict[str, float]:
-        if data_iterator is None or eval_iters == 0:
+    def run_evaluation(self, prefix: str, data_iterator, eval_iters: int,
+                       has_data: bool = True) -> dict[str, float]:
+        if not has_data or eval_iters == 0:
             return {}
         num_micro = self.cfg.num_microbatches
         losses = evaluate(self.forward_step, data_iterator, self.chunks, self.ctx, num_micro,
@@ -390,7 +406,7 @@ class Trainer:
         s, cfg = self.state, self.cfg
         it = s.iteration
         t, ck = cfg.training, cfg.checkpoint
-        if t.eval_interval and it % t.eval_interval == 0 and self.valid_iter is not None:
+        if t.eval_interval and it % t.eval_interval == 0 and self.has_valid:
             losses = self.run_evaluation(f"validation loss at iteration {it}", self.valid_iter,
                                          t.eval_iters)
             s.consumed_valid_samples += t.eval_iters * t.global_batch_size
@@ -461,8 +477,9 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     tokenizer = build_run_tokenizer(cfg)
     vocab = tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)
     cfg = cfg.with_vocab_size(vocab)
-    ctx = RunContext(cfg, tokenizer, Timers(cfg.logging.timing_log_level),
-                     parallel_state.get_default_device())
+    # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
+    timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
+    ctx = RunContext(cfg, tokenizer, Timers(timer_level), parallel_state.get_default_device())
     print_config(cfg)
     _warn_slow_precision(cfg, ctx.device)
 
@@ -491,12 +508,12 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     if t.eval_iters and state.iteration % t.eval_interval != 0:
         losses = trainer.run_evaluation(
             f"validation loss at the end of training (iteration {state.iteration})",
-            trainer.valid_iter, t.eval_iters)
+            trainer.valid_iter, t.eval_iters, trainer.has_valid)
         trainer._track_best(losses)
     if cfg.checkpoint.save and state.iteration != state.last_saved:
         trainer.save()
     trainer.run_evaluation(f"test loss at the end of training (iteration {state.iteration})",
-                           trainer.test_iter, t.eval_iters)
+                           trainer.test_iter, t.eval_iters, trainer.has_test)
     trainer.tensorboard.close()
     _finish()
     return state
