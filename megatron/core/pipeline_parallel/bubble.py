@@ -6,9 +6,13 @@ idle, a fraction ``(p - 1) / (m + p - 1)``. Interleaving v chunks per stage shri
 time v-fold, to ``(p - 1) t / v``, so the fraction of the iteration becomes
 ``(p - 1) / (v m + p - 1)`` (Narayanan et al., 2021, section 2.2; for v = 1 the same formula).
 
-Measured: the schedules time this rank's forward and backward compute and its waits in
-point-to-point exchanges (``schedules.FORWARD_TIMER`` etc.); the bubble of a stage is
-``1 - (forward + backward) / forward-backward``, the time of the whole schedule call.
+Measured: the schedules time each rank's forward and backward compute and its waits in
+point-to-point exchanges (``schedules.FORWARD_TIMER`` etc.), and the training step times the
+whole schedule call. The stages start an iteration together (the previous one ended in
+collectives over all of them) but do not end together (the last stage finishes its last
+backward ``p - 1`` backward steps before the first), so the iteration's pipeline time is the
+longest stage's, and the bubble is ``1 - mean(compute) / max(schedule time)``: the same
+quantity as the theory's.
 """
 
 from __future__ import annotations
@@ -48,11 +52,8 @@ class StageTimes:
                    timings.get(WAIT_TIMER, 0.0), timings.get(SCHEDULE_TIMER, 0.0))
 
     @property
-    def bubble(self) -> float:
-        """Share of the schedule's time this stage did not compute."""
-        if self.total <= 0.0:
-            return 0.0
-        return max(0.0, 1.0 - (self.forward + self.backward) / self.total)
+    def compute(self) -> float:
+        return self.forward + self.backward
 
 
 def gather_stage_times(times: StageTimes, group=None) -> list[StageTimes]:
@@ -67,8 +68,12 @@ def gather_stage_times(times: StageTimes, group=None) -> list[StageTimes]:
 
 
 def measured_bubble_fraction(stages: Sequence[StageTimes]) -> float:
-    """The stages' mean idle share."""
-    return sum(s.bubble for s in stages) / max(len(stages), 1)
+    """Idle share of the pipeline: ``1 - mean(compute) / max(schedule time)``."""
+    span = max((s.total for s in stages), default=0.0)
+    if span <= 0.0:
+        return 0.0
+    mean_compute = sum(s.compute for s in stages) / len(stages)
+    return max(0.0, 1.0 - mean_compute / span)
 
 
 def format_bubble(stages: Sequence[StageTimes], num_microbatches: int,
