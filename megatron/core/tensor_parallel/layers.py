@@ -9,7 +9,9 @@ device or before loading a checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Optional
 
 import torch
@@ -23,9 +25,34 @@ from megatron.core.utils import divide, set_tensor_model_parallel_attributes
 InitMethod = Callable[[torch.Tensor], object]
 
 
+# (world size, rank) that layers built without a group assume; see assume_tensor_parallel_rank.
+_ASSUMED_TP: ContextVar[Optional[tuple[int, int]]] = ContextVar("assumed_tp", default=None)
+
+
+@contextlib.contextmanager
+def assume_tensor_parallel_rank(world_size: int, rank: int) -> Iterator[None]:
+    """Layers built inside (without an explicit ``tp_group``) take the shapes of
+    tensor-parallel rank ``rank`` of ``world_size``, with no process groups.
+
+    For inspecting a layout too large to launch, e.g. one GPT-3 175B stage on the meta
+    device. Such layers have the right shard shapes but nothing to communicate over: do not
+    run them.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"tensor-parallel rank {rank} is outside world size {world_size}")
+    token = _ASSUMED_TP.set((world_size, rank))
+    try:
+        yield
+    finally:
+        _ASSUMED_TP.reset(token)
+
+
 def _tp_world_and_rank(group) -> tuple[int, int]:
     if group is not None:
         return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    assumed = _ASSUMED_TP.get()
+    if assumed is not None:
+        return assumed
     return (parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_rank())
 
