@@ -159,12 +159,16 @@ def build_data_iterators(provider: Callable, ctx: RunContext, state: TrainState)
     dp_size = parallel_state.get_data_parallel_world_size()
     consumed = [state.consumed_train_samples, state.consumed_valid_samples, 0]
     iterators = []
-    for dataset, start in zip(datasets, consumed):
-        loader = build_pretraining_data_loader(
-            dataset, start, cfg.training.micro_batch_size, dp_rank, dp_size,
-            num_workers=cfg.data.num_workers, dataloader_type=cfg.data.dataloader_type,
-            seed=cfg.training.seed)
-        iterators.append(iter(loader) if loader is not None else None)
+    # Starting a DataLoader iterator draws a seed from torch's global generator, the one
+    # dropout uses. A resumed run starts its iterators after restoring that generator, so
+    # the draw would shift its random stream: keep the draw off it.
+    with torch.random.fork_rng(devices=[]):
+        for dataset, start in zip(datasets, consumed):
+            loader = build_pretraining_data_loader(
+                dataset, start, cfg.training.micro_batch_size, dp_rank, dp_size,
+                num_workers=cfg.data.num_workers, dataloader_type=cfg.data.dataloader_type,
+                seed=cfg.training.seed)
+            iterators.append(iter(loader) if loader is not None else None)
     return tuple(iterators)
 
 
