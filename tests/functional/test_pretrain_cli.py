@@ -1,0 +1,187 @@
+"""pretrain_gpt.py driven as a user drives it, end to end.
+
+WikiText-2 articles as loose JSON -> tools/preprocess_data.py -> ``torchrun --nproc_per_node 4
+pretrain_gpt.py --tensor-model-parallel-size 2`` (tensor 2 x data 2, gloo) with evaluation,
+a checkpoint, TensorBoard and an --exit-interval stop -> a second torchrun that loads the
+checkpoint and finishes. Then the user errors: an unknown flag and a global batch that does
+not divide exit with status 2 and a message naming the flag, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron.checkpointing import list_iterations, read_tracker
+from tests.corpus import MERGES, VOCAB, WIKITEXT, have_gpt2_files, wikitext_articles
+from tests.dist_utils import free_port
+from tests.distributed.training_utils import load_tool, parse_log_lines
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LOG_FIELDS = [
+    "consumed samples", "elapsed time per iteration (ms)", "learning rate",
+    "global batch size", "lm loss", "loss scale", "grad norm", "number of skipped iterations",
+    "number of nan iterations", "tokens per GPU per second (TGS)", "TFLOP/s per GPU",
+]
+GBS = 8
+
+
+def _env(**extra) -> dict:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _run(cmd, timeout=240, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=REPO,
+                          env=_env(**env), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """WikiText-2 articles through tools/preprocess_data.py; GPT-2's tokenizer when the shared
+    files are there, else the corpus and tokenizer of tools/build_quickstart_corpus.py."""
+    folder = tmp_path_factory.mktemp("data")
+    corpus = folder / "corpus.json"
+    if have_gpt2_files() and (WIKITEXT / "valid.txt").is_file():
+        with open(corpus, "w", encoding="utf-8") as f:
+            for article in wikitext_articles(max_chars=150_000):
+                f.write(json.dumps({"text": article}) + "\n")
+        vocab, merges = VOCAB, MERGES
+    else:
+        tool = load_tool("build_quickstart_corpus")
+        tool.build_corpus(corpus, max_chars=150_000)
+        vocab, merges = tool.train_tokenizer(tool.read_json_texts(corpus), folder / "tok", 1024)
+    tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
+                 "--merge-file", str(merges)]
+    done = _run([sys.executable, "tools/preprocess_data.py", "--input", corpus,
+                 "--output-prefix", folder / "wiki", "--append-eod", "--workers", "2",
+                 *tokenizer])
+    assert done.returncode == 0, done.stderr
+    return {"prefix": str(folder / "wiki_text_document"), "tokenizer": tokenizer}
+
+
+def _flags(dataset, **overrides) -> list[str]:
+    flags = {
+        "--tensor-model-parallel-size": 2, "--distributed-backend": "gloo",
+        "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4,
+        "--seq-length": 64, "--max-position-embeddings": 64, "--micro-batch-size": 2,
+        "--global-batch-size": GBS, "--train-iters": 6, "--lr": 1e-3, "--min-lr": 1e-4,
+        "--lr-warmup-iters": 1, "--lr-decay-style": "cosine", "--clip-grad": 1.0,
+        "--log-interval": 1, "--eval-interval": 3, "--eval-iters": 2, "--split": "90,5,5",
+        "--num-workers": 0, "--data-path": dataset["prefix"],
+    }
+    flags.update(overrides)
+    return [str(x) for kv in flags.items() for x in kv] + dataset["tokenizer"]
+
+
+def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+           "--master_port", str(free_port()), "pretrain_gpt.py", *args]
+    return _run(cmd)
+
+
+@pytest.fixture(scope="module")
+def two_runs(dataset, tmp_path_factory):
+    """Run 1 trains 4 of 6 iterations (--exit-interval 4), run 2 loads and finishes."""
+    folder = tmp_path_factory.mktemp("run")
+    save, tb = str(folder / "ckpt"), str(folder / "tb")
+    common = ["--save", save, "--save-interval", "3", "--tensorboard-dir", tb]
+    first = _torchrun(_flags(dataset) + common + ["--exit-interval", "4"])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    tracker_after_first = read_tracker(save)
+    second = _torchrun(_flags(dataset) + common + ["--load", save])
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    return dict(first=first.stdout, second=second.stdout, save=save, tb=tb,
+                tracker_after_first=tracker_after_first)
+
+
+def test_log_lines_have_every_field(two_runs):
+    for text, iterations in ((two_runs["first"], [1, 2, 3, 4]),
+                             (two_runs["second"], [5, 6])):
+        lines = parse_log_lines(text)
+        assert [line["iteration"] for line in lines] == iterations
+        for line in lines:
+            missing = [f for f in LOG_FIELDS if f not in line]
+            assert not missing, (missing, line)
+            assert line["consumed samples"] == GBS * line["iteration"]
+            assert line["global batch size"] == GBS
+            assert line["number of skipped iterations"] == 0
+            assert line["number of nan iterations"] == 0
+            assert line["loss scale"] == 1.0
+            assert line["elapsed time per iteration (ms)"] > 0
+            assert line["tokens per GPU per second (TGS)"] > 0
+            assert line["TFLOP/s per GPU"] >= 0
+            assert 0 < line["lm loss"] < 12 and line["grad norm"] > 0
+    first = parse_log_lines(two_runs["first"])
+    assert first[-1]["lm loss"] < first[0]["lm loss"]
+
+
+def test_evaluation_lines(two_runs):
+    pattern = r"validation loss at iteration (\d+) \| lm loss value: (\S+) \| lm loss PPL: (\S+)"
+    first = re.findall(pattern, two_runs["first"])
+    second = re.findall(pattern, two_runs["second"])
+    assert [int(m[0]) for m in first] == [3] and [int(m[0]) for m in second] == [6]
+    for _, loss, ppl in first + second:
+        assert float(ppl) == pytest.approx(2.718281828 ** float(loss), rel=1e-5)
+    assert "test loss at the end of training (iteration 6)" in two_runs["second"]
+
+
+def test_checkpoint_and_resume(two_runs):
+    save = two_runs["save"]
+    assert two_runs["tracker_after_first"].iteration == 4
+    assert "exiting at iteration 4 (--exit-interval reached); checkpoint saved" in \
+        two_runs["first"]
+    assert "training from iteration 4 to 6" in two_runs["second"]
+    assert list_iterations(save) == [3, 4, 6]
+    assert read_tracker(save).iteration == 6
+    for it in (3, 4, 6):  # one folder per tensor-parallel rank, written by data rank 0
+        folder = os.path.join(save, f"iter_{it:07d}")
+        assert sorted(os.listdir(folder)) == ["mp_rank_00", "mp_rank_01"]
+
+
+def test_tensorboard_scalars(two_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = [f for f in os.listdir(two_runs["tb"]) if f.startswith("events.out.tfevents")]
+    assert len(events) == 2  # one writer per run, on global rank 0 only
+    acc = EventAccumulator(two_runs["tb"], size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("lm loss", "learning-rate", "grad-norm", "batch-size",
+                "tokens-per-gpu-per-second", "tflops-per-gpu", "iteration-time-ms",
+                "lm loss validation", "lm loss validation ppl"):
+        assert tag in tags, (tag, sorted(tags))
+    assert [e.step for e in acc.Scalars("lm loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in acc.Scalars("lm loss validation")] == [3, 6]
+    logged = [line["lm loss"] for line in parse_log_lines(two_runs["first"])]
+    written = [e.value for e in acc.Scalars("lm loss")][:4]
+    assert written == pytest.approx(logged, rel=1e-5)
+
+
+# User errors: exit 2 with the flag named, before any process group -----------------------
+
+
+def _rank0_of(world_size: int) -> dict:
+    # Rank 0 of a world whose other ranks never come: making a process group would block
+    # until the subprocess timeout, so a prompt exit proves none was attempted.
+    return dict(RANK="0", WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+@pytest.mark.parametrize("overrides,extra,named", [
+    ({}, ["--global-batch-sise", "8"], "--global-batch-sise (did you mean --global-batch-size?)"),
+    ({"--global-batch-size": 6}, [], "--global-batch-size (6) is not divisible"),
+], ids=["unknown-flag", "batch-not-divisible"])
+def test_user_error_exits_2_naming_the_flag(dataset, overrides, extra, named):
+    cmd = [sys.executable, "pretrain_gpt.py", *_flags(dataset, **overrides), *extra]
+    done = _run(cmd, timeout=60, **_rank0_of(4))
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert named in done.stderr
+    assert done.stderr.startswith("error: ")
+    assert "iteration" not in done.stdout
