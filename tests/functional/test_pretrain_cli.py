@@ -185,3 +185,155 @@ def test_user_error_exits_2_naming_the_flag(dataset, overrides, extra, named):
     assert named in done.stderr
     assert done.stderr.startswith("error: ")
     assert "iteration" not in done.stdout
+
+
+# Example launch scripts: run with stand-in launchers that record what they were asked -----
+
+
+FAKE_LAUNCHER = """#!{python}
+import json, os, sys
+with open(os.environ["LAUNCH_CAPTURE"], "a") as f:
+    f.write(json.dumps({{"launcher": os.path.basename(sys.argv[0]), "argv": sys.argv[1:],
+                         "WORLD_SIZE": os.environ.get("WORLD_SIZE")}}) + "\\n")
+"""
+
+
+@pytest.fixture
+def fake_launchers(tmp_path):
+    """A bin folder with torchrun, srun and scontrol stand-ins, and a python wrapper whose
+    ``-m torch.distributed.run`` is the torchrun stand-in; returns (env, read_calls)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("torchrun", "srun"):
+        (bin_dir / name).write_text(FAKE_LAUNCHER.format(python=sys.executable))
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node001\necho node002\n")
+    (bin_dir / "python").write_text(
+        "#!/bin/bash\n"
+        f'if [ "$1 $2" = "-m torch.distributed.run" ]; then shift 2; exec {bin_dir}/torchrun "$@"; fi\n'
+        f'exec {sys.executable} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    capture = tmp_path / "launches.jsonl"
+    env = dict(PATH=f"{bin_dir}:{os.environ['PATH']}", LAUNCH_CAPTURE=str(capture),
+               PYTHON=str(bin_dir / "python"))
+
+    def read_calls():
+        if not capture.is_file():
+            return []
+        return [json.loads(line) for line in capture.read_text().splitlines()]
+
+    return env, read_calls
+
+
+def _launcher_option(argv: list[str], name: str, default: str) -> str:
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+def _pretrain_config(call: dict, world_size: int):
+    from megatron.arguments import parse_args
+
+    argv = call["argv"]
+    script = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
+    return parse_args(argv[script + 1:], world_size=world_size)
+
+
+def _torchrun_world(argv: list[str]) -> int:
+    return (int(_launcher_option(argv, "--nproc_per_node", "1"))
+            * int(_launcher_option(argv, "--nnodes", "1")))
+
+
+def test_gpt3_175b_script_is_megatrons_recipe(fake_launchers):
+    env, calls = fake_launchers
+    done = _run(["bash", "examples/gpt3/train_gpt3_175b_distributed.sh", "/ck", "/tb",
+                 "/v.json", "/m.txt"], timeout=60, DATA_DIR="/corpora", **env)
+    assert done.returncode == 0, done.stderr
+    [call] = calls()
+    assert call["launcher"] == "torchrun"
+    world = _torchrun_world(call["argv"])
+    assert world == 1024
+    cfg = _pretrain_config(call, world)
+    m, p, t, o, s = cfg.model, cfg.parallel, cfg.training, cfg.optimizer, cfg.scheduler
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (8, 8)
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == \
+        (96, 12288, 96, 2048)
+    assert m.init_method_std == 0.006
+    assert (t.micro_batch_size, t.global_batch_size, t.rampup_batch_size) == \
+        (1, 1536, (16, 16, 5859375))
+    assert t.train_samples == 146484375
+    assert (o.lr, o.min_lr, o.clip_grad, o.weight_decay, o.adam_beta1, o.adam_beta2) == \
+        (6e-5, 6e-6, 1.0, 0.1, 0.9, 0.95)
+    assert o.fp16 and not o.bf16
+    assert (s.lr_decay_style, s.lr_warmup_samples, s.lr_decay_samples) == \
+        ("cosine", 183105, 126953125)
+    assert list(cfg.data.data_path) == ["0.35", "/corpora/wiki_text_document",
+                                        "0.65", "/corpora/openwebtext_text_document"]
+    assert (cfg.checkpoint.save, cfg.checkpoint.load, cfg.logging.tensorboard_dir) == \
+        ("/ck", "/ck", "/tb")
+    assert (cfg.data.vocab_file, cfg.data.merge_file) == ("/v.json", "/m.txt")
+
+
+def test_distributed_and_slurm_scripts_launch_valid_runs(fake_launchers):
+    env, calls = fake_launchers
+    args = ["/ck", "/v.json", "/m.txt", "0.3 /a_text_document 0.7 /b_text_document",
+            "--seed", "7"]
+    done = _run(["bash", "examples/pretrain_gpt_distributed.sh", *args], timeout=60,
+                TP="2", PP="2", PRECISION="--bf16", **env)
+    assert done.returncode == 0, done.stderr
+    done = _run(["bash", "examples/slurm/pretrain_gpt_slurm.sh", *args], timeout=60,
+                SLURM_NTASKS="16", SLURM_JOB_NODELIST="node[001-002]", SLURM_SUBMIT_DIR=REPO,
+                **env)
+    assert done.returncode == 0, done.stderr
+    torchrun, srun = calls()
+    assert (torchrun["launcher"], srun["launcher"]) == ("torchrun", "srun")
+    cfg = _pretrain_config(torchrun, _torchrun_world(torchrun["argv"]))
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
+            cfg.parallel.data_parallel_size) == (2, 2, 2)
+    assert cfg.optimizer.bf16 and cfg.training.seed == 7
+    assert list(cfg.data.data_path) == ["0.3", "/a_text_document", "0.7", "/b_text_document"]
+    assert srun["WORLD_SIZE"] == "16"
+    cfg = _pretrain_config(srun, int(srun["WORLD_SIZE"]))
+    assert cfg.parallel.data_parallel_size == 8 and cfg.optimizer.fp16
+
+
+def test_quickstart_builds_everything_and_launches_tp2(fake_launchers, tmp_path):
+    env, calls = fake_launchers
+    out = tmp_path / "qs"
+    corpus = tmp_path / "my corpus.json"  # the user's own corpus, with a space in its path
+    tool = load_tool("build_quickstart_corpus")
+    tool.build_corpus(corpus, tmp_path / "no-wikitext", max_chars=60_000)
+    settings = dict(OUT_DIR=str(out), CORPUS_JSON=str(corpus), VOCAB_SIZE="300",
+                    TRAIN_ITERS="3", **env)
+    done = _run(["bash", "examples/quickstart_cpu.sh"], timeout=120, **settings)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    stages = re.findall(r"==> \[\d+s\] ([a-z ]+)", done.stdout)
+    assert stages == ["building corpus", "training tokenizer", "preprocessing", "training",
+                      "done in "], done.stdout
+    vocab = json.loads((out / "tokenizer" / "bpe300-my corpus" / "vocab.json").read_text())
+    assert len(vocab) == 300 and vocab["<|endoftext|>"] == 299
+    [call] = calls()
+    assert _launcher_option(call["argv"], "--nproc_per_node", "") == "2"
+    cfg = _pretrain_config(call, 2)
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.parallel.pipeline_model_parallel_size == 1
+    data = cfg.data.data_path[0]
+    assert os.path.isfile(data + ".bin") and os.path.isfile(data + ".idx")
+    assert cfg.checkpoint.save == cfg.checkpoint.load == str(out / "checkpoints")
+    assert cfg.logging.tensorboard_dir == str(out / "tensorboard")
+    assert cfg.training.train_iters == 3 and cfg.training.eval_iters > 0
+    # Re-running reuses what was built; PP=2 switches on pipeline parallelism.
+    again = _run(["bash", "examples/quickstart_cpu.sh"], timeout=120, PP="2", **settings)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("reusing") == 2  # the tokenizer and the dataset
+    call = calls()[-1]
+    assert _launcher_option(call["argv"], "--nproc_per_node", "") == "4"
+    assert _pretrain_config(call, 4).parallel.pipeline_model_parallel_size == 2
+
+
+def test_quickstart_corpus_falls_back_to_python_docs(tmp_path):
+    tool = load_tool("build_quickstart_corpus")
+    source, count = tool.build_corpus(tmp_path / "c.json", tmp_path / "no-wikitext",
+                                      max_chars=100_000)
+    assert "Python" in source and count >= 5
+    texts = list(tool.read_json_texts(tmp_path / "c.json"))
+    assert len(texts) == count and sum(map(len, texts)) >= 100_000
+    assert all(len(t) >= 200 for t in texts)

@@ -1,0 +1,62 @@
+#!/bin/bash
+# GPT-2 345M on a SLURM cluster: srun starts one task per GPU and pretrain_gpt.py reads its
+# rank from SLURM_PROCID / SLURM_LOCALID and the world size from WORLD_SIZE (set below).
+#
+#     sbatch examples/slurm/pretrain_gpt_slurm.sh CHECKPOINT_PATH VOCAB_FILE MERGE_FILE DATA_PATH [flags]
+#
+# Adjust the #SBATCH lines to your cluster; TP and PP set the tensor and pipeline parallel
+# sizes, the rest of the tasks are data parallel.
+#SBATCH --job-name=megatron-gpt
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=8
+#SBATCH --time=24:00:00
+#SBATCH --exclusive
+set -euo pipefail
+
+if [ $# -lt 4 ]; then
+    echo "usage: sbatch $0 CHECKPOINT_PATH VOCAB_FILE MERGE_FILE DATA_PATH [pretrain_gpt.py flags]" >&2
+    exit 2
+fi
+CHECKPOINT_PATH=$1
+VOCAB_FILE=$2
+MERGE_FILE=$3
+read -r -a DATA_PATH <<< "$4"
+shift 4
+
+# sbatch runs a copy of this script: find the repository from where it was submitted.
+REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(pwd)}}
+if [ ! -f "$REPO/pretrain_gpt.py" ]; then
+    echo "error: no pretrain_gpt.py in $REPO: submit from the repository root or set REPO" >&2
+    exit 2
+fi
+MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+export MASTER_ADDR
+export MASTER_PORT=${MASTER_PORT:-6000}
+export WORLD_SIZE=${SLURM_NTASKS:-$((SLURM_JOB_NUM_NODES * SLURM_NTASKS_PER_NODE))}
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+TP=${TP:-2}
+PP=${PP:-1}
+PRECISION=${PRECISION:---fp16}   # --fp16, --bf16, or "" for fp32
+
+GPT_ARGS=(
+    --num-layers 24 --hidden-size 1024 --num-attention-heads 16
+    --seq-length 1024 --max-position-embeddings 1024
+    --micro-batch-size 4 --global-batch-size 256
+    --lr 0.00015 --train-iters 500000 --lr-decay-iters 320000 --lr-decay-style cosine
+    --min-lr 1.0e-5 --weight-decay 1e-2 --lr-warmup-fraction .01 --clip-grad 1.0
+    $PRECISION
+)
+PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+DATA_ARGS=(
+    --data-path "${DATA_PATH[@]}" --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE"
+    --split 949,50,1
+)
+OUTPUT_ARGS=(
+    --log-interval 100 --save-interval 10000 --eval-interval 1000 --eval-iters 10
+    --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --exit-signal-handler
+)
+
+srun --kill-on-bad-exit=1 python "$REPO/pretrain_gpt.py" \
+    "${GPT_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
