@@ -27,15 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.arguments import parse_args_or_exit, print_config
-from megatron.config import RunConfig
+from megatron.config import ConfigError, RunConfig
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import bubble
-from megatron.core.pipeline_parallel.schedules import (
-    check_interleaved_microbatches,
-    get_forward_backward_func,
-)
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.initialize import initialize_megatron
 from megatron.microbatches import NumMicroBatchesCalculator
 from megatron.model.stages import layer_range
@@ -85,8 +82,7 @@ def build_model_chunks(model_provider: Callable, ctx: RunContext) -> list[nn.Mod
     cfg = ctx.config
     vp = cfg.parallel.virtual_pipeline_model_parallel_size
     if vp is not None and vp > 1:
-        check_interleaved_microbatches(cfg.num_microbatches,
-                                       cfg.parallel.pipeline_model_parallel_size)
+        _check_interleaved_batch_sizes(cfg)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
     for v in range(vp or 1):
@@ -100,6 +96,24 @@ def build_model_chunks(model_provider: Callable, ctx: RunContext) -> list[nn.Mod
     if vp is not None:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
+
+
+def _check_interleaved_batch_sizes(cfg: RunConfig) -> None:
+    """Every global batch size of the run (ramp-up included) must split into a multiple of
+    --pipeline-model-parallel-size micro-batches for the interleaved schedule."""
+    t, pp, dp = cfg.training, cfg.parallel.pipeline_model_parallel_size, cfg.data_parallel_size
+    sizes = [t.global_batch_size]
+    if t.rampup_batch_size is not None:
+        start, increment, _ = t.rampup_batch_size
+        sizes = list(range(start, t.global_batch_size, increment)) + sizes
+    for gbs in sizes:
+        m = gbs // (t.micro_batch_size * dp)
+        if m % pp != 0:
+            raise ConfigError(
+                f"the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage) "
+                f"needs the micro-batches per iteration to be a multiple of "
+                f"--pipeline-model-parallel-size ({pp}): global batch size {gbs} / "
+                f"(--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})) = {m}")
 
 
 def wrap_data_parallel(chunks: Sequence[nn.Module], cfg: RunConfig) -> list[nn.Module]:
@@ -181,7 +195,10 @@ def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     names = sorted({name for d in losses for name in d}) if losses else []
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         # Other stages do not know the names: the last stage's list is canonical.
-        names = ["lm loss"]
+        names = [names]
+        dist.broadcast_object_list(names, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        names = names[0]
     values = torch.zeros(len(names), dtype=torch.float64)
     if losses:
         for i, name in enumerate(names):

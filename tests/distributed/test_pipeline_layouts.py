@@ -15,7 +15,9 @@ turn (model-parallel groups are torn down and rebuilt between runs).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import math
 import os
 
@@ -102,11 +104,15 @@ def train_once(argv: list[str]) -> dict:
     recorder = Recorder()
     original = training.evaluate
     training.evaluate = recorder.evaluate(original)
+    log = io.StringIO()
     try:
-        state = training.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                                  recorder.model_provider, recorder.forward_step, argv=argv)
+        with contextlib.redirect_stdout(log):
+            state = training.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                                      recorder.model_provider, recorder.forward_step, argv=argv)
         recorder._note()  # the weights after the last step
         return {
+            "bubble_lines": [line for line in log.getvalue().splitlines()
+                             if "pipeline bubble" in line],
             "steps": [(h["losses"]["lm loss"], h["grad_norm"]) for h in state.history],
             "evaluations": recorder.evaluations,
             "digests": recorder.digests,
@@ -271,3 +277,15 @@ def test_checkpoint_has_a_folder_per_stage(spawn, name, folders, chunks):
                          or (stage == len(folders) - 1 and i == len(chunks) - 1)
                          for i, chunk in enumerate(chunks)}
         assert holds == expected_tied
+
+
+def test_log_bubble_prints_measured_and_theoretical(spawn):
+    lines = results(spawn, "pp4-vp2")[0]["bubble_lines"]  # rank 0 prints, --log-interval 1
+    assert len(lines) == 2 * ITERS
+    # p = 4 stages, m = 8 / 2 = 4 micro-batches, v = 2 chunks: 3 / (2 * 4 + 3).
+    assert all("theoretical 27.3% (p=4, m=4, v=2)" in line for line in lines)
+    assert all(line.count("stage ") == 4 for line in lines)
+    for line in lines:
+        measured = float(line.split("measured ")[1].split("%")[0])
+        assert 0.0 < measured < 100.0
+    assert results(spawn, "pp4")[0]["bubble_lines"] == []  # only with --log-bubble

@@ -89,31 +89,33 @@ def _forward_step(data_iterator, model):
     return out, lambda y: (y.sum(), {"lm loss": y.sum().detach()})
 
 
-def record_programs(p: int, m: int, v: int, forward_only: bool = False,
-                    forward_cost: float = 1.0, backward_cost: float = 2.0) -> list[list]:
-    """Run every stage's schedule alone; return each stage's program of compute and exchanges."""
-    programs = []
+def record_stage_program(p: int, m: int, v: int, stage: int, forward_only: bool = False,
+                         forward_cost: float = 1.0, backward_cost: float = 2.0) -> list:
+    """Run one stage's schedule alone; return its program of compute items and exchanges
+    (a micro-batch's forward through all v chunks costs ``forward_cost``)."""
+    program: list = []
+    chunks = [ToyChunk(program, forward_cost / v, backward_cost / v) for _ in range(v)]
+    data = iter([torch.randn(SHAPE) for _ in range(m)])
+    schedule = (schedules.forward_backward_pipelining_with_interleaving if v > 1
+                else schedules.forward_backward_pipelining_without_interleaving)
     try:
-        for stage in range(p):
-            program: list = []
-            chunks = [ToyChunk(program, forward_cost / v, backward_cost / v) for _ in range(v)]
-            data = iter([torch.randn(SHAPE) for _ in range(m)])
-            schedule = (schedules.forward_backward_pipelining_with_interleaving if v > 1
-                        else schedules.forward_backward_pipelining_without_interleaving)
-            losses = schedule(forward_step_func=_forward_step, data_iterator=data,
-                              model=chunks if v > 1 else chunks[0], num_microbatches=m,
-                              forward_only=forward_only,
-                              communicator=RecordingCommunicator(stage, p, program))
-            last = stage == p - 1
-            assert len(losses) == (m if last else 0)
-            assert (next(data, None) is None) == (stage == 0), "the first stage reads all data"
-            kinds = [item[2] for item in program if item[0] == "c"]
-            assert kinds.count("F") == m * v
-            assert kinds.count("B") == (0 if forward_only else m * v)
-            programs.append(program)
+        losses = schedule(forward_step_func=_forward_step, data_iterator=data,
+                          model=chunks if v > 1 else chunks[0], num_microbatches=m,
+                          forward_only=forward_only,
+                          communicator=RecordingCommunicator(stage, p, program))
     finally:
-        parallel_state.destroy_model_parallel()
-    return programs
+        parallel_state.destroy_model_parallel()  # the schedule set a virtual rank
+    assert len(losses) == (m if stage == p - 1 else 0)
+    assert (next(data, None) is None) == (stage == 0), "the first stage reads all data"
+    kinds = [item[2] for item in program if item[0] == "c"]
+    assert kinds.count("F") == m * v
+    assert kinds.count("B") == (0 if forward_only else m * v)
+    return program
+
+
+def record_programs(p: int, m: int, v: int, forward_only: bool = False) -> list[list]:
+    """Every stage's program (see record_stage_program)."""
+    return [record_stage_program(p, m, v, stage, forward_only) for stage in range(p)]
 
 
 class Deadlock(AssertionError):
