@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.cross_entropy import linear_vocab_parallel_cross_entropy
 from megatron.model.init import InitRNG
 from megatron.model.layer_norm import build_layer_norm
 from megatron.model.rotary import rotary_freqs
@@ -141,6 +142,8 @@ class GPTModel(nn.Module):
         return self._lm_head(hidden, labels)
 
     def _lm_head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
+        if labels is not None:
+            return self._lm_loss(hidden, labels)
         if self.share_embeddings_and_output_weights:
             weight = self.shared_embedding_or_output_weight()
             if self.config.sequence_parallel:
@@ -150,9 +153,21 @@ class GPTModel(nn.Module):
             logits = torch.nn.functional.linear(hidden, weight)  # [s, b, V/tp]
         else:
             logits = self.output_layer(hidden)  # [s, b, V/tp]
-        if labels is None:
-            if not self.parallel_output:
-                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-            return logits.transpose(0, 1).contiguous()  # [b, s, V/tp or V]
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.t())  # [s, b]
+        if not self.parallel_output:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return logits.transpose(0, 1).contiguous()  # [b, s, V/tp or V]
+
+    def _lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``[b, s]``: the output layer and the cross entropy fused, so the
+        ``[s, b, V/tp]`` logits never exist apart from the softmax (same numbers as
+        ``vocab_parallel_cross_entropy`` on the logits)."""
+        if self.share_embeddings_and_output_weights:
+            weight = self.shared_embedding_or_output_weight()
+        else:
+            weight = self.output_layer.weight
+        if self.config.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)  # [s, b, h]
+        else:
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+        loss = linear_vocab_parallel_cross_entropy(hidden, weight, labels.t())  # [s, b]
         return loss.t().contiguous()  # [b, s]
