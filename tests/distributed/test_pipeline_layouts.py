@@ -113,9 +113,13 @@ def train_once(argv: list[str]) -> dict:
         return {
             "bubble_lines": [line for line in log.getvalue().splitlines()
                              if "pipeline bubble" in line],
+            "throughput_lines": [line for line in log.getvalue().splitlines()
+                                 if "tokens per GPU per second (TGS)" in line
+                                 and "TFLOP/s per GPU" in line],
             "steps": [(h["losses"]["lm loss"], h["grad_norm"]) for h in state.history],
             "evaluations": recorder.evaluations,
             "digests": recorder.digests,
+            "layers": [[layer.layer_number for layer in m.encoder.layers] for m in recorder.models],
             "coords": (parallel_state.get_tensor_model_parallel_rank(),
                        parallel_state.get_pipeline_model_parallel_rank(),
                        parallel_state.get_data_parallel_rank()),
@@ -134,6 +138,8 @@ def _train_all(rank: int, world_size: int, runs: dict[str, list[str]]) -> dict[s
 
 LAYOUTS = {  # name -> (world size, flags)
     "pp2": (2, {"--pipeline-model-parallel-size": 2}),
+    "pp2-uneven": (2, {"--pipeline-model-parallel-size": 2,  # 3 + 5 layers
+                       "--decoder-first-pipeline-num-layers": 3}),
     "pp4": (4, {"--pipeline-model-parallel-size": 4}),
     "tp2pp2": (4, {"--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 2}),
     "pp2dp2": (4, {"--pipeline-model-parallel-size": 2}),
@@ -289,3 +295,19 @@ def test_log_bubble_prints_measured_and_theoretical(spawn):
         measured = float(line.split("measured ")[1].split("%")[0])
         assert 0.0 < measured < 100.0
     assert results(spawn, "pp4")[0]["bubble_lines"] == []  # only with --log-bubble
+
+
+@pytest.mark.parametrize("name,layers", [
+    ("pp2-uneven", [[[1, 2, 3]], [[4, 5, 6, 7, 8]]]),
+    ("pp4", [[[1, 2]], [[3, 4]], [[5, 6]], [[7, 8]]]),
+    ("pp4-vp2", [[[1], [5]], [[2], [6]], [[3], [7]], [[4], [8]]]),  # chunk c of stage i: c*4+i
+])
+def test_each_stage_builds_its_layers(spawn, name, layers):
+    assert [r["layers"] for r in results(spawn, name)] == layers
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_log_line_has_throughput(spawn, name):
+    ranks = results(spawn, name)
+    assert len(ranks[0]["throughput_lines"]) == len(ranks[0]["steps"])  # rank 0 logs
+    assert all(r["throughput_lines"] == [] for r in ranks[1:])

@@ -54,6 +54,23 @@ def activation_shape(seq_length: int, micro_batch_size: int, hidden_size: int, *
     return (seq_length, micro_batch_size, hidden_size)
 
 
+_WARM_GROUPS: set = set()  # pipeline groups whose NCCL communicator exists (see below)
+
+
+def _warm_up_nccl(group: Any, device: torch.device) -> None:
+    """Under NCCL, run one collective on ``group`` before its first batched point-to-point.
+
+    torch.distributed.batch_isend_irecv requires every rank of the group to take part in the
+    group's first NCCL call, and a pipeline schedule's first exchanges involve only some
+    stages. Every stage builds its communicator at the start of the same schedule call, so
+    this all-reduce is matched; it runs once per group.
+    """
+    if dist.get_backend(group) != "nccl" or group in _WARM_GROUPS:
+        return
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    _WARM_GROUPS.add(group)
+
+
 class P2PCommunicator:
     """Sends and receives fixed-shape tensors to and from the neighbouring pipeline stages.
 
@@ -76,6 +93,7 @@ class P2PCommunicator:
         self.stage = dist.get_rank(self.group)
         self.num_stages = dist.get_world_size(self.group)
         self.batched = batched
+        _warm_up_nccl(self.group, self.device)
 
     @property
     def is_first_stage(self) -> bool:
