@@ -405,11 +405,14 @@ def _unknown_flags_message(parser: argparse.ArgumentParser, unknown: list[str]) 
 
 def _resolve_world_size(world_size: Optional[int]) -> int:
     if world_size is None:
-        raw = os.environ.get("WORLD_SIZE", "1")
+        # torchrun and the deepspeed launcher set WORLD_SIZE; srun sets SLURM_NTASKS.
+        name = "WORLD_SIZE" if "WORLD_SIZE" in os.environ or "SLURM_NTASKS" not in os.environ \
+            else "SLURM_NTASKS"
+        raw = os.environ.get(name, "1")
         try:
             world_size = int(raw)
         except ValueError:
-            raise ConfigError(f"WORLD_SIZE environment variable is not an integer: {raw!r}") from None
+            raise ConfigError(f"{name} environment variable is not an integer: {raw!r}") from None
     if world_size < 1:
         raise ConfigError(f"world size must be positive, got {world_size}")
     return world_size
@@ -424,7 +427,11 @@ def _check_required(ns: argparse.Namespace, require_training: bool) -> None:
                 or ns.test_data_path):
             missing.append("a data source (--data-path, --train-data-path/--valid-data-path/"
                            "--test-data-path, or --mock-data)")
-        missing += _missing_tokenizer_inputs(ns)
+        gpt2_without_files = (canonical_tokenizer_type(ns.tokenizer_type) == "GPT2BPETokenizer"
+                              and ns.vocab_file is None and ns.merge_file is None)
+        if not (ns.mock_data and gpt2_without_files):
+            # Mock data needs no tokenizer: the model then uses GPT-2's vocabulary size.
+            missing += _missing_tokenizer_inputs(ns)
     if missing:
         raise ConfigError("missing required flags: " + "; ".join(missing))
 

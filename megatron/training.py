@@ -461,15 +461,15 @@ class Trainer:
 
     def save(self) -> None:
         s = self.state
-        timer = self.ctx.timers("save-checkpoint", log_level=0)
-        timer.start()
         from megatron import checkpointing
 
-        checkpointing.save_checkpoint(
+        start = time.perf_counter()
+        folder = checkpointing.save_checkpoint(
             s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
             consumed_train_samples=s.consumed_train_samples,
             consumed_valid_samples=s.consumed_valid_samples)
-        timer.stop()
+        print_rank_0(f"  saved checkpoint at iteration {s.iteration:7d} to {folder} "
+                     f"({time.perf_counter() - start:.1f} s)")
         s.last_saved = s.iteration
 
 
@@ -514,6 +514,11 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
 
         state.iteration, state.consumed_train_samples, state.consumed_valid_samples = \
             checkpointing.load_checkpoint(chunks, optimizer, scheduler, cfg)
+        if state.iteration > 0:
+            print_rank_0(f"  loaded checkpoint from {cfg.checkpoint.load} at iteration "
+                         f"{state.iteration} ({state.consumed_train_samples} samples consumed)")
+            if not cfg.checkpoint.finetune:
+                state.last_saved = state.iteration  # nothing new to save before a step
     forward_step = functools.partial(forward_step_func, ctx)
     iterators = build_data_iterators(train_valid_test_datasets_provider, ctx, state)
     trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state)

@@ -346,8 +346,10 @@ def test_missing_required_flags_are_all_named():
     assert_names(error_of(no_length), "--train-iters or --train-samples")
     no_data = [a for a in BASE if a != "--mock-data"]
     assert_names(error_of(no_data), "--data-path", "--mock-data")
-    gpt2 = [a for a in BASE if a not in ("NullTokenizer", "--tokenizer-type")]
-    assert_names(error_of(gpt2), "--vocab-file", "--merge-file", "GPT2BPETokenizer")
+    # Real data needs the tokenizer's files (mock data alone does not: see below).
+    gpt2 = [a for a in BASE if a not in ("NullTokenizer", "--tokenizer-type", "--mock-data")]
+    assert_names(error_of([*gpt2, "--data-path", "corpus"]), "--vocab-file", "--merge-file",
+                 "GPT2BPETokenizer")
     assert_names(error_of([*BASE, "--tokenizer-type", "HFTokenizer"]), "--tokenizer-name-or-path")
 
 
@@ -501,3 +503,15 @@ def test_parser_help_lists_megatron_spellings():
     for spelling in ("--override-opt_param-scheduler", "--deepspeed_config", "--local_rank",
                      "--num-layers-per-virtual-pipeline-stage", "--rampup-batch-size"):
         assert spelling in text
+
+
+def test_mock_data_needs_no_tokenizer_files_and_srun_world_size(monkeypatch):
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3",
+            "--mock-data"]
+    assert parse_args(argv, world_size=1).data.vocab_file is None
+    with pytest.raises(ConfigError, match="--vocab-file"):
+        parse_args([a for a in argv if a != "--mock-data"] + ["--data-path", "x"], world_size=1)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert parse_args(argv + ["--tensor-model-parallel-size", "2"]).parallel.data_parallel_size == 2
