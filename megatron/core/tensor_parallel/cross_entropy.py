@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel.layers import main_grad_of
 from megatron.core.tensor_parallel.mappings import _group, _world
 
 
@@ -118,7 +119,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
     """The LM head and the cross entropy in one: the logits exist only as the buffer that
     becomes the softmax and then the gradient, and no pass over them scales by the loss
-    gradient (that scaling is applied to the narrow ``[N, h]`` operands instead)."""
+    gradient (that scaling is applied to the narrow ``[N, h]`` operands instead). The weight
+    gradient is added into ``weight.main_grad`` when the data-parallel wrapper gave one."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, group):
@@ -139,7 +141,10 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         if grad.dtype == hidden.dtype:
             if need_hidden:
                 grad_hidden = grad.mm(weight).mul_(scale)  # [N, h]
-            if need_weight:
+            main_grad = main_grad_of(weight, grad.dtype) if need_weight else None
+            if main_grad is not None:
+                main_grad.addmm_(grad.t(), hidden * scale)  # [V/tp, h], no new tensor
+            elif need_weight:
                 grad_weight = grad.t().mm(hidden * scale)  # [V/tp, h]
         else:
             grad = grad.mul_(scale).to(hidden.dtype)

@@ -129,6 +129,7 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, world)
         self.input_is_parallel = input_is_parallel
+        self.world_size = world
         self.sequence_parallel = sequence_parallel and world > 1
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("sequence parallelism needs input_is_parallel=True")
@@ -145,6 +146,9 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            # Nothing to reduce: the bias joins the matmul (addmm) instead of another pass.
+            return F.linear(x, self.weight, self.bias)  # [s, b, out]
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_model_parallel_region(x, self.tp_group)
         y = F.linear(x, self.weight)  # partial sums [s, b, out]
@@ -153,6 +157,34 @@ class RowParallelLinear(nn.Module):
         else:
             y = mappings.reduce_from_tensor_model_parallel_region(y, self.tp_group)
         return y + self.bias if self.bias is not None else y
+
+
+def main_grad_of(weight: torch.Tensor, grad_dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The data-parallel wrapper's gradient buffer view for ``weight`` when a gradient of
+    ``grad_dtype`` can be added into it directly (Megatron's gradient-accumulation fusion):
+    the wrapper then finds it already accumulated and no ``weight.grad`` is made."""
+    main_grad = getattr(weight, "main_grad", None)
+    return main_grad if main_grad is not None and main_grad.dtype == grad_dtype else None
+
+
+class _Embedding(torch.autograd.Function):
+    """``F.embedding`` whose backward adds the looked-up rows' gradients straight into
+    ``weight.main_grad`` when it can, instead of making a dense ``[V, h]`` gradient."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids, weight)
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ids, weight = ctx.saved_tensors
+        grad = grad_out.reshape(-1, grad_out.size(-1))  # [tokens, h]
+        main_grad = main_grad_of(weight, grad.dtype)
+        if main_grad is not None:
+            main_grad.index_add_(0, ids.reshape(-1), grad)
+            return None, None
+        return None, torch.zeros_like(weight).index_add_(0, ids.reshape(-1), grad)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -177,9 +209,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return _Embedding.apply(ids, self.weight)
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local = (ids - self.vocab_start_index).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight)
+        out = _Embedding.apply(local, self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return mappings.reduce_from_tensor_model_parallel_region(out, self.tp_group)

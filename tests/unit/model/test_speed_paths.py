@@ -1,5 +1,6 @@
 """The fast paths of the model give the numbers of the plain PyTorch reference paths."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -85,3 +86,76 @@ def _split_vocab(rank, world_size):
 
 def test_linear_cross_entropy_split_over_two_ranks():
     assert all(run_distributed(_split_vocab, 2))
+
+
+def _assert_close_to_scale(got, expected, name):
+    """Equal up to fp32 rounding: the fused paths sum in another order, so elements near zero
+    differ relative to themselves but not relative to the tensor's scale."""
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6 * scale,
+                               msg=lambda m: f"{name}: {m}")
+
+
+def _tiny_config(**overrides):
+    from megatron.config import ModelConfig
+
+    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                  vocab_size=500, hidden_dropout=0.0, attention_dropout=0.0, seed=7)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def _tokens(config, micro_batch=3):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, config.vocab_size, (micro_batch, config.seq_length + 1), generator=g)
+
+
+@pytest.mark.parametrize("untie", [False, True])
+def test_model_loss_path_matches_cross_entropy_on_logits(untie):
+    """The fused LM-head loss equals vocab_parallel_cross_entropy on the model's logits, in
+    value and in every parameter's gradient."""
+    from megatron.model.gpt_model import GPTModel
+
+    config = _tiny_config(untie_embeddings_and_output_weights=untie)
+    tokens = _tokens(config)
+    results = []
+    for fused in (True, False):
+        model = GPTModel(config)
+        if fused:
+            loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        else:
+            logits = model(tokens[:, :-1])  # [b, s, V]
+            loss = vocab_parallel_cross_entropy(logits, tokens[:, 1:])
+        (loss * torch.linspace(0.5, 1.5, loss.numel()).view_as(loss)).sum().backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss, grads), (ref_loss, ref_grads) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in ref_grads.items():
+        _assert_close_to_scale(grads[name], grad, name)
+
+
+@pytest.mark.parametrize("untie", [False, True])
+def test_weight_grads_added_into_main_grad_match_plain_grads(untie):
+    """Under the data-parallel wrapper the embedding and LM-head weight gradients go straight
+    into main_grad; over two micro-batches they equal the plain model's summed .grad."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.model.gpt_model import GPTModel
+
+    config = _tiny_config(untie_embeddings_and_output_weights=untie)
+    plain, wrapped = GPTModel(config), DistributedDataParallel(GPTModel(config))
+    wrapped.zero_grad_buffer()
+    module = wrapped.module
+    fused = [module.embedding.word_embeddings.weight]
+    fused += [module.output_layer.weight] if untie else []
+    made = []  # a gradient tensor made for one of these weights would show up here
+    for weight in fused:
+        weight.register_hook(lambda grad: made.append(grad) if grad is not None else None)
+    for seed in (0, 1):
+        tokens = _tokens(config, micro_batch=2 + seed)
+        for model in (plain, wrapped):
+            model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+    assert made == []
+    main_grads = {n: p.main_grad for n, p in module.named_parameters()}
+    for name, p in plain.named_parameters():
+        _assert_close_to_scale(main_grads[name], p.grad, name)
+    assert all(p.grad is None for p in module.parameters())
