@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Measured pipeline bubble against theory, for 1F1B and interleaved 1F1B.
 
-    python benchmarks/pipeline_bubble.py                          # p = 2, 4; m = 4, 8, 16
+    python benchmarks/pipeline_bubble.py              # p = 2, 4; m = 4, 8, 16 (about 6 min)
     python benchmarks/pipeline_bubble.py --compute sleep --iterations 5
 
 For each pipeline size p it spawns p gloo ranks on this machine and runs the real schedules
