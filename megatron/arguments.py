@@ -31,19 +31,21 @@ from typing import Any, Optional
 import torch
 
 from megatron.config import (
-    CheckpointConfig,
     ConfigError,
-    DataConfig,
-    DeepSpeedConfig,
-    LoggingConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
-    RunConfig,
     SchedulerConfig,
+    flag,
+)
+from megatron.run_config import (
+    CheckpointConfig,
+    DataConfig,
+    DeepSpeedConfig,
+    LoggingConfig,
+    RunConfig,
     TrainingConfig,
     canonical_tokenizer_type,
-    flag,
 )
 
 logger = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.config import RunConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_seed
+from megatron.run_config import RunConfig
 
 
 def _free_port() -> int:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.arguments import parse_args_or_exit, print_config
-from megatron.config import ConfigError, RunConfig
+from megatron.config import ConfigError
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
@@ -37,6 +37,7 @@ from megatron.initialize import initialize_megatron
 from megatron.microbatches import NumMicroBatchesCalculator
 from megatron.model.stages import layer_range
 from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
+from megatron.run_config import RunConfig
 from megatron.timers import Timers
 from megatron.training_log import (
     TensorBoard,

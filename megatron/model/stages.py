@@ -1,6 +1,6 @@
 """Which global layers each pipeline stage (and virtual chunk) builds.
 
-The per-stage layer counts come from ``megatron.config.split_pipeline_layers`` (uniform, or
+The per-stage layer counts come from ``megatron.run_config.split_pipeline_layers`` (uniform, or
 with ``--decoder-first/last-pipeline-num-layers``); this module places them.
 """
 

@@ -14,7 +14,8 @@ from megatron.arguments import (
     print_config,
     unmapped_flags,
 )
-from megatron.config import ConfigError, RunConfig, split_pipeline_layers
+from megatron.config import ConfigError
+from megatron.run_config import RunConfig, split_pipeline_layers
 
 # A tiny valid run; tests append flags (argparse keeps the last value of a repeated flag).
 BASE = (

@@ -11,19 +11,13 @@ import pytest
 import torch
 
 from megatron import checkpointing as ckpt
-from megatron.config import (
-    CheckpointConfig,
-    DataConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    RunConfig,
-)
+from megatron.config import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_seed
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.gpt_model import GPTModel
 from megatron.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.run_config import CheckpointConfig, DataConfig, RunConfig
 
 MICRO_BATCH = 2
 
