@@ -376,6 +376,7 @@ class RunConfig:
         self._check_shared_fields()
         self._check_pipeline()
         self._resolve_batch_sizes()
+        self._check_interleaved_batch_sizes()
         self._check_schedule()
         _require(
             not (self.deepspeed.no_pipeline_parallel and self.parallel.pipeline_model_parallel_size > 1),
@@ -448,6 +449,26 @@ class RunConfig:
                 f"multiples of --micro-batch-size ({t.micro_batch_size}) x data-parallel size "
                 f"({dp})",
             )
+
+    def _check_interleaved_batch_sizes(self) -> None:
+        """Every global batch size of the run (ramp-up included) must split into a multiple of
+        --pipeline-model-parallel-size micro-batches for the interleaved schedule."""
+        vp = self.parallel.virtual_pipeline_model_parallel_size
+        if vp is None or vp == 1:
+            return
+        t, pp, dp = self.training, self.parallel.pipeline_model_parallel_size, self.data_parallel_size
+        sizes = [t.global_batch_size]
+        if t.rampup_batch_size is not None:
+            start, increment, _ = t.rampup_batch_size
+            sizes = list(range(start, t.global_batch_size, increment)) + sizes
+        for gbs in sizes:
+            m = gbs // (t.micro_batch_size * dp)
+            _require(
+                m % pp == 0,
+                f"the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage) "
+                f"needs the micro-batches per iteration to be a multiple of "
+                f"--pipeline-model-parallel-size ({pp}): global batch size {gbs} / "
+                f"(--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})) = {m}")
 
     def _check_schedule(self) -> None:
         """Iteration-based and sample-based schedules do not mix (Megatron's rule)."""

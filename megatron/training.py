@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.arguments import parse_args_or_exit, print_config
-from megatron.config import ConfigError
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
@@ -82,8 +81,6 @@ def build_model_chunks(model_provider: Callable, ctx: RunContext) -> list[nn.Mod
     """This rank's model chunks (one per virtual pipeline stage), each built for its layers."""
     cfg = ctx.config
     vp = cfg.parallel.virtual_pipeline_model_parallel_size
-    if vp is not None and vp > 1:
-        _check_interleaved_batch_sizes(cfg)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
     for v in range(vp or 1):
@@ -97,24 +94,6 @@ def build_model_chunks(model_provider: Callable, ctx: RunContext) -> list[nn.Mod
     if vp is not None:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
-
-
-def _check_interleaved_batch_sizes(cfg: RunConfig) -> None:
-    """Every global batch size of the run (ramp-up included) must split into a multiple of
-    --pipeline-model-parallel-size micro-batches for the interleaved schedule."""
-    t, pp, dp = cfg.training, cfg.parallel.pipeline_model_parallel_size, cfg.data_parallel_size
-    sizes = [t.global_batch_size]
-    if t.rampup_batch_size is not None:
-        start, increment, _ = t.rampup_batch_size
-        sizes = list(range(start, t.global_batch_size, increment)) + sizes
-    for gbs in sizes:
-        m = gbs // (t.micro_batch_size * dp)
-        if m % pp != 0:
-            raise ConfigError(
-                f"the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage) "
-                f"needs the micro-batches per iteration to be a multiple of "
-                f"--pipeline-model-parallel-size ({pp}): global batch size {gbs} / "
-                f"(--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})) = {m}")
 
 
 def wrap_data_parallel(chunks: Sequence[nn.Module], cfg: RunConfig) -> list[nn.Module]:

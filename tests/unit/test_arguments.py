@@ -418,7 +418,8 @@ def test_virtual_pipeline_checks():
                         "--num-layers-per-virtual-pipeline-stage", "1"], world_size=2)
     assert_names(message, "--num-layers-per-virtual-pipeline-stage",
                  "--pipeline-model-parallel-size > 2", "got 2")
-    c = parse_args([*pp4, "--num-layers-per-virtual-pipeline-stage", "2"], world_size=4)
+    c = parse_args([*pp4, "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "8"],
+                   world_size=4)
     assert c.parallel.virtual_pipeline_model_parallel_size == 3
 
 

@@ -13,7 +13,6 @@ from megatron.core.pipeline_parallel.schedules import (
     WAIT_TIMER,
     check_interleaved_microbatches,
 )
-from megatron.training import RunContext, build_model_chunks
 
 
 def flags(**overrides) -> list[str]:
@@ -62,9 +61,9 @@ def test_interleaving_needs_micro_batches_multiple_of_stages(extra, message):
     if "--rampup-batch-size" in extra:  # three values after one flag
         i = argv.index("--rampup-batch-size")
         argv[i + 1:i + 2] = extra["--rampup-batch-size"].split()
-    config = parse_args(argv, world_size=4)
+    # Checked while parsing, before any process group exists.
     with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size \(4\)") as error:
-        build_model_chunks(lambda *a, **k: None, RunContext(config))
+        parse_args(argv, world_size=4)
     assert error.match(message)
 
 
