@@ -16,7 +16,10 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel.cross_entropy import linear_vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.cross_entropy import (
+    LogitsWorkspace,
+    linear_vocab_parallel_cross_entropy,
+)
 from megatron.model.init import InitRNG
 from megatron.model.layer_norm import build_layer_norm
 from megatron.model.rotary import rotary_freqs
@@ -89,6 +92,7 @@ class GPTModel(nn.Module):
         if post_process:
             self.final_layernorm = build_layer_norm(config, device=device)
             self._build_output_weight(device)
+            self.logits_workspace = LogitsWorkspace()
 
     def _build_output_weight(self, device) -> None:
         cfg = self.config
@@ -169,5 +173,6 @@ class GPTModel(nn.Module):
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)  # [s, b, h]
         else:
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-        loss = linear_vocab_parallel_cross_entropy(hidden, weight, labels.t())  # [s, b]
+        loss = linear_vocab_parallel_cross_entropy(hidden, weight, labels.t(),
+                                                   workspace=self.logits_workspace)  # [s, b]
         return loss.t().contiguous()  # [b, s]

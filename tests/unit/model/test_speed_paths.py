@@ -159,3 +159,32 @@ def test_weight_grads_added_into_main_grad_match_plain_grads(untie):
     for name, p in plain.named_parameters():
         _assert_close_to_scale(main_grads[name], p.grad, name)
     assert all(p.grad is None for p in module.parameters())
+
+
+def test_logits_workspace_reuses_buffers_only_when_free():
+    """Two micro-batches in flight get separate buffers (as under a pipeline schedule), and
+    later calls reuse given-back buffers with unchanged results."""
+    from megatron.core.tensor_parallel.cross_entropy import LogitsWorkspace
+
+    workspace = LogitsWorkspace()
+    hidden, weight, target, grad_loss = _inputs()
+    expected = _loss_and_grads(_torch_reference, hidden, weight, target, grad_loss)
+
+    def fused(h, w, t):
+        return linear_vocab_parallel_cross_entropy(h, w, t, workspace=workspace)
+
+    h1, h2 = hidden.detach().clone().requires_grad_(), hidden.detach().clone().requires_grad_()
+    loss1, loss2 = fused(h1, weight, target), fused(h2, weight, target)  # both in flight
+    loss1.backward(grad_loss)
+    loss2.backward(grad_loss)
+    assert len(workspace._free) == 2
+    buffers = {id(b) for b in workspace._free}
+    for h in (h1, h2):
+        torch.testing.assert_close(h.grad, expected[1], rtol=1e-5, atol=1e-6)
+    again = _loss_and_grads(fused, hidden, weight, target, grad_loss)
+    with torch.no_grad():
+        no_grad_loss = fused(hidden, weight, target)
+    assert {id(b) for b in workspace._free} == buffers
+    for a, b in zip(again, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(no_grad_loss, expected[0], rtol=1e-5, atol=1e-6)
