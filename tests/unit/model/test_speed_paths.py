@@ -188,3 +188,45 @@ def test_logits_workspace_reuses_buffers_only_when_free():
     for a, b in zip(again, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(no_grad_loss, expected[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_f_linear(onednn, dtype, monkeypatch):
+    """tensor_parallel's linear (oneDNN matmuls on CPU fp32) equals F.linear in value and
+    in the gradients of input, weight and bias."""
+    from megatron.core.tensor_parallel.layers import linear
+
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", onednn)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 24, generator=g).to(dtype)
+    w, b = torch.randn(40, 24, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
+    grad_y = torch.randn(5, 3, 40, generator=g).to(dtype)
+    results = []
+    for fn in (linear, F.linear):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+        y = fn(*leaves)
+        y.backward(grad_y)
+        results.append([y.detach()] + [t.grad for t in leaves])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, expected in zip(*results):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, expected, **tol)
+
+
+def test_fused_weight_grads_keep_overlap_hooks_running():
+    """With --overlap-grad-reduce every linear weight still reports its gradient to the
+    wrapper's hook (through a stand-in tensor), so its bucket can start reducing early."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.model.gpt_model import GPTModel
+
+    config = _tiny_config()
+    model = DistributedDataParallel(GPTModel(config), overlap_grad_reduce=True, bucket_size=1)
+    model.zero_grad_buffer()
+    tokens = _tokens(config)
+    model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+    ready = {id(p) for buffer in model.buffers for bucket in buffer.buckets for p in bucket.ready}
+    linear_weights = [p for n, p in model.module.named_parameters()
+                      if n.endswith(".weight") and p.ndim == 2 and "embeddings" not in n]
+    assert linear_weights and all(id(p) in ready for p in linear_weights)
+    assert not any(getattr(p, "grad_added_to_main_grad", False) for p in linear_weights)
