@@ -90,7 +90,9 @@ def matmul_nt(x: torch.Tensor, weight: torch.Tensor,
     """
     if (_ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and torch.backends.mkldnn.enabled):
-        return _ONEDNN_LINEAR(x.contiguous(), weight.contiguous(), bias, "none", [], "")
+        if not (weight.is_contiguous() or weight.t().is_contiguous()):
+            weight = weight.contiguous()  # a transposed weight is read in place
+        return _ONEDNN_LINEAR(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
