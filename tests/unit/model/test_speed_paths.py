@@ -230,3 +230,14 @@ def test_fused_weight_grads_keep_overlap_hooks_running():
                       if n.endswith(".weight") and p.ndim == 2 and "embeddings" not in n]
     assert linear_weights and all(id(p) in ready for p in linear_weights)
     assert not any(getattr(p, "grad_added_to_main_grad", False) for p in linear_weights)
+
+
+def test_matmul_nt_reads_weight_views():
+    """oneDNN's matmul gets a transposed weight as it is and other strided ones copied."""
+    from megatron.core.tensor_parallel.layers import matmul_nt
+
+    g = torch.Generator().manual_seed(0)
+    x, w, w_t = (torch.randn(*shape, generator=g) for shape in ((6, 16), (24, 32), (16, 24)))
+    for weight in (w_t.t(), w[:, :16], w[:, ::2]):  # [24, 16] each
+        torch.testing.assert_close(matmul_nt(x, weight), F.linear(x, weight), rtol=1e-5,
+                                   atol=1e-5)
