@@ -7,12 +7,13 @@
 For each shape it runs, alternately and ``--rounds`` times each:
 
 - ours, as a user runs it: ``python pretrain_gpt.py --mock-data ... --log-interval 1`` in a
-  subprocess (single process, fp32, dropout off, DDP and optimizer wrappers of size 1, Adam
-  with Megatron's default ``--clip-grad 1.0``); tokens/s is read from the log lines' TGS,
+  subprocess (single process, fp32, dropout off, DDP and optimizer wrappers of size 1, Adam,
+  ``--clip-grad`` as given: Megatron's default 1.0); tokens/s is read from the log lines' TGS,
   leaving out the first ``--warmup`` iterations;
 - HF: ``GPT2LMHeadModel`` at the same shape (vocabulary padded to the same 50304, dropout
   off, its default SDPA attention) in a plain loop (forward, ``F.cross_entropy`` on the same
-  tokens and labels, backward, ``torch.optim.AdamW.step``, ``zero_grad``), in a subprocess.
+  tokens and labels, backward, ``clip_grad_norm_`` to the same ``--clip-grad`` as HF's
+  Trainer does by default, ``torch.optim.AdamW.step``, ``zero_grad``), in a subprocess.
 
 MFU = model FLOPs per token x tokens/s / the fp32 matmul peak, measured in the same run: the
 best rate of square fp32 matmuls over several sizes and repeats, taken between the runs, of
@@ -117,7 +118,7 @@ def matmul_peak_gflops(sizes=(1024, 2048, 3072), repeats: int = 5) -> dict[str, 
 _LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*tokens per GPU per second \(TGS\): ([\d.]+)")
 
 
-def pretrain_command(shape: Shape, iters: int) -> list[str]:
+def pretrain_command(shape: Shape, iters: int, clip_grad: float) -> list[str]:
     if os.path.exists(os.path.join(SHARED, "gpt2-vocab.json")):
         tokenizer = ["--vocab-file", os.path.join(SHARED, "gpt2-vocab.json"),
                      "--merge-file", os.path.join(SHARED, "gpt2-merges.txt")]
@@ -131,7 +132,8 @@ def pretrain_command(shape: Shape, iters: int) -> list[str]:
         "--micro-batch-size", str(shape.micro_batch),
         "--global-batch-size", str(shape.micro_batch),
         "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--lr", "1e-4", "--train-iters", str(iters), "--log-interval", "1", "--eval-iters", "0",
+        "--lr", "1e-4", "--clip-grad", str(clip_grad), "--train-iters", str(iters),
+        "--log-interval", "1", "--eval-iters", "0",
     ]
 
 
@@ -145,8 +147,8 @@ def tokens_per_second_from_log(log: str, warmup: int, tokens_per_iteration: int)
     return len(tgs) * tokens_per_iteration / seconds
 
 
-def run_ours(shape: Shape, iters: int, warmup: int) -> float:
-    command = pretrain_command(shape, iters)
+def run_ours(shape: Shape, iters: int, warmup: int, clip_grad: float) -> float:
+    command = pretrain_command(shape, iters, clip_grad)
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}"
@@ -157,7 +159,7 @@ def run_ours(shape: Shape, iters: int, warmup: int) -> float:
 # HF: GPT2LMHeadModel in a plain loop (run in a subprocess by run_hf) -----------------------
 
 
-def hf_loop(shape: Shape, iters: int, warmup: int) -> float:
+def hf_loop(shape: Shape, iters: int, warmup: int, clip_grad: float) -> float:
     """Tokens/s of a plain AdamW training loop of HF's GPT-2 after ``warmup`` iterations."""
     import torch
     import torch.nn.functional as F
@@ -177,6 +179,8 @@ def hf_loop(shape: Shape, iters: int, warmup: int) -> float:
         logits = model(input_ids=tokens).logits  # [b, s, V]
         loss = F.cross_entropy(logits.view(-1, PADDED_VOCAB), labels.reshape(-1))
         loss.backward()
+        if clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss.item()
@@ -185,9 +189,9 @@ def hf_loop(shape: Shape, iters: int, warmup: int) -> float:
     return (iters - warmup) * shape.tokens_per_iteration / elapsed
 
 
-def run_hf(shape: Shape, iters: int, warmup: int) -> float:
+def run_hf(shape: Shape, iters: int, warmup: int, clip_grad: float) -> float:
     command = [sys.executable, os.path.abspath(__file__), "--hf-worker", shape.name,
-               "--iters", str(iters), "--warmup", str(warmup)]
+               "--iters", str(iters), "--warmup", str(warmup), "--clip-grad", str(clip_grad)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"HF loop failed:\n{result.stderr[-3000:]}")
@@ -200,9 +204,9 @@ def run_hf(shape: Shape, iters: int, warmup: int) -> float:
 def benchmark_shape(shape: Shape, args) -> dict:
     ours, hf, peaks = [], [], [matmul_peak_gflops()]
     for _ in range(args.rounds):
-        ours.append(run_ours(shape, args.iters + args.warmup, args.warmup))
+        ours.append(run_ours(shape, args.iters + args.warmup, args.warmup, args.clip_grad))
         peaks.append(matmul_peak_gflops())
-        hf.append(run_hf(shape, args.iters + args.warmup, args.warmup))
+        hf.append(run_hf(shape, args.iters + args.warmup, args.warmup, args.clip_grad))
         peaks.append(matmul_peak_gflops())
     by_kernel = {name: max(p[name] for p in peaks) for name in peaks[0]}
     return dict(ours=ours, hf=hf, peak=max(by_kernel.values()), by_kernel=by_kernel)
@@ -234,11 +238,14 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=None,
                         help="measured iterations per run (default: 10 small, 6 gpt2-124m)")
     parser.add_argument("--warmup", type=int, default=3, help="iterations left out per run")
+    parser.add_argument("--clip-grad", type=float, default=1.0,
+                        help="gradient clipping on both sides (0 turns it off)")
     parser.add_argument("--hf-worker", choices=list(SHAPES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.hf_worker:
         shape = SHAPES[args.hf_worker]
-        print(json.dumps({"tokens_per_s": hf_loop(shape, args.iters, args.warmup)}))
+        print(json.dumps({"tokens_per_s": hf_loop(shape, args.iters, args.warmup,
+                                                  args.clip_grad)}))
         return
     sys.path.insert(0, REPO)
     import torch
@@ -251,8 +258,8 @@ def main(argv=None) -> None:
         shape_args = argparse.Namespace(**vars(args))
         if shape_args.iters is None:
             shape_args.iters = 10 if name == "small" else 6
-        print(f"\n[{name}] ours: {' '.join(pretrain_command(shape, shape_args.iters + args.warmup))}"
-              .replace(REPO + os.sep, ""), flush=True)
+        command = pretrain_command(shape, shape_args.iters + args.warmup, args.clip_grad)
+        print(f"\n[{name}] ours: {' '.join(command)}".replace(REPO + os.sep, ""), flush=True)
         results = benchmark_shape(shape, shape_args)
         print_table(shape, results, flops_per_token(shape))
         print(f"  load average now: {load_average()}", flush=True)
