@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Training throughput on this machine: our pretrain_gpt.py against HF transformers' GPT-2.
 
-    python benchmarks/train_throughput.py                    # both shapes, 2 rounds each
+    python benchmarks/train_throughput.py                    # both shapes, 3 rounds each
     python benchmarks/train_throughput.py --shapes small --rounds 3 --iters 12
 
 For each shape it runs, alternately and ``--rounds`` times each:
@@ -18,7 +18,9 @@ For each shape it runs, alternately and ``--rounds`` times each:
 MFU = model FLOPs per token x tokens/s / the fp32 matmul peak, measured in the same run: the
 best rate of square fp32 matmuls over several sizes and repeats, taken between the runs, of
 ``torch.mm`` (MKL) and of oneDNN's matmul (what our linear layers use on CPU; faster here), so
-both sides are measured against the faster kernel. Model FLOPs per token come from
+both sides are measured against the faster kernel. The table also gives MFU against
+``torch.mm``'s peak alone (the "fp32 matmul peak" of a plain PyTorch program, about 130-155
+GFLOP/s on 2 threads here, against about 200 for oneDNN). Model FLOPs per token come from
 ``megatron.training_log.flops_per_token``::
 
     3 x [ L x (2h*3a + 2a*h + 4h*f + 4s*a) + 2h*V ]     (forward x 3 for forward + backward)
@@ -219,13 +221,15 @@ def print_table(shape: Shape, r: dict, flops: float) -> None:
     kernels = ", ".join(f"{name} {value:.1f}" for name, value in r["by_kernel"].items())
     print(f"  model FLOPs per token: {flops / 1e6:.1f} M   fp32 matmul peak: {peak:.1f} GFLOP/s "
           f"(best over the run of {kernels})")
+    mkl = r["by_kernel"]["torch.mm"]
     print(f"  {'':6s} {'tokens/s median':>16s} {'best':>8s} {'MFU median':>11s} {'MFU best':>9s}"
-          "   per round")
+          f" {'MFU vs torch.mm':>16s}   per round")
     for name in ("ours", "hf"):
         values = r[name]
         med, best = statistics.median(values), max(values)
         print(f"  {name:6s} {med:16.1f} {best:8.1f} {100 * med * flops / 1e9 / peak:10.1f}% "
-              f"{100 * best * flops / 1e9 / peak:8.1f}%   " + ", ".join(f"{v:.1f}" for v in values))
+              f"{100 * best * flops / 1e9 / peak:8.1f}% {100 * med * flops / 1e9 / mkl:15.1f}%   "
+              + ", ".join(f"{v:.1f}" for v in values))
     print(f"  ours / HF: median of rounds {statistics.median(ratios):.3f} "
           f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)}), best / best "
           f"{max(r['ours']) / max(r['hf']):.3f}")
@@ -234,7 +238,7 @@ def print_table(shape: Shape, r: dict, flops: float) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each side per shape")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each side per shape")
     parser.add_argument("--iters", type=int, default=None,
                         help="measured iterations per run (default: 10 small, 6 gpt2-124m)")
     parser.add_argument("--warmup", type=int, default=3, help="iterations left out per run")
