@@ -20,7 +20,8 @@ The distributed optimizer's state is gathered over data parallel into ``distrib_
 
 A save writes everything into ``SAVE/iter_XXXXXXX.tmp-<unique>``; when every rank has
 succeeded, global rank 0 renames that folder to ``iter_XXXXXXX`` and only then replaces the
-tracker file. A crash at any point leaves the previous checkpoint the one the tracker names.
+tracker file. A crash at any point leaves the previous checkpoint the one the tracker names;
+the next save removes the temporary folder such a crash left behind.
 Files are read with ``torch.load(weights_only=True)``: everything stored is tensors and plain
 Python values.
 """
@@ -37,6 +38,7 @@ import random
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional, Union
@@ -469,6 +471,32 @@ def _publish(save_dir: str, tmp_dir: str, iteration: int) -> Optional[str]:
     return backup
 
 
+_LEFTOVER_RE = re.compile(r"iter_\d{7,}\.(tmp|old)-\w+")
+# Temporary folders older than this process were left by a save that was killed (ours are
+# created later); each save of rank 0 removes them.
+_PROCESS_START = time.time()
+
+
+def remove_leftover_folders(save_dir: str, older_than: Optional[float] = None) -> list[str]:
+    """Delete ``iter_XXXXXXX.tmp-*`` / ``.old-*`` folders of killed saves that were last
+    changed before ``older_than`` (default: this process's start). Returns their names."""
+    older_than = _PROCESS_START if older_than is None else older_than
+    removed = []
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        if not _LEFTOVER_RE.fullmatch(name) or not os.path.isdir(path):
+            continue
+        try:
+            if os.path.getmtime(path) >= older_than:
+                continue  # possibly another run's save in progress
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
+        logger.info("removed %s, left by an interrupted save", path)
+    return removed
+
+
 def prune_checkpoints(save_dir: str, keep_last: int, protect: Sequence[int] = ()) -> list[int]:
     """Delete ``iter_*`` folders older than the newest ``keep_last``, except ``protect``, the
     tracker's and the best one. Returns the deleted iterations."""
@@ -516,6 +544,7 @@ def _finish_on_rank0(save_dir: str, tmp_dir: str, iteration: int, config: Any,
     _write_text_atomic(os.path.join(save_dir, TRACKER_FILENAME), str(iteration))
     if backup is not None:
         shutil.rmtree(backup, ignore_errors=True)
+    remove_leftover_folders(save_dir)
     if ckpt.save_best and valid_loss is not None:
         update_best_checkpoint(save_dir, iteration, valid_loss)
     if ckpt.keep_last_n_checkpoints is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -322,6 +323,26 @@ def test_crash_before_tracker_update_keeps_previous(tmp_path, monkeypatch):
     loaded = ckpt.load_checkpoint(model, optimizer, scheduler, config)
     assert loaded.iteration == 2
     assert_params_equal(params(model), saved)
+
+
+def test_next_save_removes_folders_of_killed_saves(tmp_path, monkeypatch):
+    config = run_config(tmp_path)
+    model, optimizer, scheduler = build(config)
+    old_tmp = tmp_path / "iter_0000004.tmp-ab12cd34"
+    old_backup = tmp_path / "iter_0000002.old-0f0f0f0f"
+    fresh_tmp = tmp_path / "iter_0000006.tmp-99999999"  # as if another run were saving now
+    other = tmp_path / "iter_0000004.tmp-notes.txt"
+    for folder in (old_tmp, old_backup, fresh_tmp):
+        (folder / "mp_rank_00").mkdir(parents=True)
+    other.write_text("a file, not a folder: kept")
+    start = time.time()
+    for folder in (old_tmp, old_backup):
+        os.utime(folder, (start - 60, start - 60))
+    monkeypatch.setattr(ckpt, "_PROCESS_START", start - 30)
+    ckpt.save_checkpoint(8, model, optimizer, scheduler, config, consumed_train_samples=16)
+    assert sorted(os.listdir(tmp_path)) == [
+        "iter_0000004.tmp-notes.txt", "iter_0000006.tmp-99999999", "iter_0000008",
+        "latest_checkpointed_iteration.txt"]
 
 
 def test_saving_an_iteration_again_replaces_it(tmp_path):
