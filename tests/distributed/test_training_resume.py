@@ -297,3 +297,5 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint(corpus, tmp_path):
                                                             "--save": save,
                                                             "--save-interval": 1000})
     assert read_tracker(save).iteration == previous + 1
+    # ... and that save removed the killed save's temporary folder.
+    assert not os.path.exists(os.path.dirname(os.path.dirname(partial)))
