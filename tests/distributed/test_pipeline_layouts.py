@@ -28,6 +28,7 @@ from megatron import training
 from megatron.core import parallel_state
 from tests.corpus import build_corpus
 from tests.dist_utils import run_distributed
+from tests.distributed import training_utils
 
 ITERS = 5
 
@@ -43,24 +44,10 @@ def cache(tmp_path_factory):
 
 
 def base_argv(corpus, cache_dir, **overrides) -> list[str]:
-    flags = {
-        "--num-layers": 8, "--hidden-size": 32, "--num-attention-heads": 4,
-        "--seq-length": 32, "--max-position-embeddings": 32, "--micro-batch-size": 2,
-        "--global-batch-size": 8, "--train-iters": ITERS, "--lr": 1e-3, "--min-lr": 1e-4,
-        "--lr-warmup-iters": 1, "--lr-decay-iters": 10, "--lr-decay-style": "cosine",
-        "--clip-grad": 1.0, "--hidden-dropout": 0.0, "--attention-dropout": 0.0,
-        "--log-interval": 1, "--eval-interval": 5, "--eval-iters": 1, "--num-workers": 0,
-        "--split": "90,10,0", "--make-vocab-size-divisible-by": 64, "--seed": 1234,
-        "--data-path": corpus["prefix"], "--data-cache-path": cache_dir,
-    }
-    flags.update(overrides)
-    argv = []
-    for name, value in flags.items():
-        if value is True:
-            argv.append(name)
-        elif value is not None and value is not False:
-            argv += [name, str(value)]
-    return argv + corpus["tokenizer_flags"]
+    return training_utils.base_argv(corpus, cache_dir, **{
+        "--num-layers": 8, "--global-batch-size": 8, "--train-iters": ITERS, "--lr": 1e-3,
+        "--min-lr": 1e-4, "--lr-warmup-iters": 1, "--lr-decay-iters": 10, "--eval-interval": 5,
+        "--eval-iters": 1, "--split": "90,10,0", **overrides})
 
 
 # One training run inside a spawned rank --------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import pretrain_gpt
 from tests.corpus import build_corpus
 from tests.dist_utils import run_distributed
+from tests.distributed import training_utils
 
 ITERS = 5
 
@@ -18,24 +19,9 @@ def corpus(tmp_path_factory):
 
 
 def base_argv(corpus, cache_dir, **overrides):
-    flags = {
-        "--num-layers": 2, "--hidden-size": 32, "--num-attention-heads": 4,
-        "--seq-length": 32, "--max-position-embeddings": 32, "--micro-batch-size": 2,
+    return training_utils.base_argv(corpus, cache_dir, **{
         "--global-batch-size": 8, "--train-iters": ITERS, "--lr": 1e-3, "--min-lr": 1e-4,
-        "--lr-warmup-iters": 1, "--lr-decay-style": "cosine", "--clip-grad": 1.0,
-        "--hidden-dropout": 0.0, "--attention-dropout": 0.0, "--log-interval": 1,
-        "--eval-interval": 1000, "--eval-iters": 0, "--num-workers": 0, "--split": "98,2,0",
-        "--make-vocab-size-divisible-by": 64, "--seed": 1234,
-        "--data-path": corpus["prefix"], "--data-cache-path": cache_dir,
-    }
-    flags.update(overrides)
-    argv = []
-    for name, value in flags.items():
-        if value is True:
-            argv.append(name)
-        elif value is not None and value is not False:
-            argv += [name, str(value)]
-    return argv + corpus["tokenizer_flags"]
+        "--lr-warmup-iters": 1, **overrides})
 
 
 def _train(rank, world_size, argv):
