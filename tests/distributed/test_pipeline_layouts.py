@@ -127,6 +127,11 @@ LAYOUTS = {  # name -> (world size, flags)
     "pp2": (2, {"--pipeline-model-parallel-size": 2}),
     "pp2-uneven": (2, {"--pipeline-model-parallel-size": 2,  # 3 + 5 layers
                        "--decoder-first-pipeline-num-layers": 3}),
+    # Recomputed stages: the sent activation is freed after the send, the backward runs on
+    # the checkpointed graph.
+    "pp2-recompute": (2, {"--pipeline-model-parallel-size": 2,
+                          "--recompute-granularity": "full", "--recompute-method": "uniform",
+                          "--recompute-num-layers": 1}),
     "pp4": (4, {"--pipeline-model-parallel-size": 4}),
     "tp2pp2": (4, {"--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 2}),
     "pp2dp2": (4, {"--pipeline-model-parallel-size": 2}),

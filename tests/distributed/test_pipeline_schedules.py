@@ -180,7 +180,15 @@ def check_schedule(tp: int, pp: int, vp: int, m: int, sequence_parallel: bool = 
             comm = schedules.build_communicator(chunks[0], SEQ, MBS)
             comm.batched = False
         schedule = schedules.get_forward_backward_func()
-        losses = schedule(forward_step_func=gpt_forward_step,
+        sent = []  # the activations this rank's chunks passed on
+
+        def recording_step(data_iterator, model):
+            out, loss_func = gpt_forward_step(data_iterator, model)
+            if not parallel_state.is_pipeline_last_stage():
+                sent.append(out)
+            return out, loss_func
+
+        losses = schedule(forward_step_func=recording_step,
                           data_iterator=iter(micro_batches(parallel_state.get_data_parallel_rank(), m)),
                           model=chunks if vp > 1 else chunks[0], num_microbatches=m,
                           seq_length=SEQ, micro_batch_size=MBS, communicator=comm)
@@ -201,7 +209,8 @@ def check_schedule(tp: int, pp: int, vp: int, m: int, sequence_parallel: bool = 
         reports = (last and parallel_state.get_data_parallel_rank() == 0
                    and parallel_state.get_tensor_model_parallel_rank() == 0)
         return {"grad_err": worst, "losses": got_losses, "eval_losses": eval_losses,
-                "ref_losses": ref_losses, "last": last, "reports": reports}
+                "ref_losses": ref_losses, "last": last, "reports": reports,
+                "sent_sizes": sorted({t.numel() for t in sent}), "num_sent": len(sent)}
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -288,4 +297,9 @@ def test_schedule_matches_one_process(results, case):
             assert r[case]["losses"] == r[case]["eval_losses"] == []
     (reporter,) = [r[case] for r in results if r[case]["reports"]]
     assert reporter["losses"] == pytest.approx(reporter["ref_losses"], rel=1e-5)
+    # Every activation sent on was freed once sent (one element left), yet the gradients
+    # above are right: the backward ran on the graph alone.
+    assert sum(r[case]["num_sent"] for r in results) > 0
+    for r in results:
+        assert r[case]["sent_sizes"] in ([], [1]), (case, r[case]["sent_sizes"])
     assert reporter["eval_losses"] == pytest.approx(reporter["ref_losses"], rel=1e-5)

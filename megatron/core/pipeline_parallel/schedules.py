@@ -30,6 +30,12 @@ with ``hidden_size``, ``params_dtype``, ``sequence_parallel`` and
 derived; ``tensor_shape``/``dtype`` override it, and ``communicator`` replaces the
 point-to-point layer (tests pass a recording one).
 
+Once a stage's output activation has been sent to the next stage, only its autograd graph is
+needed for the backward, not its values: the schedules free its data
+(``deallocate_output_tensor``, as Megatron does) and run that backward through the autograd
+engine directly (``custom_backward``), which skips the check that the gradient has the
+output's current shape. This saves one ``[s, b, h]`` activation per micro-batch in flight.
+
 With ``timers`` (megatron.timers.Timers), the pipelined schedules add up this rank's time in
 ``forward-compute``, ``backward-compute`` and ``pipeline-wait`` (in point-to-point exchanges:
 waiting for a neighbour, i.e. the bubble, plus the transfer itself).
@@ -83,6 +89,26 @@ def forward_step(forward_step_func: Callable, data_iterator: Iterator, model: nn
     return loss / num_microbatches
 
 
+def deallocate_output_tensor(output: Optional[torch.Tensor]) -> None:
+    """Replace the data of a sent output activation by one element; its graph stays.
+
+    Views are left alone (their storage belongs to another tensor), as are tensors outside
+    any graph.
+    """
+    if output is None or output._base is not None or output.grad_fn is None:
+        return
+    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+
+
+def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """``torch.autograd.backward(output, grad_output)`` for an ``output`` whose data may have
+    been freed by ``deallocate_output_tensor``: the engine is called directly, so only the
+    shape recorded in the graph must match ``grad_output``."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False,
+        inputs=(), allow_unreachable=True, accumulate_grad=True)
+
+
 def backward_step(input_tensor: Optional[torch.Tensor], output_tensor: torch.Tensor,
                   output_tensor_grad: Optional[torch.Tensor],
                   grad_scale_func: Optional[Callable] = None) -> Optional[torch.Tensor]:
@@ -97,7 +123,7 @@ def backward_step(input_tensor: Optional[torch.Tensor], output_tensor: torch.Ten
             output_tensor = grad_scale_func(output_tensor)
         output_tensor.backward()
     else:
-        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+        custom_backward(output_tensor, output_tensor_grad)
     return input_tensor.grad if input_tensor is not None else None
 
 
@@ -264,7 +290,10 @@ class _Stage:
 
     def exchange(self, **kwargs: Any) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         with self.phase(WAIT_TIMER):
-            return self.comm.exchange(**kwargs)
+            received = self.comm.exchange(**kwargs)
+        if not self.forward_only:  # the send has completed: keep only the graph
+            deallocate_output_tensor(kwargs.get("send_next"))
+        return received
 
     def finish(self) -> list[LossDict]:
         self.grad_sync.close()
