@@ -19,6 +19,7 @@ from megatron.data.gpt_dataset import GPTDataset, build_train_valid_test_dataset
 from megatron.data.indexed_dataset import MMapIndexedDataset
 
 from .corpus import random_lengths, write_corpus
+from .test_helpers import reference_sample_idx
 
 
 def megatron_deepspeed_reference(documents, sizes, num_samples, seq_length, seed):
@@ -46,20 +47,9 @@ def megatron_deepspeed_reference(documents, sizes, num_samples, seq_length, seed
 
     doc_idx = (np.concatenate((shuffled_docs(epochs - 1), shuffled_docs(1))) if separate
                else shuffled_docs(epochs))
-    n = (epochs * tokens_per_epoch - 1) // seq_length
-    sample_idx = np.zeros((n + 1, 2), dtype=np.int32)
-    row, offset = 0, 0
-    for k in range(1, n + 1):
-        remaining = seq_length + 1
-        while remaining != 0:
-            length = int(sizes[doc_idx[row]]) - offset
-            remaining -= length
-            if remaining <= 0:
-                offset += remaining + length - 1
-                remaining = 0
-            else:
-                row, offset = row + 1, 0
-        sample_idx[k] = row, offset
+    sample_idx = reference_sample_idx(sizes, doc_idx, seq_length, epochs,
+                                      tokens_per_epoch).astype(np.int32)
+    n = len(sample_idx) - 1
     first = before_last if separate else n
     head = np.arange(first, dtype=np.uint32)
     rng.shuffle(head)
