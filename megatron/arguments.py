@@ -62,6 +62,12 @@ NO_OP_FLAGS = {
     "apply_query_key_layer_scaling": "--no-query-key-layer-scaling",
     "fp32_residual_connection": "--fp32-residual-connection",
     "use_mcore_models": "--use-mcore-models",
+    "persist_layer_norm": "--no-persist-layer-norm",
+    "scatter_gather_tensors_in_pipeline": "--no-scatter-gather-tensors-in-pipeline",
+    "use_contiguous_buffers_in_local_ddp": "--use-contiguous-buffers-in-local-ddp",
+    "overlap_param_gather": "--overlap-param-gather",
+    "overlap_p2p_comm": "--overlap-p2p-comm",
+    "log_memory_to_tensorboard": "--log-memory-to-tensorboard",
     "local_rank": "--local_rank",
 }
 # Flags translated into other fields before the configs are built.
@@ -71,6 +77,7 @@ TRANSLATED_FLAGS = (
     "distribute_checkpointed_activations",
     "num_layers_per_virtual_pipeline_stage",
     "openai_gelu",
+    "num_experts",
 )
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
 
@@ -127,6 +134,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-softmax-in-fp32", action="store_true", default=True,
                    help="Softmax in fp32 (always on here; Megatron forces it under fp16 with "
                    "query-key layer scaling, its default).")
+
+
+def _add_moe_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, nargs="+", default=None,
+                   help="Only 1 (a dense MLP), as Megatron-DeepSpeed's dense GPT scripts pass.")
 
 
 def _add_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -198,6 +211,15 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-duration-in-mins", type=int, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0,
+                   help="1: empty the CUDA allocator's cache after each step and evaluation; "
+                        "2: also before the optimizer step.")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Turn Python's garbage collector off; collect at set iterations.")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="With --manual-gc: collect every N iterations (0: only at evaluation).")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="With --manual-gc: do not collect around evaluations.")
 
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
@@ -277,6 +299,9 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None)
     g.add_argument("--save-best", action="store_true")
     g.add_argument("--use-checkpoint-args", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="Stop with an error when --load holds no checkpoint.")
+    g.add_argument("--ckpt-format", default="torch", help="Only torch (Megatron's layout).")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -293,6 +318,9 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--log-bubble", action="store_true", help="Log pipeline bubble time.")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                   dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
     g.add_argument("--wandb-project", default=None, help="Accepted; not used.")
 
 
@@ -310,8 +338,10 @@ def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
 def _add_no_op_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(
         "compatibility", "Accepted so Megatron scripts run unchanged; they have no effect here "
-        "(fused kernels are optional accelerators chosen automatically; LOCAL_RANK from the "
-        "launcher's environment is authoritative).")
+        "(fused kernels are optional accelerators chosen automatically; gradient buffers are "
+        "always contiguous; pipeline exchanges and the distributed optimizer's parameter "
+        "gather are not overlapped with compute; memory is always logged to TensorBoard; "
+        "LOCAL_RANK from the launcher's environment is authoritative).")
     for dest, spelling in NO_OP_FLAGS.items():
         if dest == "local_rank":
             g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest=dest)
@@ -322,8 +352,8 @@ def _add_no_op_args(parser: argparse.ArgumentParser) -> None:
 
 
 _GROUPS = (
-    _add_model_args, _add_precision_args, _add_parallel_args, _add_recompute_args,
-    _add_training_args, _add_optimizer_args, _add_scheduler_args, _add_data_args,
+    _add_model_args, _add_moe_args, _add_precision_args, _add_parallel_args,
+    _add_recompute_args, _add_training_args, _add_optimizer_args, _add_scheduler_args, _add_data_args,
     _add_checkpoint_args, _add_logging_args, _add_deepspeed_args, _add_no_op_args,
 )
 
@@ -451,6 +481,9 @@ def _missing_tokenizer_inputs(ns: argparse.Namespace) -> list[str]:
 
 def _check_flags(ns: argparse.Namespace) -> None:
     """Checks that need the raw flags (their effect is gone once translated)."""
+    if ns.num_experts is not None and any(n != 1 for n in ns.num_experts):
+        raise ConfigError(f"--num-experts {' '.join(map(str, ns.num_experts))}: mixture-of-"
+                          "experts layers are not supported; only 1 (a dense MLP)")
     if ns.fp16 and ns.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive")
     if ns.checkpoint_activations and ns.recompute_granularity == "selective":

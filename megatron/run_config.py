@@ -199,8 +199,21 @@ class TrainingConfig:
     # Uneven pipeline split: layers on the first/last stage; the rest share the middle evenly.
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
+    # CUDA caching allocator: 1 empties its cache after every step and evaluation, 2 also
+    # between forward-backward and the optimizer step (Megatron's levels; no effect on CPU).
+    empty_unused_memory_level: int = 0
+    # Python's cyclic garbage collector off, run every manual_gc_interval iterations (0:
+    # never in training) and around evaluations unless manual_gc_eval is False.
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True
 
     def __post_init__(self) -> None:
+        _require(self.empty_unused_memory_level in (0, 1, 2),
+                 f"--empty-unused-memory-level must be 0, 1 or 2, "
+                 f"got {self.empty_unused_memory_level}")
+        _require(self.manual_gc_interval >= 0,
+                 f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
         _as_tuple(self, "rampup_batch_size")
         _positive(self, "micro_batch_size", "eval_interval", "distributed_timeout_minutes")
         _optional_positive(
@@ -257,8 +270,13 @@ class CheckpointConfig:
     keep_last_n_checkpoints: Optional[int] = None  # None keeps all
     save_best: bool = False  # also keep the checkpoint with the lowest validation loss
     use_checkpoint_args: bool = False  # model shape from the checkpoint's stored config
+    exit_on_missing_checkpoint: bool = False  # --load without a checkpoint is an error
+    ckpt_format: str = "torch"  # Megatron-LM's torch format; torch_dist/zarr are not written
 
     def __post_init__(self) -> None:
+        _require(self.ckpt_format == "torch",
+                 f"--ckpt-format {self.ckpt_format} is not supported; only torch (the "
+                 "iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt layout)")
         _optional_positive(self, "save_interval", "keep_last_n_checkpoints")
         _require(
             self.save is None or self.save_interval is not None,
@@ -282,6 +300,8 @@ class LoggingConfig:
     log_num_zeros_in_grad: bool = False
     log_throughput: bool = False
     log_bubble: bool = False  # pipeline bubble time per iteration
+    log_loss_scale_to_tensorboard: bool = True
+    log_world_size_to_tensorboard: bool = False
     wandb_project: Optional[str] = None  # accepted for compatibility; not used
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import math
 import signal
 import sys
@@ -208,6 +209,8 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
                       micro_batch_size=cfg.training.micro_batch_size,
                       grad_scale_func=optimizer.scale_loss, timers=timers)
     timers("forward-backward").stop()
+    if cfg.training.empty_unused_memory_level >= 2 and ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
     timers("grads-reduce", log_level=1).start()
     finalize_model_grads(chunks)
     timers("grads-reduce").stop()
@@ -314,7 +317,27 @@ class Trainer:
 
     def train(self) -> str:
         """Run until train_iters; returns why it stopped ("done", "signal", ...)."""
-        s = self.state
+        t = self.cfg.training
+        if not t.manual_gc:
+            return self._train()
+        gc.disable()  # collections at random points stall every rank in turn
+        gc.collect()
+        try:
+            return self._train()
+        finally:
+            gc.enable()
+
+    def _collect_garbage(self, at_evaluation: bool = False) -> None:
+        t = self.cfg.training
+        if t.manual_gc and (t.manual_gc_eval or not at_evaluation):
+            gc.collect()
+
+    def _empty_cuda_cache(self, level: int) -> None:
+        if self.cfg.training.empty_unused_memory_level >= level and self.ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _train(self) -> str:
+        s, t = self.state, self.cfg.training
         for chunk in self.chunks:
             chunk.train()
         while s.iteration < self.train_iters:
@@ -326,6 +349,9 @@ class Trainer:
                 self.scheduler, self.ctx, num_micro)
             s.iteration += 1
             s.consumed_train_samples += gbs
+            self._empty_cuda_cache(1)
+            if t.manual_gc and t.manual_gc_interval and s.iteration % t.manual_gc_interval == 0:
+                self._collect_garbage()
             self._account(losses, skipped, grad_norm, num_zeros, gbs)
             reason = self._after_iteration()
             if reason:
@@ -377,8 +403,11 @@ class Trainer:
                 stages, self.calculator.num_microbatches,
                 cfg.parallel.virtual_pipeline_model_parallel_size, iters))
         scalars = {f"{name}": value for name, value in losses.items()}
-        scalars.update({"learning-rate": lr, "grad-norm": grad_norm, "loss-scale": scale,
-                        "batch-size": gbs, "tokens-per-gpu-per-second": tgs,
+        if cfg.logging.log_loss_scale_to_tensorboard:
+            scalars["loss-scale"] = scale
+        if cfg.logging.log_world_size_to_tensorboard:
+            scalars["world-size"] = world
+        scalars.update({"learning-rate": lr, "grad-norm": grad_norm, "batch-size": gbs, "tokens-per-gpu-per-second": tgs,
                         "tflops-per-gpu": tflops, "mem-max-gb": memory_gb(),
                         "iteration-time-ms": 1000.0 * elapsed / iters})
         if cfg.logging.log_timers_to_tensorboard:
@@ -393,8 +422,11 @@ class Trainer:
         if not has_data or eval_iters == 0:
             return {}
         num_micro = self.cfg.num_microbatches
+        self._collect_garbage(at_evaluation=True)
         losses = evaluate(self.forward_step, data_iterator, self.chunks, self.ctx, num_micro,
                           eval_iters)
+        self._collect_garbage(at_evaluation=True)
+        self._empty_cuda_cache(1)
         print_rank_0(format_eval(prefix, losses))
         step = self.state.iteration
         for name, value in losses.items():

@@ -219,6 +219,29 @@ def test_launcher_local_rank_and_no_op_flags_are_tolerated():
     assert c.logging.wandb_project == "p" and c.checkpoint.use_checkpoint_args
 
 
+def test_run_management_and_compatibility_flags():
+    c = parse("--no-persist-layer-norm", "--no-scatter-gather-tensors-in-pipeline",
+              "--use-contiguous-buffers-in-local-ddp", "--overlap-param-gather",
+              "--overlap-p2p-comm", "--log-memory-to-tensorboard", "--num-experts", "1",
+              "--ckpt-format", "torch", "--exit-on-missing-checkpoint",
+              "--empty-unused-memory-level", "2", "--manual-gc", "--manual-gc-interval", "10",
+              "--no-manual-gc-eval", "--no-log-loss-scale-to-tensorboard",
+              "--log-world-size-to-tensorboard")
+    t, ck, log = c.training, c.checkpoint, c.logging
+    assert (t.empty_unused_memory_level, t.manual_gc, t.manual_gc_interval,
+            t.manual_gc_eval) == (2, True, 10, False)
+    assert ck.exit_on_missing_checkpoint and ck.ckpt_format == "torch"
+    assert not log.log_loss_scale_to_tensorboard and log.log_world_size_to_tensorboard
+    d = parse()
+    assert (d.training.manual_gc, d.training.manual_gc_eval, d.training.empty_unused_memory_level,
+            d.logging.log_loss_scale_to_tensorboard) == (False, True, 0, True)
+    assert_names(error_of([*BASE, "--num-experts", "8"]), "--num-experts 8", "not supported")
+    assert_names(error_of([*BASE, "--ckpt-format", "torch_dist"]), "--ckpt-format torch_dist")
+    assert_names(error_of([*BASE, "--empty-unused-memory-level", "3"]),
+                 "--empty-unused-memory-level")
+    assert_names(error_of([*BASE, "--manual-gc-interval", "-1"]), "--manual-gc-interval")
+
+
 def test_sequence_parallel_is_silently_off_at_tp1():
     c = parse("--sequence-parallel")
     assert not c.parallel.sequence_parallel and not c.model.sequence_parallel

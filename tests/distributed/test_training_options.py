@@ -1,0 +1,85 @@
+"""Megatron's run-management flags through the real pretrain() entry (one gloo rank):
+--manual-gc, TensorBoard's optional scalars, --exit-on-missing-checkpoint."""
+
+import gc
+import os
+
+import pytest
+
+import pretrain_gpt
+from megatron.checkpointing import CheckpointError
+from megatron.training import pretrain
+from tests.dist_utils import run_distributed
+from tests.distributed.training_utils import base_argv, build_small_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_small_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+def _manual_gc_run(rank, world_size, argv):
+    collections = []
+    real_collect = gc.collect
+
+    def counting_collect(*args):
+        collections.append(gc.isenabled())
+        return real_collect(*args)
+
+    enabled_in_steps = set()
+
+    def forward_step(ctx, data_iterator, model):
+        enabled_in_steps.add(gc.isenabled())
+        return pretrain_gpt.forward_step(ctx, data_iterator, model)
+
+    gc.collect = counting_collect
+    try:
+        pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                 forward_step, argv=argv)
+    finally:
+        gc.collect = real_collect
+    return {"collections": collections, "enabled_in_steps": sorted(enabled_in_steps),
+            "enabled_after": gc.isenabled()}
+
+
+def test_manual_gc_and_optional_tensorboard_scalars(corpus, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = str(tmp_path / "tb")
+    argv = base_argv(corpus, str(tmp_path / "cache"), **{
+        "--train-iters": 4, "--eval-interval": 2, "--eval-iters": 1, "--split": "80,20,0",
+        "--manual-gc": True,
+        "--manual-gc-interval": 2, "--tensorboard-dir": tb,
+        "--log-world-size-to-tensorboard": True, "--no-log-loss-scale-to-tensorboard": True})
+    (got,) = run_distributed(_manual_gc_run, 1, argv)
+    # The collector is off for the whole run and back on afterwards; it ran once at the
+    # start, at iterations 2 and 4, and before and after each of the 2 evaluations.
+    assert got["enabled_in_steps"] == [False]
+    assert got["enabled_after"]
+    assert got["collections"] == [False] * (1 + 2 + 2 * 2)
+
+    acc = EventAccumulator(tb, size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert "world-size" in tags and "loss-scale" not in tags, sorted(tags)
+    assert [e.value for e in acc.Scalars("world-size")] == [1.0] * 4
+
+
+def _load_missing(rank, world_size, argv):
+    try:
+        pretrain_gpt.main(argv)
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def test_exit_on_missing_checkpoint(corpus, tmp_path):
+    empty = tmp_path / "nothing-here"
+    empty.mkdir()
+    argv = base_argv(corpus, str(tmp_path / "cache"), **{
+        "--train-iters": 2, "--lr-warmup-iters": 0, "--load": str(empty),
+        "--exit-on-missing-checkpoint": True})
+    (message,) = run_distributed(_load_missing, 1, argv)
+    assert message is not None and "--exit-on-missing-checkpoint" in message
+    assert str(empty) in message and "latest_checkpointed_iteration.txt" in message
+    assert os.listdir(empty) == []
