@@ -729,7 +729,7 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
     tracker = read_tracker(ckpt.load)
     _check_same_everywhere(-1 if tracker is None else tracker.iteration, "the latest iteration")
     if tracker is None:
-        if getattr(ckpt, "exit_on_missing_checkpoint", False):
+        if ckpt.exit_on_missing_checkpoint:
             raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint in --load "
                                   f"{ckpt.load} (no {TRACKER_FILENAME} there)")
         logger.warning("no %s in %s: starting from scratch", TRACKER_FILENAME, ckpt.load)

@@ -194,6 +194,12 @@ def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     return {name: values[i].item() for i, name in enumerate(names)}
 
 
+def empty_cuda_cache(ctx: RunContext, level: int) -> None:
+    """--empty-unused-memory-level: hand the CUDA allocator's cached blocks back at ``level``."""
+    if ctx.config.training.empty_unused_memory_level >= level and ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def train_step(forward_step: Callable, data_iterator, chunks, optimizer, scheduler,
                ctx: RunContext, num_microbatches: int):
     """Forward and backward over all micro-batches, gradient reduction, optimizer step."""
@@ -209,8 +215,7 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
                       micro_batch_size=cfg.training.micro_batch_size,
                       grad_scale_func=optimizer.scale_loss, timers=timers)
     timers("forward-backward").stop()
-    if cfg.training.empty_unused_memory_level >= 2 and ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
+    empty_cuda_cache(ctx, level=2)
     timers("grads-reduce", log_level=1).start()
     finalize_model_grads(chunks)
     timers("grads-reduce").stop()
@@ -332,10 +337,6 @@ class Trainer:
         if t.manual_gc and (t.manual_gc_eval or not at_evaluation):
             gc.collect()
 
-    def _empty_cuda_cache(self, level: int) -> None:
-        if self.cfg.training.empty_unused_memory_level >= level and self.ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
-
     def _train(self) -> str:
         s, t = self.state, self.cfg.training
         for chunk in self.chunks:
@@ -349,7 +350,7 @@ class Trainer:
                 self.scheduler, self.ctx, num_micro)
             s.iteration += 1
             s.consumed_train_samples += gbs
-            self._empty_cuda_cache(1)
+            empty_cuda_cache(self.ctx, level=1)
             if t.manual_gc and t.manual_gc_interval and s.iteration % t.manual_gc_interval == 0:
                 self._collect_garbage()
             self._account(losses, skipped, grad_norm, num_zeros, gbs)
@@ -407,8 +408,8 @@ class Trainer:
             scalars["loss-scale"] = scale
         if cfg.logging.log_world_size_to_tensorboard:
             scalars["world-size"] = world
-        scalars.update({"learning-rate": lr, "grad-norm": grad_norm, "batch-size": gbs, "tokens-per-gpu-per-second": tgs,
-                        "tflops-per-gpu": tflops, "mem-max-gb": memory_gb(),
+        scalars.update({"learning-rate": lr, "grad-norm": grad_norm, "batch-size": gbs,
+                        "tokens-per-gpu-per-second": tgs, "tflops-per-gpu": tflops, "mem-max-gb": memory_gb(),
                         "iteration-time-ms": 1000.0 * elapsed / iters})
         if cfg.logging.log_timers_to_tensorboard:
             scalars.update({f"timers/{k}": 1000.0 * v / iters for k, v in timings.items()})
@@ -426,7 +427,7 @@ class Trainer:
         losses = evaluate(self.forward_step, data_iterator, self.chunks, self.ctx, num_micro,
                           eval_iters)
         self._collect_garbage(at_evaluation=True)
-        self._empty_cuda_cache(1)
+        empty_cuda_cache(self.ctx, level=1)
         print_rank_0(format_eval(prefix, losses))
         step = self.state.iteration
         for name, value in losses.items():
