@@ -205,6 +205,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                    help="Grow the global batch from START by INCREMENT over SAMPLES samples.")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--train-tokens", type=int, default=None,
+                   help="Also stop once this many tokens (samples x --seq-length) are consumed.")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--exit-interval", type=int, default=None)

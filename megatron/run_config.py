@@ -186,6 +186,9 @@ class TrainingConfig:
     rampup_batch_size: Optional[tuple[int, int, int]] = None  # START INCREMENT SAMPLES
     train_iters: Optional[int] = None  # exactly one of train_iters / train_samples (CLI)
     train_samples: Optional[int] = None
+    # Megatron-DeepSpeed's cap: training also stops once consumed samples x seq_length
+    # reaches it (the schedule length still comes from train_iters / train_samples).
+    train_tokens: Optional[int] = None
     eval_interval: int = 1000
     eval_iters: int = 100  # 0 skips evaluation
     exit_interval: Optional[int] = None
@@ -217,8 +220,8 @@ class TrainingConfig:
         _as_tuple(self, "rampup_batch_size")
         _positive(self, "micro_batch_size", "eval_interval", "distributed_timeout_minutes")
         _optional_positive(
-            self, "global_batch_size", "train_iters", "train_samples", "exit_interval",
-            "exit_duration_in_mins", "decoder_first_pipeline_num_layers",
+            self, "global_batch_size", "train_iters", "train_samples", "train_tokens",
+            "exit_interval", "exit_duration_in_mins", "decoder_first_pipeline_num_layers",
             "decoder_last_pipeline_num_layers",
         )
         _require(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")

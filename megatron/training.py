@@ -341,7 +341,9 @@ class Trainer:
         s, t = self.state, self.cfg.training
         for chunk in self.chunks:
             chunk.train()
-        while s.iteration < self.train_iters:
+        seq = self.cfg.model.seq_length
+        while s.iteration < self.train_iters and (
+                t.train_tokens is None or s.consumed_train_samples * seq < t.train_tokens):
             self.calculator.update(s.consumed_train_samples)
             num_micro = self.calculator.num_microbatches
             gbs = self.calculator.current_global_batch_size

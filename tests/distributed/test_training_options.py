@@ -1,5 +1,5 @@
 """Megatron's run-management flags through the real pretrain() entry (one gloo rank):
---manual-gc, TensorBoard's optional scalars, --exit-on-missing-checkpoint."""
+--manual-gc, TensorBoard's optional scalars, --exit-on-missing-checkpoint, --train-tokens."""
 
 import gc
 import os
@@ -83,3 +83,17 @@ def test_exit_on_missing_checkpoint(corpus, tmp_path):
     assert message is not None and "--exit-on-missing-checkpoint" in message
     assert str(empty) in message and "latest_checkpointed_iteration.txt" in message
     assert os.listdir(empty) == []
+
+
+def _iterations_run(rank, world_size, argv):
+    return [h["iteration"] for h in pretrain_gpt.main(argv).history]
+
+
+@pytest.mark.parametrize("tokens, iterations", [(3 * 4 * 32, 3), (3 * 4 * 32 + 1, 4)])
+def test_train_tokens_stops_training(corpus, tmp_path, tokens, iterations):
+    # 4 sequences of 32 tokens per iteration: training stops once the tokens are consumed,
+    # well before --train-iters.
+    argv = base_argv(corpus, str(tmp_path / "cache"), **{
+        "--train-iters": 10, "--train-tokens": tokens})
+    (got,) = run_distributed(_iterations_run, 1, argv)
+    assert got == list(range(1, iterations + 1))

@@ -240,6 +240,8 @@ def test_run_management_and_compatibility_flags():
     assert_names(error_of([*BASE, "--empty-unused-memory-level", "3"]),
                  "--empty-unused-memory-level")
     assert_names(error_of([*BASE, "--manual-gc-interval", "-1"]), "--manual-gc-interval")
+    assert parse("--train-tokens", "1000").training.train_tokens == 1000
+    assert_names(error_of([*BASE, "--train-tokens", "0"]), "--train-tokens")
 
 
 def test_sequence_parallel_is_silently_off_at_tp1():
