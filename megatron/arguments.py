@@ -297,6 +297,9 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-load-lr-state", action="store_true",
+                   help="Load the optimizer but not the learning-rate scheduler's state "
+                        "(Megatron-DeepSpeed): the schedule starts again from these flags.")
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None)
     g.add_argument("--save-best", action="store_true")

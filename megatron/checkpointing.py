@@ -759,7 +759,8 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
                               "(see its error)")
 
     if load_optim:
-        _load_optimizer(state, distrib_state, optimizer, opt_param_scheduler, path)
+        scheduler = None if ckpt.no_load_lr_state else opt_param_scheduler
+        _load_optimizer(state, distrib_state, optimizer, scheduler, path)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 main copies must follow the loaded weights
     if not model_only and not ckpt.no_load_rng:

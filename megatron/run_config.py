@@ -269,6 +269,7 @@ class CheckpointConfig:
     no_save_rng: bool = False
     no_load_optim: bool = False
     no_load_rng: bool = False
+    no_load_lr_state: bool = False  # load the optimizer but restart the LR/WD schedule
     finetune: bool = False  # load weights only, restart at iteration 0
     keep_last_n_checkpoints: Optional[int] = None  # None keeps all
     save_best: bool = False  # also keep the checkpoint with the lowest validation loss

@@ -252,6 +252,20 @@ def test_no_save_optim_and_no_load_optim(tmp_path):
     assert_params_equal(params(model), saved)
 
 
+def test_no_load_lr_state_restarts_the_schedule(tmp_path):
+    config = run_config(tmp_path)
+    trained_run(config, steps_after=0)
+    saved = torch.load(ckpt.checkpoint_path(str(tmp_path), 2, 0, 0, 1), weights_only=True)
+    for no_load_lr_state, steps in ((False, 2), (True, 0)):
+        model, optimizer, scheduler = build(config, seed=31)
+        ckpt.load_checkpoint(model, optimizer, scheduler,
+                             run_config(tmp_path, no_load_lr_state=no_load_lr_state))
+        assert scheduler.num_steps == steps  # 0: warmup starts again
+        # The optimizer's moments are loaded either way.
+        moments = optimizer.state_dict()["state"][0]["exp_avg"]
+        assert torch.equal(moments, saved["optimizer"]["state"][0]["exp_avg"])
+
+
 def test_no_load_optim_refreshes_mixed_precision_main_params(tmp_path):
     config = run_config(tmp_path, precision="bf16")
     saved, _, _, _ = trained_run(config, steps_after=0)
