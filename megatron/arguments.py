@@ -319,6 +319,8 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
+    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
+                   help="How timers are reported across ranks.")
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
     g.add_argument("--log-throughput", action="store_true")

@@ -300,6 +300,7 @@ class LoggingConfig:
     log_batch_size_to_tensorboard: bool = False
     log_validation_ppl_to_tensorboard: bool = False
     timing_log_level: int = 0  # 0: iteration time only; 1: + main phases; 2: everything
+    timing_log_option: str = "minmax"  # across ranks: max, minmax or all (Megatron-LM's)
     log_params_norm: bool = False
     log_num_zeros_in_grad: bool = False
     log_throughput: bool = False
@@ -313,6 +314,10 @@ class LoggingConfig:
         _require(
             self.timing_log_level in (0, 1, 2),
             f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}",
+        )
+        _require(
+            self.timing_log_option in ("max", "minmax", "all"),
+            f"--timing-log-option must be max, minmax or all, got {self.timing_log_option}",
         )
 
 

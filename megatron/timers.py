@@ -1,10 +1,16 @@
-"""Named wall-clock timers, with log levels as Megatron's ``--timing-log-level``."""
+"""Named wall-clock timers, with log levels as Megatron's ``--timing-log-level`` and its
+``--timing-log-option`` (max, minmax, all) for reporting them across ranks."""
 
 from __future__ import annotations
 
 import time
 
 import torch
+import torch.distributed as dist
+
+TIMING_LOG_OPTIONS = ("max", "minmax", "all")
+_HEADERS = {"max": "max time across ranks (ms)", "minmax": "(min, max) time across ranks (ms)",
+            "all": "time on each rank (ms)"}
 
 
 def _sync() -> None:
@@ -65,5 +71,39 @@ class Timers:
         return {name: t.pop() for name, t in self.timers.items()}
 
     def format(self, seconds: dict[str, float], normalizer: float = 1.0) -> str:
-        parts = [f"{name}: {1000.0 * s / normalizer:.2f}" for name, s in seconds.items()]
-        return "time (ms) | " + " | ".join(parts)
+        """This rank's timings, ``seconds`` from ``pop_all``, per ``normalizer`` iterations."""
+        return format_across_ranks([seconds], "max", normalizer).replace(
+            _HEADERS["max"], "time (ms)", 1)
+
+
+def gather_across_ranks(seconds: dict[str, float]) -> list[dict[str, float]]:
+    """Every rank's ``pop_all`` result, in rank order (a collective: call it on all ranks)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [seconds]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, seconds)
+    return gathered
+
+
+def format_across_ranks(per_rank: list[dict[str, float]], option: str,
+                        normalizer: float = 1.0) -> str:
+    """One log line of the timers of all ranks: their max, their (min, max), or every rank's
+    value ("-" where a rank has no such timer, e.g. a pipeline stage that does not run it)."""
+    if option not in TIMING_LOG_OPTIONS:
+        raise ValueError(f"timing log option must be one of {TIMING_LOG_OPTIONS}, got {option!r}")
+    names = list(dict.fromkeys(name for timings in per_rank for name in timings))
+
+    def ms(value: float) -> str:
+        return f"{1000.0 * value / normalizer:.2f}"
+
+    parts = []
+    for name in names:
+        values = [timings[name] for timings in per_rank if name in timings]
+        if option == "max":
+            text = ms(max(values))
+        elif option == "minmax":
+            text = f"({ms(min(values))}, {ms(max(values))})"
+        else:
+            text = "(" + ", ".join(ms(t[name]) if name in t else "-" for t in per_rank) + ")"
+        parts.append(f"{name}: {text}")
+    return f"{_HEADERS[option]} | " + " | ".join(parts)

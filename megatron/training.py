@@ -38,7 +38,7 @@ from megatron.microbatches import NumMicroBatchesCalculator
 from megatron.model.stages import layer_range
 from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
 from megatron.run_config import RunConfig
-from megatron.timers import Timers
+from megatron.timers import Timers, format_across_ranks, gather_across_ranks
 from megatron.training_log import (
     TensorBoard,
     flops_per_token,
@@ -398,8 +398,9 @@ class Trainer:
             skipped=self._skipped, nan=self._nan, tgs=tgs, tflops=tflops,
             num_zeros=num_zeros if cfg.optimizer.log_num_zeros_in_grad else None))
         timings = self.ctx.timers.pop_all()
-        if timings and cfg.logging.timing_log_level > 0:
-            print_rank_0(self.ctx.timers.format(timings, iters))
+        if cfg.logging.timing_log_level > 0:  # the same on every rank: a collective is safe
+            print_rank_0(format_across_ranks(gather_across_ranks(timings),
+                                             cfg.logging.timing_log_option, iters))
         if cfg.logging.log_bubble and parallel_state.get_pipeline_model_parallel_world_size() > 1:
             stages = bubble.gather_stage_times(bubble.StageTimes.from_timings(timings))
             print_rank_0(bubble.format_bubble(

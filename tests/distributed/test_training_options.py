@@ -10,7 +10,7 @@ import pretrain_gpt
 from megatron.checkpointing import CheckpointError
 from megatron.training import pretrain
 from tests.dist_utils import run_distributed
-from tests.distributed.training_utils import base_argv, build_small_corpus
+from tests.distributed.training_utils import base_argv, build_small_corpus, captured_stdout
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +97,26 @@ def test_train_tokens_stops_training(corpus, tmp_path, tokens, iterations):
         "--train-iters": 10, "--train-tokens": tokens})
     (got,) = run_distributed(_iterations_run, 1, argv)
     assert got == list(range(1, iterations + 1))
+
+
+def _timing_lines(rank, world_size, argv):
+    with captured_stdout() as out:
+        pretrain_gpt.main(argv)
+    return [line for line in out.getvalue().splitlines() if "across ranks" in line
+            or "time on each rank" in line]
+
+
+@pytest.mark.parametrize("option, header", [
+    ("minmax", "(min, max) time across ranks (ms) | "), ("all", "time on each rank (ms) | ")])
+def test_timing_log_option_reports_every_rank(corpus, tmp_path, option, header):
+    # Two pipeline stages: the last one runs the loss, so the ranks' timers differ.
+    argv = base_argv(corpus, str(tmp_path / "cache"), **{
+        "--train-iters": 3, "--log-interval": 1, "--pipeline-model-parallel-size": 2,
+        "--timing-log-level": 1, "--timing-log-option": option})
+    rank0, rank1 = run_distributed(_timing_lines, 2, argv)
+    assert rank1 == []  # printed once, by rank 0
+    assert len(rank0) == 3 and all(line.startswith(header) for line in rank0), rank0
+    fields = dict(part.split(": ", 1) for part in rank0[0][len(header):].split(" | "))
+    for name in ("forward-backward", "optimizer", "forward-compute", "pipeline-wait"):
+        low, high = (float(v) for v in fields[name].strip("()").split(", "))
+        assert 0.0 <= low and 0.0 <= high and (option == "all" or low <= high), (name, fields)
