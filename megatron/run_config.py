@@ -508,21 +508,15 @@ class RunConfig:
                     return getattr(getattr(self, slice_name), name)
             return None
 
-        iters_flags = ("lr_decay_iters", "lr_warmup_iters")
-        samples_flags = ("lr_decay_samples", "lr_warmup_samples")
-        if self.training.train_samples is not None:
-            for name in iters_flags:
+        # A run measured in iterations takes iteration-based schedule flags, and likewise samples.
+        for unit, other in (("samples", "iters"), ("iters", "samples")):
+            if getattr(self.training, f"train_{unit}") is None:
+                continue
+            for name in (f"lr_decay_{other}", f"lr_warmup_{other}"):
                 _require(
                     not value(name),
-                    f"{flag(name)} ({value(name)}) cannot be used with --train-samples; "
-                    f"use {flag(name.replace('iters', 'samples'))}",
-                )
-        if self.training.train_iters is not None:
-            for name in samples_flags:
-                _require(
-                    not value(name),
-                    f"{flag(name)} ({value(name)}) cannot be used with --train-iters; "
-                    f"use {flag(name.replace('samples', 'iters'))}",
+                    f"{flag(name)} ({value(name)}) cannot be used with --train-{unit}; "
+                    f"use {flag(name.replace(other, unit))}",
                 )
         if value("lr_warmup_fraction") is not None:
             for name in ("lr_warmup_iters", "lr_warmup_samples"):
