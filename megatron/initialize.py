@@ -7,6 +7,7 @@ stand in. A plain ``python pretrain_gpt.py`` runs as a world of one.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import random
@@ -55,6 +56,16 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10) -> None:
         os.environ["MASTER_PORT"] = str(_free_port())
     dist.init_process_group(backend, rank=info["rank"], world_size=info["world_size"],
                             timeout=datetime.timedelta(minutes=timeout_minutes))
+    atexit.register(_destroy_process_group_at_exit)
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Tear down the groups this process joined while the interpreter is still whole: a
+    process that exits with gloo's worker threads running can abort at shutdown ("terminate
+    called without an active exception", exit status -6) after a clean run."""
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 def set_random_seeds(seed: int) -> None:
