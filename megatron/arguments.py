@@ -47,6 +47,7 @@ from megatron.run_config import (
     TrainingConfig,
     canonical_tokenizer_type,
 )
+from megatron.timers import TIMING_LOG_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +320,7 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
-    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
+    g.add_argument("--timing-log-option", choices=TIMING_LOG_OPTIONS, default="minmax",
                    help="How timers are reported across ranks.")
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
@@ -360,8 +361,9 @@ def _add_no_op_args(parser: argparse.ArgumentParser) -> None:
 
 _GROUPS = (
     _add_model_args, _add_moe_args, _add_precision_args, _add_parallel_args,
-    _add_recompute_args, _add_training_args, _add_optimizer_args, _add_scheduler_args, _add_data_args,
-    _add_checkpoint_args, _add_logging_args, _add_deepspeed_args, _add_no_op_args,
+    _add_recompute_args, _add_training_args, _add_optimizer_args, _add_scheduler_args,
+    _add_data_args, _add_checkpoint_args, _add_logging_args, _add_deepspeed_args,
+    _add_no_op_args,
 )
 
 

@@ -24,6 +24,7 @@ from megatron.config import (
     flag,
     to_dict,
 )
+from megatron.timers import TIMING_LOG_OPTIONS
 
 
 def canonical_tokenizer_type(name: str) -> str:
@@ -316,7 +317,7 @@ class LoggingConfig:
             f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}",
         )
         _require(
-            self.timing_log_option in ("max", "minmax", "all"),
+            self.timing_log_option in TIMING_LOG_OPTIONS,
             f"--timing-log-option must be max, minmax or all, got {self.timing_log_option}",
         )
 

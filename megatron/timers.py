@@ -70,11 +70,6 @@ class Timers:
         """Seconds per timer since the last call, and reset them."""
         return {name: t.pop() for name, t in self.timers.items()}
 
-    def format(self, seconds: dict[str, float], normalizer: float = 1.0) -> str:
-        """This rank's timings, ``seconds`` from ``pop_all``, per ``normalizer`` iterations."""
-        return format_across_ranks([seconds], "max", normalizer).replace(
-            _HEADERS["max"], "time (ms)", 1)
-
 
 def gather_across_ranks(seconds: dict[str, float]) -> list[dict[str, float]]:
     """Every rank's ``pop_all`` result, in rank order (a collective: call it on all ranks)."""

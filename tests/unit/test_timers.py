@@ -20,7 +20,7 @@ def test_max_minmax_and_all_across_ranks():
         format_across_ranks(RANKS, "mean")
 
 
-def test_levels_and_one_rank_format():
+def test_levels_and_one_rank():
     timers = Timers(log_level=1)
     timers("phase", log_level=1).start()
     timers("phase").stop()
@@ -28,4 +28,5 @@ def test_levels_and_one_rank_format():
     timers("detail", log_level=2).stop()
     seconds = timers.pop_all()
     assert list(seconds) == ["phase"] and seconds["phase"] >= 0.0
-    assert timers.format({"phase": 0.5}, normalizer=5) == "time (ms) | phase: 100.00"
+    assert format_across_ranks([{"phase": 0.5}], "minmax", normalizer=5) == (
+        "(min, max) time across ranks (ms) | phase: (100.00, 100.00)")
