@@ -23,7 +23,8 @@ def model_provider(ctx: RunContext, pre_process: bool = True, post_process: bool
 def get_batch(ctx: RunContext, data_iterator):
     """tokens/labels ``[b, s]``, loss mask, attention mask (None = causal), position ids."""
     data = ctx.config.data
-    sample = next(data_iterator)["text"].long().to(ctx.device)  # [b, s + 1]
+    # Pinned by the DataLoader on a GPU run, so the copy need not wait for the host.
+    sample = next(data_iterator)["text"].to(ctx.device, non_blocking=True).long()  # [b, s + 1]
     tokens, labels = sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
     eod = ctx.tokenizer.eod if ctx.tokenizer is not None else None
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(

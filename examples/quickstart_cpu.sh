@@ -7,8 +7,9 @@
 #    else Python's own documentation (every Python has it), or your file (CORPUS_JSON);
 # 2. trains a GPT-2-style byte-level BPE tokenizer on it (or uses VOCAB_FILE/MERGE_FILE);
 # 3. tokenizes it with tools/preprocess_data.py into Megatron .bin/.idx files;
-# 4. trains a 4-layer GPT with tensor parallelism 2 through torchrun on CPU (gloo), with the
-#    Megatron log line, evaluation, TensorBoard and checkpoints.
+# 4. trains a 4-layer GPT with tensor parallelism 2 through torchrun, with the Megatron log
+#    line, evaluation, TensorBoard and checkpoints: on the CPU (gloo), or on GPUs (NCCL) when
+#    the machine has one per process (DEVICE=cpu keeps it on the CPU).
 #
 # Everything goes into OUT_DIR (default ./quickstart). Re-running reuses what was built; a
 # finished training run is not repeated (raise TRAIN_ITERS to train on from its checkpoint).
@@ -24,6 +25,7 @@
 #   NUM_LAYERS=4 HIDDEN_SIZE=256 NUM_HEADS=8 SEQ_LENGTH=256
 #   MICRO_BATCH=4 GLOBAL_BATCH=8 LR=1e-3 MIN_LR=1e-4
 #   EVAL_INTERVAL=50 EVAL_ITERS=10 SAVE_INTERVAL=50 LOG_INTERVAL=10
+#   DEVICE=auto               auto: GPUs when there are TP*PP*DP of them, else the CPU; cpu
 #   PYTHON=python             the interpreter with this package installed
 # Extra Megatron flags can follow on the command line: bash examples/quickstart_cpu.sh --seed 7
 set -euo pipefail
@@ -52,6 +54,7 @@ EVAL_INTERVAL="${EVAL_INTERVAL:-50}"
 EVAL_ITERS="${EVAL_ITERS:-10}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-50}"
 LOG_INTERVAL="${LOG_INTERVAL:-10}"
+DEVICE="${DEVICE:-auto}"
 NPROC=$((TP * PP * DP))
 START=$(date +%s)
 
@@ -127,11 +130,19 @@ train() {
               "(TRAIN_ITERS=$TRAIN_ITERS)"
         return
     fi
-    local cores threads
+    local cores threads gpus where device_args=()
     cores="$(nproc 2>/dev/null || echo 2)"
     threads=$((cores / NPROC > 0 ? cores / NPROC : 1))
+    gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
+    # NCCL wants a GPU per process; with fewer, the CPU (pretrain_gpt.py picks the GPU itself).
+    if [ "$DEVICE" != "cpu" ] && [ "$gpus" -ge "$NPROC" ]; then
+        where="$NPROC GPU process(es)"
+    else
+        where="$NPROC CPU processes"
+        device_args=(--use-cpu)
+    fi
     stage "training: GPT of $NUM_LAYERS layers x $HIDDEN_SIZE hidden, sequence $SEQ_LENGTH," \
-          "$TRAIN_ITERS iterations of $GLOBAL_BATCH sequences, on $NPROC CPU processes" \
+          "$TRAIN_ITERS iterations of $GLOBAL_BATCH sequences, on $where" \
           "(tensor $TP x pipeline $PP x data $DP, $threads thread(s) each); log: $LOG"
     local gpt_args=(
         --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_HEADS"
@@ -145,7 +156,7 @@ train() {
     )
     local parallel_args=(
         --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-        --distributed-backend gloo
+        "${device_args[@]}"
     )
     local data_args=(
         --data-path "$DATA_PATH" --split 90,5,5 --num-workers 0

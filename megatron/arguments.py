@@ -174,8 +174,17 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Gradient elements per all-reduce bucket (default: one per buffer).")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default="auto",
-                   help="Default: nccl where CUDA is available, else gloo.")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+                   help="Default: nccl on a GPU, gloo on the CPU (the backend follows the "
+                   "device; see --use-cpu).")
+    g.add_argument("--use-cpu", action="store_true",
+                   help="Train on the CPU (gloo) even where a GPU is visible; by default each "
+                   "process uses the GPU of its LOCAL_RANK whenever CUDA is available.")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="Deterministic kernels only (torch.use_deterministic_algorithms; "
+                   "CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set): the same run gives the same "
+                   "bits on a GPU, slower. CPU kernels are deterministic already.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="Timeout of collectives (NCCL and gloo) before a hung rank fails.")
     g.add_argument("--use-cpu-initialization", action="store_true")
 
 
@@ -546,9 +555,6 @@ def _translate(ns: argparse.Namespace, world_size: int) -> None:
         ns.accumulate_allreduce_grads_in_fp32 = True  # bf16 grads are reduced in fp32 (Megatron)
     if ns.weight_decay_incr_style == "constant":
         ns.start_weight_decay = ns.end_weight_decay = ns.weight_decay
-    if ns.distributed_backend == "nccl" and not torch.cuda.is_available():
-        logger.warning("--distributed-backend nccl needs CUDA, which is not available: using gloo")
-        ns.distributed_backend = "gloo"
     ns.virtual_pipeline_model_parallel_size = None
     if ns.num_layers_per_virtual_pipeline_stage is not None:
         chunks = ns.num_layers // ns.pipeline_model_parallel_size

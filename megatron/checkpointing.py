@@ -344,9 +344,18 @@ def _restore_rng_state(state: dict) -> None:
                     np_state["has_gauss"], np_state["cached_gaussian"])
     np.random.set_state(np_state)
     torch.set_rng_state(state["torch_rng_state"])
-    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
+    on_cuda = parallel_state.get_default_device().type == "cuda"
+    if state.get("cuda_rng_state") is not None and on_cuda:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
-    get_rng_tracker().set_states(state["rng_tracker_states"])
+    tracker = get_rng_tracker()
+    if tracker.fits(state["rng_tracker_states"]):
+        tracker.set_states(state["rng_tracker_states"])
+    else:
+        # Saved on a GPU and loaded on the CPU, or the reverse: a CUDA generator's state
+        # cannot seed a CPU one. Only dropout inside tensor-parallel regions draws from it.
+        logger.warning("the checkpoint's tensor-parallel RNG states come from another device "
+                       "type than this run's (%s): that dropout stream restarts from its seed",
+                       tracker.device_type)
 
 
 def _gather_rng_states(layout: _Layout) -> list[dict]:

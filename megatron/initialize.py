@@ -12,6 +12,7 @@ import datetime
 import os
 import random
 import socket
+from typing import Optional
 
 import numpy as np
 import torch
@@ -19,7 +20,9 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_seed
+from megatron.device import compute_device, describe
 from megatron.run_config import RunConfig
+from megatron.utils import print_rank_0
 
 
 def _free_port() -> int:
@@ -40,22 +43,29 @@ def distributed_env() -> dict[str, int]:
     return dict(rank=0, world_size=1, local_rank=0)
 
 
-def initialize_distributed(backend: str, timeout_minutes: int = 10) -> None:
-    """Join the process group (if not joined yet) and pick this process's device."""
+def initialize_distributed(backend: str, timeout_minutes: int = 10,
+                           device: Optional[torch.device] = None) -> None:
+    """Join the process group (if not joined yet) on this process's ``device``.
+
+    ``backend`` and ``device`` come from ``megatron.device`` (one place decides them). NCCL
+    is bound to the device at start-up (``device_id``), so its communicators and barriers use
+    that GPU from the first call.
+    """
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
     if dist.is_initialized():
         return
     info = distributed_env()
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError("--distributed-backend nccl needs CUDA; use gloo on CPU")
-        torch.cuda.set_device(info["local_rank"] % torch.cuda.device_count())
+    if backend == "nccl" and (device is None or device.type != "cuda"):
+        raise RuntimeError("--distributed-backend nccl needs a CUDA device")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         if info["world_size"] > 1:
             raise RuntimeError("MASTER_PORT is not set: launch with torchrun, deepspeed or srun")
         os.environ["MASTER_PORT"] = str(_free_port())
+    extra = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=info["rank"], world_size=info["world_size"],
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+                            timeout=datetime.timedelta(minutes=timeout_minutes), **extra)
     atexit.register(_destroy_process_group_at_exit)
 
 
@@ -77,18 +87,52 @@ def set_random_seeds(seed: int) -> None:
     model_parallel_seed(seed)
 
 
-def initialize_megatron(config: RunConfig) -> None:
-    """torch.distributed, the model-parallel groups and the random seeds for this run."""
-    initialize_distributed(config.training.distributed_backend,
-                           config.training.distributed_timeout_minutes)
+def _check_existing_group(device: torch.device) -> None:
+    """A caller that made the process group first (a test, an embedding program) must have
+    made it for this device: NCCL carries only CUDA tensors."""
+    if dist.get_backend() == "nccl" and device.type != "cuda":
+        raise RuntimeError(
+            "the process group was initialized with nccl, but this run computes on the CPU "
+            "(--use-cpu, or no GPU visible): initialize it with gloo")
+
+
+def _set_cuda_max_connections(config: RunConfig, device: torch.device) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 under sequence parallelism, as Megatron requires it there,
+    so that kernels reach the GPU in the order they were issued (a communication kernel ahead
+    of the GEMM that needs it). It must be set before the CUDA context exists; a value the
+    user set is kept."""
+    if device.type == "cuda" and config.parallel.sequence_parallel:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def _set_deterministic(config: RunConfig) -> None:
+    """--deterministic-mode: kernels without run-to-run variation (CUDA atomics in index_add_
+    and scatter_add_ become sorted reductions; cuBLAS gets a fixed workspace)."""
+    if config.training.deterministic_mode:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def initialize_megatron(config: RunConfig) -> torch.device:
+    """The device, torch.distributed, the model-parallel groups and the random seeds for
+    this run; returns the device (also recorded in ``parallel_state``)."""
+    t = config.training
+    device = compute_device(t.use_cpu, distributed_env()["local_rank"])
+    _set_cuda_max_connections(config, device)
+    _set_deterministic(config)
+    initialize_distributed(t.distributed_backend, t.distributed_timeout_minutes, device)
+    _check_existing_group(device)
     world = dist.get_world_size()
     if world != config.parallel.world_size:
         raise RuntimeError(
             f"the launcher started {world} processes but the configuration was validated for "
             f"{config.parallel.world_size} (WORLD_SIZE)")
+    parallel_state.set_default_device(device)
     p = config.parallel
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
             p.virtual_pipeline_model_parallel_size)
-    set_random_seeds(config.training.seed)
+    set_random_seeds(t.seed)
+    print_rank_0(describe(device, dist.get_backend(), t.use_cpu))
+    return device

@@ -11,8 +11,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-
 from megatron.config import (
     ConfigError,
     ModelConfig,
@@ -24,6 +22,7 @@ from megatron.config import (
     flag,
     to_dict,
 )
+from megatron.device import resolve_backend
 from megatron.timers import TIMING_LOG_OPTIONS
 
 
@@ -197,7 +196,9 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     seed: int = 1234
 
-    distributed_backend: str = "auto"  # "auto": nccl where CUDA is available, else gloo
+    distributed_backend: str = "auto"  # resolved by megatron.device: nccl on a GPU, else gloo
+    use_cpu: bool = False  # train on the CPU even where a GPU is visible
+    deterministic_mode: bool = False  # deterministic kernels (GPU runs repeat bit for bit)
     distributed_timeout_minutes: int = 10
     use_cpu_initialization: bool = False
     # Uneven pipeline split: layers on the first/last stage; the rest share the middle evenly.
@@ -233,14 +234,11 @@ class TrainingConfig:
         )
         if self.rampup_batch_size is not None:
             self._check_rampup()
-        backend = self.distributed_backend
-        _require(
-            backend in ("auto", "nccl", "gloo"),
-            f"--distributed-backend must be nccl or gloo, got {backend!r}",
-        )
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            object.__setattr__(self, "distributed_backend", backend)
+        try:
+            backend = resolve_backend(self.distributed_backend, self.use_cpu)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        object.__setattr__(self, "distributed_backend", backend)
 
     def _check_rampup(self) -> None:
         ramp = self.rampup_batch_size

@@ -36,6 +36,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.initialize import initialize_megatron
 from megatron.microbatches import NumMicroBatchesCalculator
 from megatron.model.stages import layer_range
+from megatron.model.transformer import flash_attn_installed
 from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
 from megatron.run_config import RunConfig
 from megatron.timers import Timers, format_across_ranks, gather_across_ranks
@@ -44,13 +45,10 @@ from megatron.training_log import (
     flops_per_token,
     format_eval,
     format_log_line,
+    format_memory_report,
     memory_gb,
 )
-
-
-def print_rank_0(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
+from megatron.utils import print_rank_0
 
 
 @dataclasses.dataclass
@@ -162,7 +160,7 @@ def build_data_iterators(provider: Callable, ctx: RunContext, state: TrainState)
             loader = build_pretraining_data_loader(
                 dataset, start, cfg.training.micro_batch_size, dp_rank, dp_size,
                 num_workers=cfg.data.num_workers, dataloader_type=cfg.data.dataloader_type,
-                seed=cfg.training.seed)
+                seed=cfg.training.seed, pin_memory=ctx.device.type == "cuda")
             iterators.append(iter(loader) if loader is not None else None)
     return tuple(iterators)
 
@@ -180,10 +178,13 @@ def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         dist.broadcast_object_list(names, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                    group=parallel_state.get_pipeline_model_parallel_group())
         names = names[0]
-    values = torch.zeros(len(names), dtype=torch.float64)
+    # On the compute device: NCCL carries nothing else. One host copy at the end.
+    device = parallel_state.get_default_device()
+    values = torch.zeros(len(names), dtype=torch.float64, device=device)
     if losses:
         for i, name in enumerate(names):
-            values[i] = torch.stack([d[name].detach().double().cpu() for d in losses]).mean()
+            values[i] = torch.stack([d[name].detach().to(device, torch.float64)
+                                     for d in losses]).mean()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         values.zero_()
     if dist.is_initialized():
@@ -191,7 +192,7 @@ def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
-    return {name: values[i].item() for i, name in enumerate(names)}
+    return dict(zip(names, values.tolist()))
 
 
 def empty_cuda_cache(ctx: RunContext, level: int) -> None:
@@ -266,7 +267,8 @@ class _SignalFlag:
 def _any_rank(flag: bool) -> bool:
     if not dist.is_initialized():
         return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32,
+                     device=parallel_state.get_default_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -300,6 +302,7 @@ class Trainer:
         self._interval_iters = self._skipped = self._nan = 0
         self._interval_tokens = 0
         self._interval_start = time.perf_counter()
+        self._memory_reported = False
 
     @property
     def train_iters(self) -> int:
@@ -397,6 +400,7 @@ class Trainer:
             loss_scale=scale if cfg.optimizer.fp16 else 1.0, grad_norm=grad_norm,
             skipped=self._skipped, nan=self._nan, tgs=tgs, tflops=tflops,
             num_zeros=num_zeros if cfg.optimizer.log_num_zeros_in_grad else None))
+        self._report_memory_once()
         timings = self.ctx.timers.pop_all()
         if cfg.logging.timing_log_level > 0:  # the same on every rank: a collective is safe
             print_rank_0(format_across_ranks(gather_across_ranks(timings),
@@ -420,6 +424,16 @@ class Trainer:
         self._interval, self._interval_iters, self._interval_tokens = {}, 0, 0
         self._skipped = self._nan = 0
         self._interval_start = time.perf_counter()
+
+    def _report_memory_once(self) -> None:
+        """After the first logged iteration (the peak includes the optimizer state by then),
+        as Megatron does: one line per model-parallel rank, from data-parallel rank 0."""
+        if self._memory_reported or self.ctx.device.type != "cuda":
+            return
+        self._memory_reported = True
+        if parallel_state.get_data_parallel_rank() == 0:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            print(format_memory_report(rank, self.state.iteration), flush=True)
 
     def run_evaluation(self, prefix: str, data_iterator, eval_iters: int,
                        has_data: bool = True) -> dict[str, float]:
@@ -510,15 +524,19 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
     """Parse flags, initialize, build, train, evaluate and save; returns the final state."""
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
-    initialize_megatron(cfg)
+    device = initialize_megatron(cfg)
     tokenizer = build_run_tokenizer(cfg)
     vocab = tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)
     cfg = cfg.with_vocab_size(vocab)
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
-    ctx = RunContext(cfg, tokenizer, Timers(timer_level), parallel_state.get_default_device())
+    ctx = RunContext(cfg, tokenizer, Timers(timer_level), device)
     print_config(cfg)
     _warn_slow_precision(cfg, ctx.device)
+    if cfg.model.use_flash_attn and not flash_attn_installed():
+        print_rank_0("> --use-flash-attn: the flash_attn package is not installed; attention "
+                     "runs through PyTorch's scaled_dot_product_attention (its flash kernel on "
+                     "a GPU in bf16/fp16)")
 
     chunks, optimizer, scheduler = setup_model_and_optimizer(model_provider, ctx)
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "

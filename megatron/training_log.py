@@ -40,6 +40,25 @@ def memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def format_memory_report(rank: int, iteration: int) -> Optional[str]:
+    """Megatron's memory line for this process's GPU (MB; None on the CPU)::
+
+        [Rank 0] (after 10 iterations) memory (MB) | allocated: ... | max allocated: ...
+        | reserved: ... | max reserved: ...
+
+    allocated: tensors alive now; reserved: what the caching allocator holds from the driver
+    (what nvidia-smi shows, less the CUDA context); max: peaks since the start.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    mb = 2.0**20
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB)"
+            f" | allocated: {torch.cuda.memory_allocated() / mb:.1f}"
+            f" | max allocated: {torch.cuda.max_memory_allocated() / mb:.1f}"
+            f" | reserved: {torch.cuda.memory_reserved() / mb:.1f}"
+            f" | max reserved: {torch.cuda.max_memory_reserved() / mb:.1f}")
+
+
 def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
                     elapsed_ms: float, lr: float, global_batch_size: int,
                     losses: dict[str, float], loss_scale: Optional[float],

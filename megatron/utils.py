@@ -1,10 +1,18 @@
-"""Batch helpers shared by the entry scripts: masks and position ids for left-to-right LMs."""
+"""Helpers shared by the entry scripts and the loop: masks and position ids for
+left-to-right LMs, and printing on rank 0."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+
+
+def print_rank_0(message: str) -> None:
+    """Print (flushed) on global rank 0 only, or always before torch.distributed is up."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: Optional[int],

@@ -1,7 +1,10 @@
 """A small real-token corpus for training tests: WikiText-2 through the GPT-2 tokenizer.
 
 Built once per test session into a temporary folder. Without ../shared/data (a user's own
-checkout), falls back to random token documents of GPT-2's vocabulary size, so tests still run.
+checkout, or a copy of the repository on another machine), it falls back to Python's own
+documentation through a byte-level BPE trained on it: real text, which a model learns from.
+(Random tokens, the earlier fallback, cannot be learned: tests that check the loss falls
+failed wherever ../shared was missing.)
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# ../shared/data beside the checkout; MEGATRON_TEST_DATA points elsewhere (a copy carried to
+# another machine), or at a missing folder to test the fallback.
+SHARED = Path(os.environ.get("MEGATRON_TEST_DATA")
+              or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 VOCAB = SHARED / "gpt2" / "gpt2-vocab.json"
 MERGES = SHARED / "gpt2" / "gpt2-merges.txt"
 WIKITEXT = SHARED / "wikitext-2"
@@ -52,10 +58,23 @@ def build_corpus(out_dir: str, max_chars: int = 400_000) -> dict:
         tokenizer_flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(VOCAB),
                            "--merge-file", str(MERGES)]
     else:
-        rng = np.random.default_rng(0)
-        for _ in range(200):
-            ids = rng.integers(0, 50256, int(rng.integers(50, 800)), dtype=np.int64)
-            builder.add_doc(ids, [len(ids)])
-        tokenizer_flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50256"]
+        tokenizer_flags = _python_doc_fallback(builder, out_dir, max_chars)
     builder.finalize(prefix + ".idx")
     return {"prefix": prefix, "tokenizer_flags": tokenizer_flags}
+
+
+def _python_doc_fallback(builder, out_dir: str, max_chars: int) -> list[str]:
+    """Add Python's documentation to ``builder`` as tokens of a BPE trained on it; return the
+    tokenizer flags."""
+    from megatron.tokenizer import build_tokenizer
+    from tests.distributed.training_utils import load_tool
+
+    tool = load_tool("build_quickstart_corpus")
+    texts = list(tool.python_doc_documents(max_chars=max_chars))
+    vocab, merges = tool.train_tokenizer(texts, Path(out_dir) / "tokenizer", 4096)
+    tok = build_tokenizer("GPT2BPETokenizer", str(vocab), str(merges))
+    for text in texts:
+        ids = np.asarray(tok.tokenize(text) + [tok.eod], dtype=np.int64)
+        builder.add_doc(ids, [len(ids)])
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
+            "--merge-file", str(merges)]

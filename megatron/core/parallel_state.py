@@ -123,9 +123,11 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    """Forget all groups (the torch.distributed default group is left alone)."""
+    """Forget all groups and the recorded device (the torch.distributed default group is
+    left alone)."""
     global _state
     _state = _State()
+    set_default_device(None)
 
 
 def _need(group):
@@ -277,10 +279,24 @@ def is_rank_in_position_embedding_group() -> bool:
     return dist.is_initialized() and dist.get_rank() in _state.position_embedding_ranks
 
 
+_DEVICE: Optional[torch.device] = None  # set by set_default_device (megatron.initialize)
+
+
+def set_default_device(device: Optional[torch.device]) -> None:
+    """Record the device this process computes on (None: forget it)."""
+    global _DEVICE
+    _DEVICE = None if device is None else torch.device(device)
+
+
 def get_default_device() -> torch.device:
-    """The device this process computes on: its CUDA device under nccl, else the CPU."""
+    """The device this process computes on, where every tensor fed to a collective lives.
+
+    What ``set_default_device`` recorded (``megatron.initialize`` decides it once per run);
+    otherwise, for library use, this process's CUDA device under an NCCL default group (NCCL
+    carries nothing else) and the CPU in every other case.
+    """
+    if _DEVICE is not None:
+        return _DEVICE
     if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if not dist.is_initialized() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -30,6 +30,11 @@ def _flash_attn_func() -> Optional[Callable]:
     return flash_attn_func
 
 
+def flash_attn_installed() -> bool:
+    """Whether ``--use-flash-attn`` gets the flash_attn package (else PyTorch's SDPA)."""
+    return _flash_attn_func() is not None
+
+
 def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
     """Dropout on replicated activations: the same mask on every tensor rank, except under
     sequence parallelism where each rank holds different tokens and draws from its own stream."""
@@ -51,9 +56,10 @@ class CoreAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.dropout_p = config.attention_dropout
+        # Without the flash_attn package, --use-flash-attn (which GPT-3 recipes pass) runs on
+        # PyTorch's SDPA, whose flash kernel serves causal bf16/fp16 attention on a GPU; the
+        # training loop says so once.
         self.flash = _flash_attn_func() if config.use_flash_attn else None
-        if config.use_flash_attn and self.flash is None:
-            raise ImportError("--use-flash-attn was given but flash_attn is not installed")
         self.softmax_in_fp32 = config.attention_softmax_in_fp32
 
     def forward(self, q, k, v, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

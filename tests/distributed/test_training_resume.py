@@ -218,9 +218,11 @@ def _resume_for(corpus, tmp_path, save: str, iterations: int, **flags) -> str:
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
     save = str(tmp_path / "ckpt")
+    # No --use-cpu: on a machine with a GPU this runs there, over NCCL (its flag and
+    # counter collectives once failed there on CPU tensors).
     proc = _start(_cli(corpus, tmp_path, **{"--train-iters": 100_000, "--save": save,
                                             "--save-interval": 100_000,
-                                            "--exit-signal-handler": True}))
+                                            "--exit-signal-handler": True, "--use-cpu": None}))
     output = []
     try:
         for line in proc.stdout:

@@ -65,7 +65,9 @@ def _take_chars(texts, max_chars: int):
 
 def base_argv(corpus: dict, cache_dir: str, **overrides) -> list[str]:
     """Flags of a tiny fp32 GPT on ``corpus``; ``overrides`` maps flag -> value (True: a bare
-    switch, None/False: drop the flag)."""
+    switch, None/False: drop the flag). ``--use-cpu`` keeps these runs on the CPU where a GPU
+    is visible too: their ranks share one machine's gloo groups (``"--use-cpu": None`` lets a
+    one-process run take the GPU)."""
     flags = {
         "--num-layers": 2, "--hidden-size": 32, "--num-attention-heads": 4,
         "--seq-length": 32, "--max-position-embeddings": 32, "--micro-batch-size": 2,
@@ -74,7 +76,7 @@ def base_argv(corpus: dict, cache_dir: str, **overrides) -> list[str]:
         "--hidden-dropout": 0.0, "--attention-dropout": 0.0, "--log-interval": 1,
         "--eval-interval": 1000, "--eval-iters": 0, "--num-workers": 0, "--split": "98,2,0",
         "--make-vocab-size-divisible-by": 64, "--seed": 1234,
-        "--data-path": corpus["prefix"], "--data-cache-path": cache_dir,
+        "--data-path": corpus["prefix"], "--data-cache-path": cache_dir, "--use-cpu": True,
     }
     flags.update(overrides)
     argv = []

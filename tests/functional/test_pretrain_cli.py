@@ -68,7 +68,7 @@ def dataset(tmp_path_factory):
 
 def _flags(dataset, **overrides) -> list[str]:
     flags = {
-        "--tensor-model-parallel-size": 2, "--distributed-backend": "gloo",
+        "--tensor-model-parallel-size": 2, "--use-cpu": True,
         "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4,
         "--seq-length": 64, "--max-position-embeddings": 64, "--micro-batch-size": 2,
         "--global-batch-size": GBS, "--train-iters": 6, "--lr": 1e-3, "--min-lr": 1e-4,
@@ -77,7 +77,10 @@ def _flags(dataset, **overrides) -> list[str]:
         "--num-workers": 0, "--data-path": dataset["prefix"],
     }
     flags.update(overrides)
-    return [str(x) for kv in flags.items() for x in kv] + dataset["tokenizer"]
+    argv = []
+    for name, value in flags.items():
+        argv += [name] if value is True else [name, str(value)]
+    return argv + dataset["tokenizer"]
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:

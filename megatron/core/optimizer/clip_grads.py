@@ -21,6 +21,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.utils import param_is_not_shared, param_is_not_tensor_parallel_duplicate
 
 Groups = Union[None, Any, Sequence[Any]]
@@ -71,9 +72,7 @@ def get_grad_norm_fp32(grads: Sequence[torch.Tensor], groups: Groups = None,
                        norm_type: float = 2.0) -> float:
     """The norm of all ``grads`` of every rank in ``groups``, computed in fp32."""
     norm_type = float(norm_type)
-    device = grads[0].device if grads else torch.device("cpu")
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = parallel_state.get_default_device()  # what the collective can carry
     if norm_type == math.inf:
         local = max((g.detach().abs().max().float() for g in grads), default=None)
         total = torch.zeros(1, device=device) if local is None else local.reshape(1).to(device)
@@ -126,9 +125,7 @@ def clip_grad_norm_fp32(parameters: Iterable[torch.Tensor], max_norm: float,
 def count_zeros_fp32(parameters: Iterable[torch.Tensor], model_parallel_group: Groups = None) -> int:
     """The number of exactly-zero gradient entries, counted like the norm (each param once)."""
     grads = grads_for_norm(parameters)
-    device = grads[0].device if grads else torch.device("cpu")
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = parallel_state.get_default_device()  # what the collective can carry
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:
         total += (g.detach() == 0).sum().to(device)

@@ -137,14 +137,14 @@ class MegatronOptimizer(ABC):
 
     def _unscale_main_grads_and_check_for_nan(self) -> bool:
         grads = [p.grad for p in self.get_main_params() if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = grads[0].device if grads else parallel_state.get_default_device()
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, found_inf, self.grad_scaler.inv_scale.to(device))
-        # Every rank must skip together, or the replicas (and shards) drift apart.
+        # Every rank must skip together, or the replicas (and shards) drift apart; the
+        # reduction runs where the collective can carry it.
+        found_inf = found_inf.to(parallel_state.get_default_device())
         all_reduce_over(found_inf, self.norm_groups(), dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
 

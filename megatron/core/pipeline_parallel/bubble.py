@@ -61,10 +61,11 @@ def gather_stage_times(times: StageTimes, group=None) -> list[StageTimes]:
     if not dist.is_initialized():
         return [times]
     group = parallel_state.get_pipeline_model_parallel_group() if group is None else group
-    mine = torch.tensor(dataclasses.astuple(times), dtype=torch.float64)
+    mine = torch.tensor(dataclasses.astuple(times), dtype=torch.float64,
+                        device=parallel_state.get_default_device())
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    return [StageTimes(*t.tolist()) for t in everyone]
+    return [StageTimes(*t) for t in torch.stack(everyone).tolist()]
 
 
 def measured_bubble_fraction(stages: Sequence[StageTimes]) -> float:

@@ -93,6 +93,9 @@ class P2PCommunicator:
         self.stage = dist.get_rank(self.group)
         self.num_stages = dist.get_world_size(self.group)
         self.batched = batched
+        # gloo has no point-to-point for CUDA tensors: such exchanges go through host memory
+        # (several ranks on one GPU, as tests run them; NCCL is the backend for real runs).
+        self.via_host = self.device.type == "cuda" and dist.get_backend(self.group) == "gloo"
         _warm_up_nccl(self.group, self.device)
 
     @property
@@ -117,22 +120,32 @@ class P2PCommunicator:
         for name, tensor in (("send_next", send_next), ("send_prev", send_prev)):
             if tensor is not None:
                 self._check(name, tensor)
-        from_prev = self._empty(requires_grad=True) if recv_prev else None
-        from_next = self._empty(requires_grad=False) if recv_next else None
+        from_prev = self._empty() if recv_prev else None
+        from_next = self._empty() if recv_next else None
         # Forward direction first (see the module docstring: the order matters where the
         # previous and the next rank are one process and tags are ignored).
         ops = []
         if send_next is not None:
-            ops.append((dist.isend, send_next.contiguous(), self.next_rank, FORWARD_TAG))
+            ops.append((dist.isend, self._outgoing(send_next), self.next_rank, FORWARD_TAG))
         if from_prev is not None:
             ops.append((dist.irecv, from_prev, self.prev_rank, FORWARD_TAG))
         if send_prev is not None:
-            ops.append((dist.isend, send_prev.contiguous(), self.prev_rank, BACKWARD_TAG))
+            ops.append((dist.isend, self._outgoing(send_prev), self.prev_rank, BACKWARD_TAG))
         if from_next is not None:
             ops.append((dist.irecv, from_next, self.next_rank, BACKWARD_TAG))
         if ops:
             self._run(ops)
+        if from_prev is not None:  # a leaf that requires grad: backward yields its gradient
+            from_prev = self._incoming(from_prev).requires_grad_(True)
+        if from_next is not None:
+            from_next = self._incoming(from_next)
         return from_prev, from_next
+
+    def _outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().cpu() if self.via_host else tensor.contiguous()
+
+    def _incoming(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device) if self.via_host else tensor
 
     def _run(self, ops: list) -> None:
         if self.batched:
@@ -149,9 +162,9 @@ class P2PCommunicator:
         for request in requests:
             request.wait()
 
-    def _empty(self, requires_grad: bool) -> torch.Tensor:
-        return torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device,
-                           requires_grad=requires_grad)
+    def _empty(self) -> torch.Tensor:
+        device = torch.device("cpu") if self.via_host else self.device
+        return torch.empty(self.tensor_shape, dtype=self.dtype, device=device)
 
     def _check(self, name: str, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != self.tensor_shape or tensor.dtype != self.dtype:

@@ -61,6 +61,12 @@ class RNGStatesTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         self.states = {name: state.clone() for name, state in states.items()}
 
+    def fits(self, states: dict[str, torch.Tensor]) -> bool:
+        """Whether ``states`` were taken from generators of this tracker's device type (a
+        CPU generator's state and a CUDA one's differ in size), e.g. from a checkpoint."""
+        size = _get_rng_state(self.device_type).numel()
+        return all(state.numel() == size for state in states.values())
+
     def add(self, name: str, seed: int) -> None:
         if name in self.states:
             raise ValueError(f"RNG state {name!r} already exists")
