@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""Training throughput on this machine: our pretrain_gpt.py against HF transformers' GPT-2.
+"""Training throughput on this machine: our pretrain_gpt.py against its peers, on CPU or GPU.
 
-    python benchmarks/train_throughput.py                    # both shapes, 3 rounds each
+    python benchmarks/train_throughput.py                    # CPU: both shapes, 3 rounds each
     python benchmarks/train_throughput.py --shapes small --rounds 3 --iters 12
+    python benchmarks/train_throughput.py --device cuda      # GPU: three shapes, 3 rounds each
+    python benchmarks/train_throughput.py --device cuda --shapes 1.3b --nanogpt PATH/model.py \
+        --ours-args --some-flag                              # the rest goes to pretrain_gpt.py
 
-For each shape it runs, alternately and ``--rounds`` times each:
+CPU mode (the default). For each shape it runs, alternately and ``--rounds`` times each:
 
 - ours, as a user runs it: ``python pretrain_gpt.py --mock-data ... --log-interval 1`` in a
   subprocess (single process, fp32, dropout off, DDP and optimizer wrappers of size 1, Adam,
@@ -32,11 +35,38 @@ not counted. The same count is used for HF (the same architecture).
 The CPU is usually shared, so figures are noisy: the two sides alternate, the ratio is the
 median of each round's ours / HF, and the load average is printed before and after. It prints
 a table; it is not a test.
+
+GPU mode (``--device cuda``), issue 10's comparison on one GPU in bf16, sequence 1024, one
+optimizer step per micro-batch, at ``gpt2-124m`` (12 layers, hidden 768, micro-batch 16),
+``gpt2-350m`` (24, 1024, 8) and ``1.3b`` (24, 2048, 8); these names are GPU shapes here, so
+``gpt2-124m`` means micro-batch 16 on a GPU and 1 on CPU. Four contenders, each run in its own
+process so that one's allocations cannot slow or crowd another, alternate ``--rounds`` times:
+
+- ours: ``pretrain_gpt.py --mock-data --bf16 --use-flash-attn`` with the shape, lr 6e-4 to 6e-5
+  after 2 warm-up iterations, ``--clip-grad``, dropout off, plus anything after
+  ``--ours-args``; tokens/s from the TGS of the log lines after ``--warmup``, as on CPU;
+- nanoGPT eager and nanoGPT + ``torch.compile``: its ``model.py`` imported from
+  ``--nanogpt``, ``$NANOGPT_MODEL`` or ``../shared/peers/nanogpt/model.py`` (left out, with a
+  note, where there is none: the GPU machine gets the repository without ../shared), trained as
+  its ``train.py`` does: fp32 weights under bf16 autocast, its fused AdamW, clipping;
+- HF: ``GPT2LMHeadModel`` with SDPA attention, fp32 weights under bf16 autocast, fused AdamW.
+
+The peers (``benchmarks/gpu_peers.py``) run ``--warmup`` steps, then time ``--iters`` steps
+between two ``torch.cuda.synchronize()`` calls on one token batch drawn on the GPU, which is the
+fastest they can be timed; ours synchronizes every iteration to log it. TFLOP/s uses the FLOPs
+per token above; MFU is against a bf16 peak measured in the run: the best rate of square bf16
+``torch.mm`` at 4096, 6144 and 8192, in its own process before the first shape and after each
+one. Peak memory is ``torch.cuda.max_memory_allocated()`` for the peers and, for ours, the
+``max allocated`` of the framework's last ``memory (MB)`` log line ("n/a" where there is none).
+A run that fails (out of memory, a missing package such as flash-attn) is reported and left
+out of the medians. It prints a table per shape, a markdown table, and whether issue 10's goal
+is met: ours >= 1.1x nanoGPT + compile at all three shapes and >= 60% MFU at 1.3b.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -45,6 +75,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 SHARED = os.path.join(REPO, os.path.pardir, "shared", "data", "gpt2")
@@ -73,6 +104,13 @@ SHAPES = {
     "small": Shape("small", 6, 384, 6, 256, 8),
     "gpt2-124m": Shape("gpt2-124m", 12, 768, 12, 1024, 1),
 }
+# One GPU, bf16: the shapes of issue 10 (global batch = micro-batch).
+GPU_SHAPES = {
+    "gpt2-124m": Shape("gpt2-124m", 12, 768, 12, 1024, 16),
+    "gpt2-350m": Shape("gpt2-350m", 24, 1024, 16, 1024, 8),
+    "1.3b": Shape("1.3b", 24, 2048, 16, 1024, 8),
+}
+SHAPES_BY_DEVICE = {"cpu": SHAPES, "cuda": GPU_SHAPES}
 
 
 def flops_per_token(shape: Shape) -> float:
@@ -120,19 +158,28 @@ def matmul_peak_gflops(sizes=(1024, 2048, 3072), repeats: int = 5) -> dict[str, 
 _LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*tokens per GPU per second \(TGS\): ([\d.]+)")
 
 
-def pretrain_command(shape: Shape, iters: int, clip_grad: float) -> list[str]:
+def _tokenizer_args() -> list[str]:
     if os.path.exists(os.path.join(SHARED, "gpt2-vocab.json")):
-        tokenizer = ["--vocab-file", os.path.join(SHARED, "gpt2-vocab.json"),
-                     "--merge-file", os.path.join(SHARED, "gpt2-merges.txt")]
-    else:  # the same padded vocabulary without the GPT-2 files
-        tokenizer = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50257"]
+        return ["--vocab-file", os.path.join(SHARED, "gpt2-vocab.json"),
+                "--merge-file", os.path.join(SHARED, "gpt2-merges.txt")]
+    # the same padded vocabulary without the GPT-2 files
+    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50257"]
+
+
+def _shape_args(shape: Shape) -> list[str]:
     return [
-        sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--mock-data", *tokenizer,
         "--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden),
         "--num-attention-heads", str(shape.heads), "--seq-length", str(shape.seq),
         "--max-position-embeddings", str(shape.seq),
         "--micro-batch-size", str(shape.micro_batch),
         "--global-batch-size", str(shape.micro_batch),
+    ]
+
+
+def pretrain_command(shape: Shape, iters: int, clip_grad: float) -> list[str]:
+    return [
+        sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--mock-data", *_tokenizer_args(),
+        *_shape_args(shape),
         "--hidden-dropout", "0", "--attention-dropout", "0",
         "--lr", "1e-4", "--clip-grad", str(clip_grad), "--train-iters", str(iters),
         "--log-interval", "1", "--eval-iters", "0",
@@ -149,13 +196,18 @@ def tokens_per_second_from_log(log: str, warmup: int, tokens_per_iteration: int)
     return len(tgs) * tokens_per_iteration / seconds
 
 
-def run_ours(shape: Shape, iters: int, warmup: int, clip_grad: float) -> float:
-    command = pretrain_command(shape, iters, clip_grad)
+def run_logged(command: list[str]) -> str:
+    """stdout of ``command`` run in the repository; a RuntimeError with the tails if it fails."""
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}"
                            f"\n{result.stderr[-3000:]}")
-    return tokens_per_second_from_log(result.stdout, warmup, shape.tokens_per_iteration)
+    return result.stdout
+
+
+def run_ours(shape: Shape, iters: int, warmup: int, clip_grad: float) -> float:
+    log = run_logged(pretrain_command(shape, iters, clip_grad))
+    return tokens_per_second_from_log(log, warmup, shape.tokens_per_iteration)
 
 
 # HF: GPT2LMHeadModel in a plain loop (run in a subprocess by run_hf) -----------------------
@@ -200,6 +252,184 @@ def run_hf(shape: Shape, iters: int, warmup: int, clip_grad: float) -> float:
     return json.loads(result.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
+# GPU mode: ours, nanoGPT (eager and compiled) and HF, each run in its own process ----------
+
+PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_peers.py")
+_MEMORY_LINE = re.compile(r"memory \(MB\) \|.*?\| max allocated: ([\d.]+)")
+
+
+def gpu_pretrain_command(shape: Shape, iters: int, clip_grad: float,
+                         extra: tuple[str, ...] = ()) -> list[str]:
+    """ours in bf16 with flash attention, as a user trains on one GPU; ``extra`` is appended."""
+    return [
+        sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--mock-data", *_tokenizer_args(),
+        "--bf16", "--use-flash-attn", *_shape_args(shape),
+        "--train-iters", str(iters), "--lr", "6e-4", "--min-lr", "6e-5",
+        "--lr-warmup-iters", "2", "--clip-grad", str(clip_grad),
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
+        "--eval-iters", "0", "--eval-interval", "100000",
+        "--make-vocab-size-divisible-by", "128", *extra,
+    ]
+
+
+def max_allocated_from_log(log: str) -> Optional[float]:
+    """``max allocated`` (MB) of the last Megatron memory line, or None where there is none."""
+    found = _MEMORY_LINE.findall(log)
+    return float(found[-1]) if found else None
+
+
+def load_peers():
+    """gpu_peers.py as a module, by path (benchmarks/ is not a package); registered in
+    sys.modules, which its dataclass needs."""
+    spec = importlib.util.spec_from_file_location("gpu_peers", PEERS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_worker(arguments: list[str]) -> dict:
+    """The JSON that gpu_peers.py prints last."""
+    return json.loads(run_logged([sys.executable, PEERS, *arguments]).strip().splitlines()[-1])
+
+
+def run_gpu_contender(name: str, shape: Shape, args) -> dict:
+    """tokens/s and peak memory (MB, or None) of one run of one contender."""
+    if name == "ours":
+        log = run_logged(gpu_pretrain_command(shape, args.iters + args.warmup, args.clip_grad,
+                                              tuple(args.ours_args)))
+        return {"tokens_per_s": tokens_per_second_from_log(log, args.warmup,
+                                                           shape.tokens_per_iteration),
+                "peak_memory_mb": max_allocated_from_log(log)}
+    nanogpt = ["--nanogpt", args.nanogpt] if args.nanogpt else []
+    return run_worker([
+        name, "--layers", str(shape.layers), "--hidden", str(shape.hidden),
+        "--heads", str(shape.heads), "--seq", str(shape.seq), "--batch", str(shape.micro_batch),
+        "--vocab", str(PADDED_VOCAB), "--iters", str(args.iters), "--warmup", str(args.warmup),
+        "--clip-grad", str(args.clip_grad), *nanogpt,
+    ])
+
+
+def benchmark_gpu_shape(shape: Shape, contenders: list[str], args) -> dict[str, list]:
+    """Per contender, one result per round (None where the run failed); contenders alternate."""
+    results = {name: [] for name in contenders}
+    for round_ in range(1, args.rounds + 1):
+        for name in contenders:
+            try:
+                results[name].append(run_gpu_contender(name, shape, args))
+            except RuntimeError as error:  # a failed contender (OOM, missing package) is reported
+                print(f"  [{shape.name}] {name}, round {round_}, failed:\n{str(error)[-3000:]}")
+                results[name].append(None)
+        print(f"  [{shape.name}] round {round_}: " + ", ".join(
+            f"{name} {r['tokens_per_s']:.0f}" if r else f"{name} failed"
+            for name, r in ((n, results[n][-1]) for n in contenders)) + " tokens/s", flush=True)
+    return results
+
+
+def summarize(shape: Shape, results: dict[str, list], peak_tflops: float) -> dict[str, dict]:
+    """Per contender: median tokens/s, TFLOP/s, MFU, peak memory, and ours / it."""
+    flops = flops_per_token(shape)
+    summary = {}
+    for name, runs in results.items():
+        rates = [r["tokens_per_s"] for r in runs if r]
+        memory = [r["peak_memory_mb"] for r in runs if r and r["peak_memory_mb"] is not None]
+        ratios = [o["tokens_per_s"] / r["tokens_per_s"]
+                  for o, r in zip(results["ours"], runs) if o and r]
+        median = statistics.median(rates) if rates else None
+        tflops = median * flops / 1e12 if median else None
+        summary[name] = dict(tokens_per_s=median, rounds=rates, tflops=tflops,
+                             mfu=tflops / peak_tflops if tflops else None,
+                             memory_mb=max(memory) if memory else None,
+                             ours_over=statistics.median(ratios) if ratios else None,
+                             ratio_rounds=ratios)
+    return summary
+
+
+def _cell(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _percent(fraction: Optional[float]) -> Optional[float]:
+    return None if fraction is None else 100 * fraction
+
+
+def print_gpu_shape(shape: Shape, summary: dict[str, dict]) -> None:
+    print(f"\n{shape.name}: {shape.describe()}, bf16, "
+          f"model FLOPs per token: {flops_per_token(shape) / 1e6:.1f} M")
+    print(f"  {'':16s} {'tokens/s median':>16s} {'TFLOP/s':>8s} {'MFU':>7s} "
+          f"{'peak MB':>9s} {'ours / it':>10s}   per round")
+    for name, s in summary.items():
+        print(f"  {name:16s} {_cell(s['tokens_per_s'], '16.0f')} {_cell(s['tflops'], '8.1f')} "
+              f"{_cell(_percent(s['mfu']), '6.1f', '%')} "
+              f"{_cell(s['memory_mb'], '9.0f')} {_cell(s['ours_over'], '10.3f')}   "
+              + ", ".join(f"{v:.0f}" for v in s["rounds"]))
+    for name, s in summary.items():
+        if name != "ours" and s["ratio_rounds"]:
+            print(f"  ours / {name}: median of rounds {s['ours_over']:.3f} "
+                  f"(rounds: {', '.join(f'{x:.3f}' for x in s['ratio_rounds'])})")
+
+
+def print_gpu_table(summaries: dict[str, dict[str, dict]]) -> None:
+    print("\n| shape | contender | tokens/s | TFLOP/s | MFU | peak memory (MB) | ours / it |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for shape_name, summary in summaries.items():
+        for name, s in summary.items():
+            print(f"| {shape_name} | {name} | {_cell(s['tokens_per_s'], '.0f')} "
+                  f"| {_cell(s['tflops'], '.1f')} | {_cell(_percent(s['mfu']), '.1f', '%')} "
+                  f"| {_cell(s['memory_mb'], '.0f')} | {_cell(s['ours_over'], '.3f')} |")
+
+
+def print_goal(summaries: dict[str, dict[str, dict]]) -> None:
+    """Issue 10's goal: ours >= 1.1x nanoGPT+compile at each shape, >= 60% MFU at 1.3b."""
+    ratios = {shape: s.get("nanogpt-compile", {}).get("ours_over")
+              for shape, s in summaries.items()}
+    if set(ratios) != set(GPU_SHAPES) or None in ratios.values():
+        compile_check = "not measured at all three shapes"
+    else:
+        compile_check = "met" if all(r >= 1.1 for r in ratios.values()) else "not met"
+    mfu = summaries.get("1.3b", {}).get("ours", {}).get("mfu")
+    mfu_check = "not measured" if mfu is None else ("met" if mfu >= 0.6 else "not met")
+    print(f"\ngoal (issue 10): ours >= 1.1x nanoGPT+compile at all three shapes: {compile_check} ("
+          + ", ".join(f"{k} {_cell(v, '.3f')}" for k, v in ratios.items())
+          + f"); ours >= 60% MFU at 1.3b: {mfu_check} ({_cell(_percent(mfu), '.1f', '%')})")
+
+
+def main_gpu(args) -> None:
+    import torch
+
+    if not torch.cuda.is_available():  # the parent makes no CUDA context: its children do
+        sys.exit("--device cuda: no CUDA device is visible")
+    args.iters = 20 if args.iters is None else args.iters
+    contenders = ["ours", "nanogpt", "nanogpt-compile", "hf"]
+    args.nanogpt = load_peers().find_nanogpt(args.nanogpt)
+    if args.nanogpt is None:
+        print("note: nanoGPT's model.py not found (--nanogpt, $NANOGPT_MODEL, ../shared/peers): "
+              "nanoGPT is left out")
+        contenders = ["ours", "hf"]
+    # The peak runs in its own process too, before the first shape and after each one.
+    peaks = [run_worker(["matmul-peak"])]
+    print(f"{peaks[0]['device_name']}, torch {torch.__version__}, one GPU, bf16; "
+          f"bf16 matmul peak {peaks[0]['tflops']:.1f} TFLOP/s (first measurement)", flush=True)
+    results = {}
+    for name in args.shapes:
+        shape = GPU_SHAPES[name]
+        command = gpu_pretrain_command(shape, args.iters + args.warmup, args.clip_grad,
+                                       tuple(args.ours_args))
+        print(f"\n[{name}] ours: {' '.join(command)}".replace(REPO + os.sep, ""), flush=True)
+        results[name] = benchmark_gpu_shape(shape, contenders, args)
+        peaks.append(run_worker(["matmul-peak"]))
+    peak = max(p["tflops"] for p in peaks)
+    measured = ", ".join(f"{p['tflops']:.1f}" for p in peaks)
+    print(f"\n{peaks[0]['device_name']}, torch {torch.__version__}: bf16 matmul peak "
+          f"{peak:.1f} TFLOP/s (best square torch.mm at 4096/6144/8192 over the run; "
+          f"measurements: {measured})")
+    summaries = {name: summarize(GPU_SHAPES[name], r, peak) for name, r in results.items()}
+    for name, summary in summaries.items():
+        print_gpu_shape(GPU_SHAPES[name], summary)
+    print_gpu_table(summaries)
+    print_goal(summaries)
+
+
 # Driver ------------------------------------------------------------------------------------
 
 
@@ -235,23 +465,50 @@ def print_table(shape: Shape, r: dict, flops: float) -> None:
           f"{max(r['ours']) / max(r['hf']):.3f}")
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--device", choices=list(SHAPES_BY_DEVICE), default="cpu",
+                        help="cpu: ours against HF in fp32; cuda: ours against nanoGPT (eager "
+                             "and compiled) and HF in bf16 on one GPU")
+    names = list(dict.fromkeys([*SHAPES, *GPU_SHAPES]))
+    parser.add_argument("--shapes", nargs="+", choices=names,
+                        help=f"default: all of the device's (cpu: {', '.join(SHAPES)}; "
+                             f"cuda: {', '.join(GPU_SHAPES)})")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each side per shape")
     parser.add_argument("--iters", type=int, default=None,
-                        help="measured iterations per run (default: 10 small, 6 gpt2-124m)")
+                        help="measured iterations per run (default: 10 small, 6 gpt2-124m; "
+                             "20 on cuda)")
     parser.add_argument("--warmup", type=int, default=3, help="iterations left out per run")
     parser.add_argument("--clip-grad", type=float, default=1.0,
                         help="gradient clipping on both sides (0 turns it off)")
+    parser.add_argument("--nanogpt", metavar="PATH",
+                        help="cuda: nanoGPT's model.py (default: $NANOGPT_MODEL, else "
+                             "../shared/peers/nanogpt/model.py; nanoGPT is left out if none)")
+    parser.add_argument("--ours-args", nargs=argparse.REMAINDER, default=[],
+                        help="cuda, last option: the rest of the line goes to pretrain_gpt.py")
     parser.add_argument("--hf-worker", choices=list(SHAPES), help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.hf_worker:
         shape = SHAPES[args.hf_worker]
         print(json.dumps({"tokens_per_s": hf_loop(shape, args.iters, args.warmup,
                                                   args.clip_grad)}))
         return
+    shapes = SHAPES_BY_DEVICE[args.device]
+    args.shapes = args.shapes or list(shapes)
+    unknown = [name for name in args.shapes if name not in shapes]
+    if unknown:
+        parser.error(f"--shapes {' '.join(unknown)}: not a {args.device} shape "
+                     f"(choose from {', '.join(shapes)})")
+    if args.device == "cpu" and (args.nanogpt or args.ours_args):
+        parser.error("--nanogpt and --ours-args apply to --device cuda")
     sys.path.insert(0, REPO)
+    if args.device == "cuda":
+        return main_gpu(args)
     import torch
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
