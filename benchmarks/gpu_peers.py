@@ -161,14 +161,21 @@ def nanogpt_loop(run: PeerRun, model_path: str, compile: bool = False) -> dict:
     def step():
         with _autocast(run):
             _, loss = model(tokens, labels)
-        loss.backward()
-        if run.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), run.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
+        return _update(loss, model, optimizer, run)
 
     return time_steps(step, run)
+
+
+def _update(loss, model, optimizer, run: PeerRun):
+    """backward, clip as the peer's train.py does, step, zero; returns the loss."""
+    import torch
+
+    loss.backward()
+    if run.clip_grad > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), run.clip_grad)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 # HF transformers ---------------------------------------------------------------------------
@@ -194,12 +201,7 @@ def hf_loop(run: PeerRun) -> dict:
         with _autocast(run):
             logits = model(input_ids=tokens).logits  # [b, s, V]
             loss = F.cross_entropy(logits.view(-1, run.vocab), labels.view(-1))
-        loss.backward()
-        if run.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), run.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
+        return _update(loss, model, optimizer, run)
 
     return time_steps(step, run)
 

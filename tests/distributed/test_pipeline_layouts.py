@@ -26,21 +26,10 @@ import pytest
 import pretrain_gpt
 from megatron import training
 from megatron.core import parallel_state
-from tests.corpus import build_corpus
 from tests.dist_utils import run_distributed
 from tests.distributed import training_utils
 
 ITERS = 5
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return build_corpus(str(tmp_path_factory.mktemp("corpus")))
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
 
 
 def base_argv(corpus, cache_dir, **overrides) -> list[str]:

@@ -6,16 +6,10 @@ import math
 import pytest
 
 import pretrain_gpt
-from tests.corpus import build_corpus
 from tests.dist_utils import run_distributed
 from tests.distributed import training_utils
 
 ITERS = 5
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return build_corpus(str(tmp_path_factory.mktemp("corpus")))
 
 
 def base_argv(corpus, cache_dir, **overrides):

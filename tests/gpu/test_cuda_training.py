@@ -25,7 +25,6 @@ import pytest
 
 import pretrain_gpt
 from megatron.checkpointing import read_tracker
-from tests.corpus import build_corpus
 from tests.dist_utils import run_distributed
 from tests.distributed import training_utils
 
@@ -33,16 +32,6 @@ pytestmark = pytest.mark.gpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ON_GPU = {"--use-cpu": None}  # base_argv keeps runs on the CPU unless told otherwise
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return build_corpus(str(tmp_path_factory.mktemp("corpus")))
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
 
 
 def argv(corpus, cache, **overrides) -> list[str]:
