@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+from megatron.data.preprocess import Span, iter_chunks, plan_partitions
 from tests.unit.tokenizer.gpt2_reference import ReferenceGPT2
 from tests.unit.tokenizer.strings import MERGES, VARIED_STRINGS, VOCAB, WIKITEXT
 
@@ -282,18 +283,7 @@ def test_null_tokenizer_and_many_cores_alias(tmp_path):
     assert dataset[0].tolist() == [1, 2, 3, 70000] and dataset[1].tolist() == [69999, 70000]
 
 
-def _load_tool(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_partition_plan_covers_every_line_once(tmp_path):
-    tool = _load_tool("preprocess_data")
     rng = np.random.default_rng(0)
     for trial in range(60):
         files = []
@@ -305,14 +295,14 @@ def test_partition_plan_covers_every_line_once(tmp_path):
             path = tmp_path / f"t{trial}_f{j}.jsonl"
             path.write_bytes(data)
             files.append(str(path))
-        whole = [(s.path, line) for s in map(tool.Span, files)
-                 for chunk in tool.iter_chunks([s], 3) for line in chunk.lines]
+        whole = [(s.path, line) for s in map(Span, files)
+                 for chunk in iter_chunks([s], 3) for line in chunk.lines]
         for partitions in range(1, 6):
-            pieces = tool.plan_partitions(files, partitions)
+            pieces = plan_partitions(files, partitions)
             assert len(pieces) <= partitions
             got = []
             for spans in pieces:
-                for chunk in tool.iter_chunks(spans, 2):
+                for chunk in iter_chunks(spans, 2):
                     span = spans[chunk.span_index]
                     file_lines = open(span.path, "rb").read().splitlines(keepends=True)
                     for k, line in enumerate(chunk.lines):

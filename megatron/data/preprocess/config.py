@@ -1,0 +1,122 @@
+"""Validated flags of one preprocessing run, and the errors the pipeline reports."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron.tokenizer import TokenizerConfig
+
+
+class PreprocessError(Exception):
+    """Anything that stops a run; the message names the file, flag or process."""
+
+
+class InputError(PreprocessError):
+    """Bad input or flags; the message names the file and line, or the flag."""
+
+
+class OutputError(PreprocessError):
+    """An output file could not be written (full disk, no permission); names the path."""
+
+
+class WorkerDied(PreprocessError):
+    """A worker or partition process ended without a result; names its pid and signal."""
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """Validated flags of one preprocessing run."""
+
+    inputs: tuple[str, ...]  # files, in the order their documents are written
+    output_prefix: str
+    tokenizer: TokenizerConfig
+    json_keys: tuple[str, ...] = ("text",)
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    lang: str = "english"
+    append_eod: bool = False
+    workers: int = 1
+    partitions: int = 1
+    chunk_size: int = 512
+    log_interval: int = 1000
+    skip_bad_lines: bool = False
+    allow_empty: bool = False
+
+    @property
+    def level(self) -> str:
+        return "sentence" if self.split_sentences else "document"
+
+    def output_name(self, prefix: str, key: str) -> str:
+        """Path without extension of one key's dataset under ``prefix``."""
+        return f"{prefix}_{key}_{self.level}"
+
+
+def resolve_inputs(patterns: Sequence[str]) -> tuple[str, ...]:
+    """Expand files and globs in order; raises naming --input when a path or glob is empty."""
+    files: list[str] = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+            if not matches:
+                raise InputError(f"--input {pattern!r} matched no files")
+            files.extend(matches)
+        elif os.path.isdir(pattern):
+            raise InputError(f"--input {pattern!r} is a directory; give files or a glob")
+        elif not os.path.isfile(pattern):
+            raise InputError(f"--input {pattern!r} does not exist")
+        else:
+            files.append(pattern)
+    return tuple(files)
+
+
+def check_output_dir(output_prefix: str) -> None:
+    """Raise naming --output-prefix unless its folder exists and a file can be created there."""
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    if not os.path.isdir(out_dir):
+        raise InputError(f"--output-prefix: directory {out_dir!r} does not exist")
+    # Creating a file is the only reliable test: os.access says yes to root on a read-only
+    # mount or a pseudo file system.
+    try:
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise InputError(f"--output-prefix: directory {out_dir!r} is not writable "
+                         f"({e.strerror})") from None
+
+
+def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
+    """Validate flags and inputs before any work starts."""
+    for name in ("workers", "partitions", "chunk_size", "log_interval"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be at least 1")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        raise InputError(f"--json-keys has a repeated key: {args.json_keys}")
+    tokenizer = TokenizerConfig(
+        args.tokenizer_type,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_name_or_path=args.tokenizer_name_or_path,
+        vocab_size=args.vocab_size,
+    )
+    check_output_dir(args.output_prefix)
+    return PreprocessConfig(
+        inputs=resolve_inputs(args.input),
+        output_prefix=args.output_prefix,
+        tokenizer=tokenizer,
+        json_keys=tuple(args.json_keys),
+        split_sentences=args.split_sentences,
+        keep_newlines=args.keep_newlines,
+        lang=args.lang,
+        append_eod=args.append_eod,
+        workers=args.workers,
+        partitions=args.partitions,
+        chunk_size=args.chunk_size,
+        log_interval=args.log_interval,
+        skip_bad_lines=args.skip_bad_lines,
+        allow_empty=getattr(args, "allow_empty", False),
+    )

@@ -1,0 +1,143 @@
+"""Writing (main process): one dataset per JSON key, progress lines and run statistics."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron.data import indexed_dataset
+from megatron.data.preprocess.config import OutputError, PreprocessConfig
+from megatron.data.preprocess.encoding import ChunkResult
+from megatron.data.preprocess.reading import Span
+
+MAX_SKIP_EXAMPLES = 10
+
+
+class DatasetWriter:
+    """One builder per JSON key; files stay under temporary names until ``finalize``.
+
+    An OSError while writing (a full disk, a lost mount) becomes an ``OutputError`` naming the
+    output, and ``abort`` removes every temporary file even when closing them fails too.
+    """
+
+    def __init__(self, config: PreprocessConfig, prefix: str, vocab_size: int):
+        self.paths = {key: config.output_name(prefix, key) for key in config.json_keys}
+        self.builders = {}
+        try:
+            for key, path in self.paths.items():
+                with self._writing(key):
+                    self.builders[key] = indexed_dataset.make_builder(
+                        indexed_dataset.data_file_path(path), impl="mmap", vocab_size=vocab_size
+                    )
+        except BaseException:
+            self.abort()
+            raise
+
+    @contextlib.contextmanager
+    def _writing(self, key: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            path = indexed_dataset.data_file_path(self.paths[key])
+            raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+
+    def add(self, result: ChunkResult) -> None:
+        for key, arrays in result.keys.items():
+            builder = self.builders[key]
+            token_ends = np.cumsum(arrays.doc_tokens).tolist()
+            sentence_ends = np.cumsum(arrays.doc_sentences).tolist()
+            t0 = s0 = 0
+            with self._writing(key):
+                for t1, s1 in zip(token_ends, sentence_ends):
+                    builder.add_doc(arrays.tokens[t0:t1], arrays.sizes[s0:s1])
+                    t0, s0 = t1, s1
+
+    def merge(self, prefix: str, config: PreprocessConfig) -> None:
+        for key, builder in self.builders.items():
+            with self._writing(key):
+                builder.merge_file_(config.output_name(prefix, key))
+
+    def finalize(self) -> None:
+        for key, builder in self.builders.items():
+            with self._writing(key):
+                builder.finalize(indexed_dataset.index_file_path(self.paths[key]))
+
+    def abort(self) -> None:
+        """Delete the partial outputs; never raises, so the error that caused it shows."""
+        for builder in self.builders.values():
+            # On a full disk closing flushes the buffer and fails again; the file is closed
+            # all the same, and the removal below is what frees the space.
+            with contextlib.suppress(OSError):
+                builder.abort()
+        for path in self.paths.values():
+            remove_files(indexed_dataset.data_file_path(path) + ".tmp",
+                         indexed_dataset.index_file_path(path) + ".tmp")
+
+
+def remove_files(*paths: str) -> None:
+    """Remove the files that exist; a failure is reported, not raised, to keep the first error."""
+    for path in paths:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            print(f"warning: could not remove {path}: {e.strerror}", file=sys.stderr)
+
+
+@dataclass
+class Stats:
+    documents: int = 0
+    input_bytes: int = 0
+    tokens: int = 0
+    blank_lines: int = 0
+    skipped: int = 0
+    skip_examples: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, other: Stats) -> None:
+        self.documents += other.documents
+        self.input_bytes += other.input_bytes
+        self.tokens += other.tokens
+        self.blank_lines += other.blank_lines
+        self.skipped += other.skipped
+        room = MAX_SKIP_EXAMPLES - len(self.skip_examples)
+        self.skip_examples.extend(other.skip_examples[:room])
+        self.seconds = max(self.seconds, other.seconds)
+
+    def rates(self) -> str:
+        t = max(self.seconds, 1e-9)
+        return (f"{self.documents / t:.1f} docs/s, {self.input_bytes / t / 2**20:.2f} MB/s, "
+                f"{self.tokens / t:,.0f} tokens/s")
+
+
+class ProgressLog:
+    """Counts results and prints a line each time another --log-interval documents are done."""
+
+    def __init__(self, interval: int, label: str = ""):
+        self.interval = interval
+        self.label = label
+        self.start = time.time()
+        self.stats = Stats()
+
+    def update(self, result: ChunkResult, spans: Sequence[Span]) -> None:
+        stats = self.stats
+        before = stats.documents
+        stats.documents += result.documents
+        stats.input_bytes += result.input_bytes
+        stats.tokens += result.tokens
+        stats.blank_lines += result.blank_lines
+        stats.skipped += len(result.skipped)
+        span = spans[result.span_index]
+        for line, reason in result.skipped[: MAX_SKIP_EXAMPLES - len(stats.skip_examples)]:
+            stats.skip_examples.append(f"{span.path}:{span.line_number(line)}: {reason}")
+        stats.seconds = time.time() - self.start
+        if stats.documents // self.interval > before // self.interval:
+            print(f"{self.label}Processed {stats.documents} documents ({stats.rates()}).",
+                  file=sys.stderr, flush=True)
