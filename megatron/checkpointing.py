@@ -316,11 +316,16 @@ def _check_same_everywhere(value: int, what: str) -> None:
 # Random number generators.
 
 
+def _computes_on_cuda() -> bool:
+    """Whether this run's generators include CUDA's (saved and restored only then)."""
+    return parallel_state.get_default_device().type == "cuda"
+
+
 def _capture_rng_state() -> dict:
     """Every generator this rank draws from, as tensors and plain values."""
     version, internal, gauss_next = random.getstate()
     algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda = _computes_on_cuda()
     return {
         "random_rng_state": [version, list(internal), gauss_next],
         "np_rng_state": {"algorithm": algorithm, "keys": torch.from_numpy(keys.astype(np.int64)),
@@ -344,8 +349,7 @@ def _restore_rng_state(state: dict) -> None:
                     np_state["has_gauss"], np_state["cached_gaussian"])
     np.random.set_state(np_state)
     torch.set_rng_state(state["torch_rng_state"])
-    on_cuda = parallel_state.get_default_device().type == "cuda"
-    if state.get("cuda_rng_state") is not None and on_cuda:
+    if state.get("cuda_rng_state") is not None and _computes_on_cuda():
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     tracker = get_rng_tracker()
     if tracker.fits(state["rng_tracker_states"]):

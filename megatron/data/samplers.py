@@ -124,12 +124,14 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
                                   data_parallel_rank: int, data_parallel_size: int,
                                   num_workers: int = 2, dataloader_type: str = "single",
                                   drop_last: bool = True, data_sharding: bool = True,
-                                  seed: int = 0, pin_memory: Optional[bool] = None
+                                  seed: int = 0, pin_memory: bool = False
                                   ) -> Optional[torch.utils.data.DataLoader]:
     """A DataLoader yielding this data-parallel rank's micro-batches, or None for no dataset.
 
     ``dataloader_type`` is ``--dataloader-type``: 'single' (sequential over the already
     shuffled dataset) or 'cyclic' (re-permuted every epoch).
+    ``pin_memory``: page-locked batches, which a GPU run copies to the device without
+    blocking (the training loop asks for them on CUDA).
     """
     if dataset is None:
         return None
@@ -144,8 +146,6 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
     else:
         raise DataConfigError(f"--dataloader-type {dataloader_type!r}: expected 'single' or "
                               "'cyclic'")
-    if pin_memory is None:
-        pin_memory = torch.cuda.is_available()
     return torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
                                        num_workers=num_workers, pin_memory=pin_memory,
                                        persistent_workers=num_workers > 0)
