@@ -26,6 +26,7 @@ processes.  Torch tensors are still accepted by ``add_item`` through duck typing
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -475,9 +476,15 @@ class MMapIndexedDatasetBuilder:
         os.replace(tmp_idx, index_file)
 
     def abort(self) -> None:
-        """Close and delete the partial output (only meaningful with atomic=True)."""
+        """Close and delete the partial output (only meaningful with atomic=True).
+
+        Never raises on the close: on a full disk closing flushes the buffer and fails again,
+        the file is closed all the same, and the removal is what frees the space; the error
+        that led to the abort is the one to report.
+        """
         if not self._file.closed:
-            self._file.close()
+            with contextlib.suppress(OSError):
+                self._file.close()
         if self._bin_tmp != self._bin_path and os.path.exists(self._bin_tmp):
             os.remove(self._bin_tmp)
 

@@ -71,8 +71,7 @@ class DatasetWriter:
     def abort(self) -> None:
         """Delete the partial outputs; never raises, so the error that caused it shows."""
         for builder in self.builders.values():
-            # On a full disk closing flushes the buffer and fails again; the file is closed
-            # all the same, and the removal below is what frees the space.
+            # A removal that fails here is tried again, and reported, by remove_files below.
             with contextlib.suppress(OSError):
                 builder.abort()
         for path in self.paths.values():

@@ -202,3 +202,26 @@ def test_module_imports_without_torch():
     code = ("import sys; import megatron.data.indexed_dataset, megatron.data.helpers, "
             "megatron.data.gpt_dataset; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_abort_on_a_full_disk_still_removes_the_partial_file(tmp_path):
+    """Closing a builder whose buffer cannot be flushed (ENOSPC) fails again inside abort():
+    the partial .bin.tmp must still go, and abort must not raise over the first error."""
+    import errno
+
+    prefix = str(tmp_path / "full")
+    builder = ix.make_builder(prefix + ".bin", vocab_size=100, atomic=True)
+    builder.add_doc(np.arange(10), [10])
+    real = builder._file
+
+    class FullDisk:
+        closed = False
+
+        def close(self):
+            real.close()
+            self.closed = True
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    builder._file = FullDisk()
+    builder.abort()
+    assert os.listdir(tmp_path) == []
