@@ -222,6 +222,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=int, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument("--max-consecutive-nonfinite-iterations", type=int, default=10,
+                   help="Stop with exit status 1 once this many iterations in a row had a "
+                   "NaN/Inf loss or gradient norm (each one skipped).")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0,
                    help="1: empty the CUDA allocator's cache after each step and evaluation; "
@@ -249,6 +252,9 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction,
+                   default=True, help="Skip (never apply or save) a step whose loss or gradient "
+                   "norm is NaN/Inf; on by default, --no-check-for-nan-in-loss-and-grad: off.")
 
 
 def _add_scheduler_args(parser: argparse.ArgumentParser) -> None:

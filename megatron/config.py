@@ -239,7 +239,8 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
-    clip_grad: float = 1.0  # global L2 norm; 0 turns clipping (and the norm) off
+    clip_grad: float = 1.0  # global L2 norm; 0 turns clipping off
+    check_for_nan_in_loss_and_grad: bool = True  # skip a step whose loss/grad norm is NaN/Inf
     log_num_zeros_in_grad: bool = False
 
     fp16: bool = False

@@ -194,6 +194,7 @@ class TrainingConfig:
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[int] = None
     exit_signal_handler: bool = False
+    max_consecutive_nonfinite_iterations: int = 10  # skipped NaN/Inf steps in a row, then stop
     seed: int = 1234
 
     distributed_backend: str = "auto"  # resolved by megatron.device: nccl on a GPU, else gloo

@@ -21,13 +21,14 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron.arguments import parse_args_or_exit, print_config
+from megatron.config import ConfigError
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
@@ -37,6 +38,14 @@ from megatron.initialize import initialize_megatron
 from megatron.microbatches import NumMicroBatchesCalculator
 from megatron.model.stages import layer_range
 from megatron.model.transformer import flash_attn_installed
+from megatron.nonfinite import (
+    NonFiniteError,
+    NonFiniteGuard,
+    check_finite_for_save,
+    describe_nonfinite_grad_norm,
+    describe_nonfinite_loss,
+    locate_nonfinite_loss,
+)
 from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
 from megatron.run_config import RunConfig
 from megatron.timers import Timers, format_across_ranks, gather_across_ranks
@@ -69,7 +78,7 @@ class TrainState:
     best_valid_loss: float = math.inf
     last_saved: Optional[int] = None
     # Per iteration of this process: {"iteration", "losses", "grad_norm", "skipped",
-    # "loss_scale"}; what tests and benchmarks read instead of parsing the log.
+    # "nonfinite", "loss_scale"}; what tests and benchmarks read instead of parsing the log.
     history: list = dataclasses.field(default_factory=list)
 
 
@@ -201,9 +210,22 @@ def empty_cuda_cache(ctx: RunContext, level: int) -> None:
         torch.cuda.empty_cache()
 
 
+class StepResult(NamedTuple):
+    losses: dict[str, float]  # reduced over micro-batches and data-parallel ranks
+    skipped: bool  # no update applied (fp16 overflow or a non-finite step)
+    grad_norm: Optional[float]
+    num_zeros: Optional[int]
+    nonfinite: Optional[str]  # what was NaN/Inf when the guard skipped the step, else None
+
+
 def train_step(forward_step: Callable, data_iterator, chunks, optimizer, scheduler,
-               ctx: RunContext, num_microbatches: int):
-    """Forward and backward over all micro-batches, gradient reduction, optimizer step."""
+               ctx: RunContext, num_microbatches: int) -> StepResult:
+    """Forward and backward over all micro-batches, gradient reduction, optimizer step.
+
+    With --check-for-nan-in-loss-and-grad a step whose loss or grad norm is NaN/Inf on any
+    rank is not applied (see megatron/nonfinite.py); like any skipped step it does not
+    advance the learning-rate schedule.
+    """
     cfg, timers = ctx.config, ctx.timers
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -220,13 +242,21 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
     timers("grads-reduce", log_level=1).start()
     finalize_model_grads(chunks)
     timers("grads-reduce").stop()
-    timers("optimizer", log_level=1).start()
-    updated, grad_norm, num_zeros = optimizer.step()
-    timers("optimizer").stop()
+    check = cfg.optimizer.check_for_nan_in_loss_and_grad
+    bad_loss = locate_nonfinite_loss(losses) if check else None
+    updated, grad_norm, num_zeros, nonfinite = False, None, None, None
+    if bad_loss is not None:
+        nonfinite = describe_nonfinite_loss(*bad_loss, num_microbatches)
+    else:
+        timers("optimizer", log_level=1).start()
+        updated, grad_norm, num_zeros = optimizer.step()
+        timers("optimizer").stop()
+        if check and not updated and grad_norm is not None:  # not an fp16 overflow
+            nonfinite = describe_nonfinite_grad_norm(grad_norm, chunks)
     if updated:
         scheduler.step(increment=num_microbatches * cfg.training.micro_batch_size
                        * parallel_state.get_data_parallel_world_size())
-    return _reduce_losses(losses), not updated, grad_norm, num_zeros
+    return StepResult(_reduce_losses(losses), not updated, grad_norm, num_zeros, nonfinite)
 
 
 def evaluate(forward_step: Callable, data_iterator, chunks, ctx: RunContext,
@@ -280,7 +310,7 @@ class Trainer:
     """Holds what the loop needs between iterations; ``train()`` runs to the end or an exit."""
 
     def __init__(self, ctx: RunContext, forward_step, chunks, optimizer, scheduler,
-                 iterators, state: TrainState) -> None:
+                 iterators, state: TrainState, guard: Optional[NonFiniteGuard] = None) -> None:
         self.ctx, self.cfg = ctx, ctx.config
         self.forward_step, self.chunks = forward_step, chunks
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -297,6 +327,8 @@ class Trainer:
         self.tensorboard = TensorBoard(self.cfg.logging.tensorboard_dir, is_logger,
                                        self.cfg.logging.tensorboard_queue_size)
         self.signal = _SignalFlag(t.exit_signal_handler)
+        self.guard = guard or NonFiniteGuard(t.max_consecutive_nonfinite_iterations)
+        self._refused_save: Optional[int] = None
         self.start_time = time.time()
         self._interval: dict[str, float] = {}
         self._interval_iters = self._skipped = self._nan = 0
@@ -350,36 +382,44 @@ class Trainer:
             self.calculator.update(s.consumed_train_samples)
             num_micro = self.calculator.num_microbatches
             gbs = self.calculator.current_global_batch_size
-            losses, skipped, grad_norm, num_zeros = train_step(
-                self.forward_step, self.train_iter, self.chunks, self.optimizer,
-                self.scheduler, self.ctx, num_micro)
+            result = train_step(self.forward_step, self.train_iter, self.chunks,
+                                self.optimizer, self.scheduler, self.ctx, num_micro)
             s.iteration += 1
             s.consumed_train_samples += gbs
             empty_cuda_cache(self.ctx, level=1)
             if t.manual_gc and t.manual_gc_interval and s.iteration % t.manual_gc_interval == 0:
                 self._collect_garbage()
-            self._account(losses, skipped, grad_norm, num_zeros, gbs)
+            self._warn_nonfinite(result.nonfinite)
+            self._account(result, gbs)
+            if self.guard.must_stop:
+                raise self.guard.stop_error(s.iteration, self.cfg.checkpoint.save,
+                                            s.last_saved)
             reason = self._after_iteration()
             if reason:
                 return reason
         return "done"
 
-    def _account(self, losses, skipped, grad_norm, num_zeros, gbs) -> None:
-        s = self.state
+    def _account(self, result: StepResult, gbs: int) -> None:
+        s, losses = self.state, result.losses
         scale = self.optimizer.get_loss_scale()
-        s.history.append(dict(iteration=s.iteration, losses=losses, grad_norm=grad_norm,
-                              skipped=bool(skipped),
+        s.history.append(dict(iteration=s.iteration, losses=losses, grad_norm=result.grad_norm,
+                              skipped=result.skipped, nonfinite=result.nonfinite is not None,
                               loss_scale=float(scale) if scale is not None else None))
         self._interval_iters += 1
         self._interval_tokens += gbs * self.cfg.model.seq_length
-        self._skipped += int(skipped)
-        bad = any(not math.isfinite(v) for v in losses.values())
+        self._skipped += int(result.skipped)
+        bad = result.nonfinite is not None or any(not math.isfinite(v) for v in losses.values())
         self._nan += int(bad)
-        if not skipped and not bad:
+        if not result.skipped and not bad:
             for name, value in losses.items():
                 self._interval[name] = self._interval.get(name, 0.0) + value
         if s.iteration % self.cfg.logging.log_interval == 0:
-            self._log(gbs, grad_norm, num_zeros)
+            self._log(gbs, result.grad_norm, result.num_zeros)
+
+    def _warn_nonfinite(self, nonfinite: Optional[str]) -> None:
+        warning = self.guard.observe(self.state.iteration, nonfinite)
+        if warning:
+            print_rank_0(warning)
 
     def _log(self, gbs: int, grad_norm, num_zeros) -> None:
         s, cfg = self.state, self.cfg
@@ -472,9 +512,22 @@ class Trainer:
             reason = "duration"
         elif t.exit_interval and it % t.exit_interval == 0:
             reason = "interval"
-        if reason and ck.save and not (ck.save_interval and it % ck.save_interval == 0):
-            self.save()
+        if reason and ck.save:
+            self.save()  # once: a no-op if this iteration is saved already
         return reason
+
+    def finish(self) -> None:
+        """After the last iteration: validation (unless just done), save, test."""
+        s, t = self.state, self.cfg.training
+        if t.eval_iters and s.iteration % t.eval_interval != 0:
+            losses = self.run_evaluation(
+                f"validation loss at the end of training (iteration {s.iteration})",
+                self.valid_iter, t.eval_iters, self.has_valid)
+            self._track_best(losses)
+        if self.cfg.checkpoint.save:
+            self.save()
+        self.run_evaluation(f"test loss at the end of training (iteration {s.iteration})",
+                            self.test_iter, t.eval_iters, self.has_test)
 
     def _track_best(self, losses: dict[str, float]) -> None:
         loss = losses.get("lm loss")
@@ -483,16 +536,27 @@ class Trainer:
             return
         if loss < self.state.best_valid_loss:
             self.state.best_valid_loss = loss
-            self.save()
-            if not dist.is_initialized() or dist.get_rank() == 0:
+            if self.save() and (not dist.is_initialized() or dist.get_rank() == 0):
                 from megatron import checkpointing
 
                 checkpointing.update_best_checkpoint(ck.save, self.state.iteration, loss)
 
-    def save(self) -> None:
+    def save(self) -> bool:
+        """Save this iteration once; returns whether it has a checkpoint now. None is saved at
+        an iteration whose step was skipped as non-finite, and none that holds a NaN/Inf
+        (``NonFiniteError`` on every rank instead)."""
         s = self.state
         from megatron import checkpointing
 
+        if s.last_saved == s.iteration:
+            return True
+        if self.guard.in_nonfinite_run:
+            if self._refused_save != s.iteration:
+                self._refused_save = s.iteration
+                print_rank_0(f"  not saving a checkpoint at iteration {s.iteration}: its step "
+                             f"was NaN/Inf and skipped (latest checkpoint: {s.last_saved})")
+            return False
+        check_finite_for_save(self.chunks, self.optimizer, s.iteration)
         start = time.perf_counter()
         folder = checkpointing.save_checkpoint(
             s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
@@ -501,6 +565,7 @@ class Trainer:
         print_rank_0(f"  saved checkpoint at iteration {s.iteration:7d} to {folder} "
                      f"({time.perf_counter() - start:.1f} s)")
         s.last_saved = s.iteration
+        return True
 
 
 # Entry -----------------------------------------------------------------------------------
@@ -524,6 +589,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
     """Parse flags, initialize, build, train, evaluate and save; returns the final state."""
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
+    guard = _build_guard_or_exit(cfg)
     device = initialize_megatron(cfg)
     tokenizer = build_run_tokenizer(cfg)
     vocab = tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)
@@ -555,25 +621,21 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                 state.last_saved = state.iteration  # nothing new to save before a step
     forward_step = functools.partial(forward_step_func, ctx)
     iterators = build_data_iterators(train_valid_test_datasets_provider, ctx, state)
-    trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state)
+    trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state, guard)
     print_rank_0(f"training from iteration {state.iteration} to {trainer.train_iters} ...")
-    reason = trainer.train()
-    if reason != "done":
-        print_rank_0(f"exiting at iteration {state.iteration} ({_EXIT_MESSAGES[reason]}); "
-                     + ("checkpoint saved" if cfg.checkpoint.save else "no --save given"))
+    try:
+        reason = trainer.train()
+        if reason == "done":
+            trainer.finish()
+        else:
+            print_rank_0(_exit_message(reason, state, cfg))
+    except NonFiniteError as error:
+        # Every rank raised it at the same point (its decisions are collective).
         trainer.tensorboard.close()
         _finish()
-        return state
-    t = cfg.training
-    if t.eval_iters and state.iteration % t.eval_interval != 0:
-        losses = trainer.run_evaluation(
-            f"validation loss at the end of training (iteration {state.iteration})",
-            trainer.valid_iter, t.eval_iters, trainer.has_valid)
-        trainer._track_best(losses)
-    if cfg.checkpoint.save and state.iteration != state.last_saved:
-        trainer.save()
-    trainer.run_evaluation(f"test loss at the end of training (iteration {state.iteration})",
-                           trainer.test_iter, t.eval_iters, trainer.has_test)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     trainer.tensorboard.close()
     _finish()
     return state
@@ -584,6 +646,25 @@ _EXIT_MESSAGES = {
     "duration": "--exit-duration-in-mins reached",
     "interval": "--exit-interval reached",
 }
+
+
+def _exit_message(reason: str, state: TrainState, cfg: RunConfig) -> str:
+    if not cfg.checkpoint.save:
+        saved = "no --save given"
+    elif state.last_saved == state.iteration:
+        saved = "checkpoint saved"
+    else:
+        saved = f"no checkpoint saved (the latest is iteration {state.last_saved})"
+    return f"exiting at iteration {state.iteration} ({_EXIT_MESSAGES[reason]}); {saved}"
+
+
+def _build_guard_or_exit(cfg: RunConfig) -> NonFiniteGuard:
+    """The non-finite guard, its flag checked before any work (exit 2 as for other flags)."""
+    try:
+        return NonFiniteGuard(cfg.training.max_consecutive_nonfinite_iterations)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def _warn_slow_precision(cfg: RunConfig, device: torch.device) -> None:

@@ -3,10 +3,14 @@
 A global batch of ``micro_batch_size * data_parallel_size`` consecutive sample indices is cut
 into one micro-batch per data-parallel rank (rank r gets the r-th slice), as in Megatron.
 Resuming from ``consumed_samples`` (saved in checkpoints) continues the same order.
+
+DataLoader workers ignore SIGTERM and SIGINT: torchrun and SLURM signal every process on
+preemption, and the main process owns shutdown (it saves, then stops its workers).
 """
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -120,6 +124,18 @@ class MegatronPretrainingRandomSampler:
                 batch = []
 
 
+def ignore_shutdown_signals(worker_id: int) -> None:
+    """``worker_init_fn``: the worker leaves SIGTERM/SIGINT to the main process.
+
+    A launcher's SIGTERM reaches the workers too; one that died of it would make the main
+    process's next batch fail ("DataLoader worker ... killed by signal") before
+    --exit-signal-handler could save. The main process stops its workers when it exits, and a
+    worker whose main process is gone exits by itself (PyTorch's worker watchdog).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_batch_size: int,
                                   data_parallel_rank: int, data_parallel_size: int,
                                   num_workers: int = 2, dataloader_type: str = "single",
@@ -148,4 +164,5 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
                               "'cyclic'")
     return torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
                                        num_workers=num_workers, pin_memory=pin_memory,
-                                       persistent_workers=num_workers > 0)
+                                       persistent_workers=num_workers > 0,
+                                       worker_init_fn=ignore_shutdown_signals)

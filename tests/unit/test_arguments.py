@@ -303,6 +303,18 @@ def test_extra_args_provider_and_defaults():
     assert parse_args(argv, world_size=1, require_training=False).training.train_iters is None
 
 
+def test_nonfinite_guard_flags():
+    # On by default as in Megatron-LM, whose spelling to turn it off is the --no- one.
+    c = parse()
+    assert c.optimizer.check_for_nan_in_loss_and_grad is True
+    assert c.training.max_consecutive_nonfinite_iterations == 10
+    assert parse("--no-check-for-nan-in-loss-and-grad").optimizer.check_for_nan_in_loss_and_grad \
+        is False
+    assert parse("--check-for-nan-in-loss-and-grad").optimizer.check_for_nan_in_loss_and_grad
+    assert parse("--max-consecutive-nonfinite-iterations", "1").training \
+        .max_consecutive_nonfinite_iterations == 1
+
+
 def test_every_flag_lands_in_a_config_field():
     assert unmapped_flags() == []
 

@@ -11,12 +11,16 @@ the *model* parameters:
 
 Model gradients are read from ``param.main_grad`` (the data-parallel wrapper's buffer) when
 present, else from ``param.grad``. ``step()`` returns ``(update_successful, grad_norm,
-num_zeros)``; the norm is only computed when ``--clip-grad`` > 0 and zeros are only counted
-with ``--log-num-zeros-in-grad``, as in Megatron.
+num_zeros)``; the norm is computed when ``--clip-grad`` > 0 or
+``--check-for-nan-in-loss-and-grad`` is on (the default), and zeros are only counted with
+``--log-num-zeros-in-grad``. With the check on, a step whose gradient norm is NaN/Inf is not
+applied: ``(False, grad_norm, None)``, nothing changed (an fp16 overflow is caught earlier by
+the loss scaler: ``(False, None, None)``).
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -30,8 +34,10 @@ from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import (
     Groups,
     all_reduce_over,
-    clip_grad_norm_fp32,
+    clip_grads_by_total_norm,
     count_zeros_fp32,
+    get_grad_norm_fp32,
+    grads_for_norm,
 )
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 
@@ -129,8 +135,9 @@ class MegatronOptimizer(ABC):
             else:
                 p.grad.detach_().zero_()
 
-    def clip_grad_norm(self, clip_grad: float) -> float:
-        return clip_grad_norm_fp32(self.get_main_params(), clip_grad, self.norm_groups())
+    def get_grad_norm(self) -> float:
+        """The global L2 norm of the main gradients (every rank of ``norm_groups``)."""
+        return get_grad_norm_fp32(grads_for_norm(self.get_main_params()), self.norm_groups())
 
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_main_params(), self.norm_groups())
@@ -153,7 +160,8 @@ class MegatronOptimizer(ABC):
         """One update: ``(update_successful, grad_norm, num_zeros)``.
 
         An fp16 step whose gradients hold inf/nan is skipped (``(False, None, None)``) and the
-        loss scale backs off.
+        loss scale backs off. With ``check_for_nan_in_loss_and_grad``, a step whose gradient
+        norm is not finite is skipped too (``(False, grad_norm, None)``); nothing changes.
         """
         self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:
@@ -162,7 +170,13 @@ class MegatronOptimizer(ABC):
             if found_inf:
                 self.zero_grad(set_to_none=True)  # drop aliases of the DDP buffer
                 return False, None, None
-        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0 else None
+        check = self.config.check_for_nan_in_loss_and_grad
+        grad_norm = self.get_grad_norm() if self.config.clip_grad > 0 or check else None
+        if check and not math.isfinite(grad_norm):
+            self.zero_grad(set_to_none=True)
+            return False, grad_norm, None
+        if self.config.clip_grad > 0:
+            clip_grads_by_total_norm(self.get_main_params(), self.config.clip_grad, grad_norm)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         self.optimizer.step()
         self._copy_main_params_to_model_params()

@@ -1,3 +1,7 @@
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -79,3 +83,29 @@ def test_data_loader_yields_this_ranks_micro_batches(tmp_path):
     assert build_pretraining_data_loader(None, 0, 1, 0, 1) is None
     with pytest.raises(DataConfigError, match="dataloader-type"):
         build_pretraining_data_loader(train, 0, 1, 0, 1, dataloader_type="x")
+
+
+def test_data_loader_workers_leave_sigterm_and_sigint_to_the_main_process(tmp_path):
+    # torchrun and SLURM signal every process on preemption: a worker that died of it would
+    # fail the main process's next batch ("DataLoader worker ... killed by signal") before
+    # --exit-signal-handler could save.
+    prefix = str(tmp_path / "d")
+    write_corpus(prefix, random_lengths(30, 1, 40, seed=8))
+    train, _, _ = build_train_valid_test_datasets([prefix], "mmap", "1", [40, 0, 0], 8, 3, True,
+                                                  data_cache_path=str(tmp_path / "c"))
+    loader = build_pretraining_data_loader(train, 0, 2, 0, 1, num_workers=2)
+    batches = iter(loader)
+    first = [next(batches)["text"] for _ in range(2)]  # one from each worker: both started
+    workers = list(batches._workers)
+    assert len(workers) == 2
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGTERM)
+        os.kill(worker.pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert all(w.is_alive() for w in workers)
+    rest = [b["text"] for b in batches]
+    expected = [b["text"] for b in build_pretraining_data_loader(train, 0, 2, 0, 1,
+                                                                 num_workers=0)]
+    assert len(first + rest) == len(expected)
+    for got, want in zip(first + rest, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

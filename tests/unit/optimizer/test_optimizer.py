@@ -1,4 +1,5 @@
 import copy
+import math
 
 import pytest
 import torch
@@ -81,7 +82,7 @@ def test_fp32_optimizer_matches_torch(kind):
         opt.zero_grad()
         loss_of(model, x, y).backward()
         ok, norm, zeros = opt.step()
-        assert ok and norm is None and zeros is None
+        assert ok and norm > 0 and zeros is None  # the norm is the non-finite guard's
         ref_opt.zero_grad()
         loss_of(ref, x, y).backward()
         ref_opt.step()
@@ -177,6 +178,57 @@ def test_fp16_overflow_skips_step_with_hysteresis():
     assert _step_with_inf(model, opt, inject=False)[0]
     assert _step_with_inf(model, opt, inject=True)[0] is False
     assert float(opt.get_loss_scale()) == 256.0  # no growth yet, so no hysteresis left
+
+
+def _optimizer_state(opt) -> list[torch.Tensor]:
+    return [v.detach().clone() for state in opt.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)] + [p.detach().clone() for p in opt.get_main_params()]
+
+
+@pytest.mark.parametrize("flags", [dict(), dict(bf16=True),
+                                   dict(bf16=True, use_distributed_optimizer=True)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_grad_norm_skips_the_step_and_changes_nothing(flags, bad):
+    config = OptimizerConfig(lr=0.01, clip_grad=0.0, **flags)  # the norm is computed anyway
+    model = DistributedDataParallel(build_model(config.params_dtype),
+                                    use_distributed_optimizer=config.use_distributed_optimizer)
+    opt = get_megatron_optimizer(config, model)
+    assert _step_with_inf(model, opt, inject=False)[0]
+    params = [p.detach().clone() for p in model.parameters()]
+    state = _optimizer_state(opt)
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    loss_of(model, *batch()).backward()
+    finalize_model_grads([model])
+    model.module[0].weight.main_grad[0, 0] = bad
+    ok, norm, zeros = opt.step()
+    assert not ok and not math.isfinite(norm) and zeros is None
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(state, _optimizer_state(opt)))
+    assert all(p.grad is None for p in opt.get_main_params())  # no alias of the buffer left
+    assert _step_with_inf(model, opt, inject=False)[0]  # and training goes on
+
+
+def test_without_the_check_a_nonfinite_step_is_applied_as_before():
+    config = OptimizerConfig(lr=0.01, check_for_nan_in_loss_and_grad=False)
+    model = DistributedDataParallel(build_model())
+    opt = get_megatron_optimizer(config, model)
+    ok, norm, _ = _step_with_inf(model, opt, inject=True)
+    assert ok and math.isinf(norm)
+    assert not torch.isfinite(model.module[0].weight).all()
+    config = OptimizerConfig(lr=0.01, clip_grad=0.0, check_for_nan_in_loss_and_grad=False)
+    opt = get_megatron_optimizer(config, DistributedDataParallel(build_model()))
+    assert opt.step() == (True, None, None)  # no clipping, no check: no norm
+
+
+def test_fp16_overflow_is_still_the_loss_scalers():
+    # With the guard on, an fp16 overflow still backs the scale off and reports no norm
+    # (the training loop does not count it as a non-finite step).
+    config = OptimizerConfig(lr=0.01, fp16=True, initial_loss_scale=1024.0, hysteresis=1)
+    model = DistributedDataParallel(build_model(torch.float16))
+    opt = get_megatron_optimizer(config, model)
+    assert _step_with_inf(model, opt, inject=True) == (False, None, None)
+    assert float(opt.get_loss_scale()) == 512.0
 
 
 def test_repeated_overflow_at_min_scale_raises():

@@ -1,0 +1,227 @@
+"""The non-finite guard: a step whose loss or gradient norm is NaN/Inf is never applied.
+
+With ``--check-for-nan-in-loss-and-grad`` (on by default, as in Megatron-LM), every iteration:
+
+1. ``locate_nonfinite_loss`` checks every micro-batch's reported losses on every rank (one
+   all-reduce of one integer). If any is NaN/Inf the optimizer is not called at all: no
+   parameter, optimizer state or loss scale changes.
+2. Otherwise the optimizer computes the global gradient norm and skips the update itself when
+   that is NaN/Inf (``MegatronOptimizer.step``). An fp16 overflow stays the loss scaler's
+   business (it backs the scale off and skips, as before); it is not counted here.
+3. A skipped iteration is accounted as Megatron accounts any skipped one: the iteration count
+   and consumed samples advance, the learning-rate schedule does not.
+4. ``NonFiniteGuard`` counts such iterations in a row. Each one is logged with the iteration,
+   the rank and micro-batch whose loss was non-finite (or "grad norm" and the ranks holding
+   non-finite gradients), no checkpoint is saved at it, and after
+   ``--max-consecutive-nonfinite-iterations`` in a row ``NonFiniteError`` stops the run (the
+   latest checkpoint stays the last one saved at a finite iteration).
+
+``check_finite_for_save`` is the last line of defence: before every save every rank checks its
+parameters, fp32 main copies and optimizer state, and a non-finite value anywhere stops the run
+instead of being written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.config import ConfigError
+from megatron.core import parallel_state
+from megatron.core.distributed.distributed_data_parallel import unwrap_model
+from megatron.core.optimizer.optimizer import model_grad
+
+# Keys of the loss all-reduce: rank * _MICRO_BATCHES + micro-batch; _NONE when all finite.
+_MICRO_BATCHES = 1 << 20
+_NONE = 1 << 62
+
+
+class NonFiniteError(RuntimeError):
+    """Training cannot go on: its losses, gradients or parameters are not finite."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _finite_per_micro_batch(losses: Sequence[dict[str, torch.Tensor]],
+                            device: torch.device) -> torch.Tensor:
+    """``[num_micro_batches]`` bool: every reported value of that micro-batch is finite."""
+    finite = torch.ones(len(losses), dtype=torch.bool, device=device)
+    for name in sorted({name for d in losses for name in d}):
+        values = torch.stack([d[name].detach().to(device) for d in losses])  # [m, ...]
+        finite &= torch.isfinite(values).reshape(len(losses), -1).all(dim=1)
+    return finite
+
+
+def locate_nonfinite_loss(losses: Sequence[dict[str, torch.Tensor]]) -> Optional[tuple[int, int]]:
+    """``(rank, micro_batch)`` of the first NaN/Inf reported loss (the lowest global rank that
+    has one, and its first such micro-batch), or None when every loss on every rank is finite.
+
+    A collective over all ranks: every rank calls it every iteration (ranks without losses,
+    e.g. pipeline stages before the last, pass an empty list).
+    """
+    device = parallel_state.get_default_device()  # what the collective can carry
+    key = torch.full((1,), _NONE, dtype=torch.int64, device=device)
+    if losses:
+        bad = ~_finite_per_micro_batch(losses, device)
+        first = torch.argmax(bad.to(torch.int64)).reshape(1)  # the first True
+        key = torch.where(bad.any(), _rank() * _MICRO_BATCHES + first, key)
+    if dist.is_initialized():
+        dist.all_reduce(key, op=dist.ReduceOp.MIN)
+    value = int(key.item())
+    return None if value == _NONE else divmod(value, _MICRO_BATCHES)
+
+
+def ranks_where(flag: bool) -> list[int]:
+    """The global ranks on which ``flag`` is true. A collective over all ranks, sized by the
+    world: meant for the rare paths that report a failure."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    flags = torch.zeros(world, dtype=torch.int32, device=parallel_state.get_default_device())
+    flags[_rank()] = int(flag)
+    if dist.is_initialized():
+        dist.all_reduce(flags)
+    return [rank for rank, value in enumerate(flags.tolist()) if value]
+
+
+def grads_are_finite(chunks: Iterable[nn.Module]) -> bool:
+    """Whether this rank's accumulated model gradients are all finite (local, no collective)."""
+    grads = [g for chunk in chunks for p in chunk.parameters()
+             if (g := model_grad(p)) is not None]
+    return _all_finite(grads)[0] if grads else True
+
+
+def _all_finite(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Per tensor, whether it holds no NaN/Inf, with one host synchronisation.
+
+    The fp64 sum propagates any NaN/Inf and cannot overflow for finite fp32/bf16/fp16 input,
+    so no tensor-sized temporary is needed.
+    """
+    if not tensors:
+        return []
+    device = tensors[0].device
+    sums = torch.stack([t.detach().sum(dtype=torch.float64).to(device) for t in tensors])
+    return torch.isfinite(sums).tolist()
+
+
+def _named_state_tensors(chunks: Sequence[nn.Module], optimizer: Any):
+    """``(description, tensor)`` for every floating-point value a checkpoint would hold."""
+    for i, chunk in enumerate(chunks):
+        prefix = f"model chunk {i} " if len(chunks) > 1 else ""
+        for name, p in unwrap_model(chunk).named_parameters():
+            yield f"{prefix}parameter {name}", p
+    model_params = {id(p) for chunk in chunks for p in chunk.parameters()}
+    for i, main in enumerate(optimizer.get_main_params()):
+        if id(main) not in model_params:
+            yield f"fp32 main parameter {i} of the optimizer", main
+    for i, state in enumerate(optimizer.state.values()):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                yield f"optimizer state {key!r} of main parameter {i}", value
+
+
+def first_nonfinite(chunks: Sequence[nn.Module], optimizer: Any) -> Optional[str]:
+    """What the first NaN/Inf value of this rank's model or optimizer state is, or None."""
+    named = list(_named_state_tensors(chunks, optimizer))
+    for (what, _), finite in zip(named, _all_finite([t for _, t in named])):
+        if not finite:
+            return what
+    return None
+
+
+def check_finite_for_save(chunks: Sequence[nn.Module], optimizer: Any, iteration: int) -> None:
+    """Raise ``NonFiniteError`` on every rank if any rank's parameters or optimizer state hold
+    NaN/Inf. A collective: every rank calls it before a save."""
+    what = first_nonfinite(chunks, optimizer)
+    ranks = ranks_where(what is not None)
+    if not ranks:
+        return
+    box = [what]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=ranks[0])
+    raise NonFiniteError(
+        f"refusing to save the checkpoint of iteration {iteration}: {box[0]} on rank "
+        f"{ranks[0]} holds NaN/Inf (non-finite values on ranks {_ranges(ranks)}); the latest "
+        "checkpoint is unchanged")
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts, start = [], None
+    for i, rank in enumerate(ranks):
+        if start is None:
+            start = rank
+        if i + 1 == len(ranks) or ranks[i + 1] != rank + 1:
+            parts.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return ", ".join(parts)
+
+
+def describe_nonfinite_loss(rank: int, micro_batch: int, num_microbatches: int) -> str:
+    return (f"the loss of micro-batch {micro_batch} (counted from 0, of {num_microbatches}) "
+            f"on rank {rank}")
+
+
+def describe_nonfinite_grad_norm(grad_norm: float, chunks: Sequence[nn.Module]) -> str:
+    """A collective (every rank sees the same norm): which ranks hold non-finite gradients."""
+    ranks = ranks_where(not grads_are_finite(chunks))
+    where = f"; non-finite gradients on ranks {_ranges(ranks)}" if ranks else ""
+    return f"the grad norm ({grad_norm}; every micro-batch loss was finite{where})"
+
+
+@dataclasses.dataclass
+class NonFiniteGuard:
+    """Counts iterations in a row whose step was skipped as non-finite; words the log lines
+    and the stop (see the module docstring)."""
+
+    max_consecutive: int
+    consecutive: int = 0
+    first_iteration: Optional[int] = None  # of the current run of non-finite iterations
+
+    def __post_init__(self) -> None:
+        if self.max_consecutive < 1:
+            raise ConfigError("--max-consecutive-nonfinite-iterations must be at least 1, got "
+                              f"{self.max_consecutive}")
+
+    def observe(self, iteration: int, source: Optional[str]) -> Optional[str]:
+        """Record ``iteration``; ``source`` says what was non-finite (None: the step was
+        finite). Returns the warning to log, or None."""
+        if source is None:
+            self.consecutive, self.first_iteration = 0, None
+            return None
+        self.consecutive += 1
+        if self.first_iteration is None:
+            self.first_iteration = iteration
+        return (f"WARNING: iteration {iteration}: {source} is NaN/Inf; the step was skipped "
+                f"(no update, no checkpoint at this iteration). {self.consecutive} in a row; "
+                f"the run stops at {self.max_consecutive} "
+                "(--max-consecutive-nonfinite-iterations).")
+
+    @property
+    def in_nonfinite_run(self) -> bool:
+        """Whether the latest iteration was skipped as non-finite (no checkpoint then)."""
+        return self.consecutive > 0
+
+    @property
+    def must_stop(self) -> bool:
+        return self.consecutive >= self.max_consecutive
+
+    def stop_error(self, iteration: int, save_dir: Optional[str],
+                   last_saved: Optional[int]) -> NonFiniteError:
+        if save_dir is None:
+            latest = "no --save given"
+        elif last_saved is None:
+            latest = f"this run saved no checkpoint in --save {save_dir}"
+        else:
+            latest = (f"the latest checkpoint in --save {save_dir} is iteration {last_saved}, "
+                      "from before them")
+        return NonFiniteError(
+            f"{self.consecutive} iterations in a row ({self.first_iteration}-{iteration}) had a "
+            f"NaN/Inf loss or grad norm and were skipped; stopping without saving ({latest}). "
+            "Lower --lr, look at the data of those iterations, or raise "
+            "--max-consecutive-nonfinite-iterations.")
