@@ -4,7 +4,8 @@ On preemption torchrun and SLURM signal every process, the DataLoader workers in
 process-group signal, or slurmstepd signalling each process of the job step). Two ranks with
 ``--num-workers 2`` and ``--exit-signal-handler``:
 
-- torchrun, SIGTERM to its whole process group (torchrun then sends its ranks a second one);
+- torchrun, and the per-node launcher of ``deepspeed``: SIGTERM to the whole process group
+  (the launcher then sends its ranks a second one);
 - SLURM's pattern, without torchrun: two tasks started as ``srun`` starts them (SLURM_PROCID,
   SLURM_NTASKS), and SIGTERM sent to each process of each task, one at a time, the workers
   first, one task a moment before the other.
@@ -20,6 +21,7 @@ Before the fix, the workers died first and the main process failed with "DataLoa
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -66,7 +68,15 @@ def _popen(cmd, log: str, env: dict) -> subprocess.Popen:
 def _torchrun(argv, folder: str) -> list[subprocess.Popen]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), RECORDED, *argv]
-    return [_popen(cmd, f"{folder}/torchrun.log", _env(f"{folder}/history"))]
+    return [_popen(cmd, f"{folder}/launcher.log", _env(f"{folder}/history"))]
+
+
+def _deepspeed(argv, folder: str) -> list[subprocess.Popen]:
+    """The per-node launcher that ``deepspeed`` runs, for two local ranks."""
+    hosts = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={hosts}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", RECORDED, *argv]
+    return [_popen(cmd, f"{folder}/launcher.log", _env(f"{folder}/history"))]
 
 
 def _srun(argv, folder: str) -> list[subprocess.Popen]:
@@ -80,9 +90,12 @@ def _srun(argv, folder: str) -> list[subprocess.Popen]:
 
 
 def _first_log(folder: str) -> str:
-    name = "torchrun.log" if os.path.exists(f"{folder}/torchrun.log") else "task0.log"
-    with open(f"{folder}/{name}") as f:
-        return f.read()
+    """The launcher's output, or the first task's."""
+    for name in ("launcher.log", "task0.log"):
+        if os.path.exists(f"{folder}/{name}"):
+            with open(f"{folder}/{name}") as f:
+                return f.read()
+    raise AssertionError(f"no log in {folder}")
 
 
 def _wait_for_log(folder: str, pattern: re.Pattern, procs, timeout: float = 300.0) -> None:
@@ -191,27 +204,34 @@ def _check_interrupted_then_resume(corpus, folder: str, launch, log: str, straig
 # Tests -----------------------------------------------------------------------------------
 
 
-def test_sigterm_to_torchruns_process_group_saves_once_and_resumes_bit_for_bit(
-        corpus, tmp_path, straight):
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_sigterm_to_the_launchers_process_group_saves_once_and_resumes_bit_for_bit(
+        corpus, tmp_path, straight, launcher):
+    if launcher == "deepspeed":
+        pytest.importorskip("deepspeed")
+    launch = {"torchrun": _torchrun, "deepspeed": _deepspeed}[launcher]
     folder = str(tmp_path)
-    argv = base_argv(corpus, f"{folder}/cache", **FLAGS, **{"--save": f"{folder}/ckpt", "--save-interval": 1000})
-    (torchrun,) = procs = _torchrun(argv, folder)
+    argv = base_argv(corpus, f"{folder}/cache", **FLAGS,
+                     **{"--save": f"{folder}/ckpt", "--save-interval": 1000})
+    (agent,) = procs = launch(argv, folder)
     _wait_for_log(folder, SIGNAL_AFTER, procs)
-    ranks = _children(torchrun.pid)
+    ranks = _children(agent.pid)
     assert len(ranks) == 2 and all(len(_children(r)) >= 2 for r in ranks)  # the workers
-    os.killpg(torchrun.pid, signal.SIGTERM)  # what torchrun's supervisor does
+    os.killpg(agent.pid, signal.SIGTERM)  # what a job's supervisor does
     _wait(procs)
     log = _first_log(folder)
-    # torchrun itself exits non-zero after a signal (it re-raises it); its ranks must have
-    # finished on their own, not been killed after its shutdown timeout.
+    # The launcher itself exits non-zero after a signal (torchrun re-raises it, deepspeed's
+    # exits 1), and sends its ranks a SIGTERM of its own; the ranks must have finished by
+    # themselves, not been killed after its shutdown timeout.
     assert "Unable to shutdown process" not in log and "ChildFailedError" not in log
-    _check_interrupted_then_resume(corpus, folder, _torchrun, log, straight)
+    _check_interrupted_then_resume(corpus, folder, launch, log, straight)
 
 
 def test_sigterm_to_every_process_of_every_slurm_task_saves_once_and_resumes_bit_for_bit(
         corpus, tmp_path, straight):
     folder = str(tmp_path)
-    argv = base_argv(corpus, f"{folder}/cache", **FLAGS, **{"--save": f"{folder}/ckpt", "--save-interval": 1000})
+    argv = base_argv(corpus, f"{folder}/cache", **FLAGS,
+                     **{"--save": f"{folder}/ckpt", "--save-interval": 1000})
     procs = _srun(argv, folder)
     _wait_for_log(folder, SIGNAL_AFTER, procs)
     tasks = [[*_children(task.pid), task.pid] for task in procs]  # each task's workers, rank
