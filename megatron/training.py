@@ -149,7 +149,7 @@ def build_data_iterators(provider: Callable, ctx: RunContext, state: TrainState)
 
     Only the first and last pipeline stages read data (tokens and labels); others get None.
     """
-    from megatron.data.samplers import build_pretraining_data_loader
+    from megatron.data.samplers import build_pretraining_data_loader, shutdown_signals_blocked
 
     cfg = ctx.config
     needs_data = (parallel_state.is_pipeline_first_stage(ignore_virtual=True)
@@ -164,7 +164,7 @@ def build_data_iterators(provider: Callable, ctx: RunContext, state: TrainState)
     # Starting a DataLoader iterator draws a seed from torch's global generator, the one
     # dropout uses. A resumed run starts its iterators after restoring that generator, so
     # the draw would shift its random stream: keep the draw off it.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), shutdown_signals_blocked():
         for dataset, start in zip(datasets, consumed):
             loader = build_pretraining_data_loader(
                 dataset, start, cfg.training.micro_batch_size, dp_rank, dp_size,

@@ -4,13 +4,17 @@ A global batch of ``micro_batch_size * data_parallel_size`` consecutive sample i
 into one micro-batch per data-parallel rank (rank r gets the r-th slice), as in Megatron.
 Resuming from ``consumed_samples`` (saved in checkpoints) continues the same order.
 
-DataLoader workers ignore SIGTERM and SIGINT: torchrun and SLURM signal every process on
-preemption, and the main process owns shutdown (it saves, then stops its workers).
+DataLoader workers ignore SIGTERM (except their main process's) and SIGINT: torchrun and
+SLURM signal every process on preemption, and the main process owns shutdown (it saves, then
+stops its workers).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import threading
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -125,15 +129,51 @@ class MegatronPretrainingRandomSampler:
 
 
 def ignore_shutdown_signals(worker_id: int) -> None:
-    """``worker_init_fn``: the worker leaves SIGTERM/SIGINT to the main process.
+    """``worker_init_fn``: the worker leaves SIGTERM and SIGINT to its main process.
 
     A launcher's SIGTERM reaches the workers too; one that died of it would make the main
     process's next batch fail ("DataLoader worker ... killed by signal") before
-    --exit-signal-handler could save. The main process stops its workers when it exits, and a
-    worker whose main process is gone exits by itself (PyTorch's worker watchdog).
+    --exit-signal-handler could save. So SIGINT is ignored, and SIGTERM is blocked and read by
+    a thread that obeys only the main process's own (``Process.terminate()``, which the
+    DataLoader and multiprocessing's exit handler send to workers that did not stop): a worker
+    that ignored those too would hang its main process at exit. A worker whose main process is
+    gone exits by itself (PyTorch's worker watchdog).
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # not Linux: no sender to tell apart
+        return
+    # Started with both blocked (see ``shutdown_signals_blocked``): a SIGTERM sent meanwhile
+    # is still pending and is judged by the thread.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    threading.Thread(target=_obey_sigterm_from, args=(os.getppid(),), daemon=True,
+                     name="sigterm-from-main-process").start()
+
+
+def _obey_sigterm_from(main_process: int) -> None:
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != main_process:
+        pass
+    # Quietly, with status 0, as PyTorch's own worker handler answers its main process: the
+    # main process's SIGCHLD handler would report any other exit as a failed worker.
+    os._exit(0)
+
+
+@contextlib.contextmanager
+def shutdown_signals_blocked():
+    """Hold SIGTERM and SIGINT back from this thread while DataLoader workers start.
+
+    Workers inherit the signal mask, so a SIGTERM that reaches one before its
+    ``ignore_shutdown_signals`` ran waits there instead of killing it. This process gets its
+    own held-back signals when the block ends.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_batch_size: int,

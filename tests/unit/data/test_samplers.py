@@ -1,5 +1,5 @@
-import os
-import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -12,6 +12,7 @@ from megatron.data.samplers import (
     MegatronPretrainingRandomSampler,
     MegatronPretrainingSampler,
     build_pretraining_data_loader,
+    shutdown_signals_blocked,
 )
 
 from .corpus import random_lengths, write_corpus
@@ -85,22 +86,27 @@ def test_data_loader_yields_this_ranks_micro_batches(tmp_path):
         build_pretraining_data_loader(train, 0, 1, 0, 1, dataloader_type="x")
 
 
-def test_data_loader_workers_leave_sigterm_and_sigint_to_the_main_process(tmp_path):
-    # torchrun and SLURM signal every process on preemption: a worker that died of it would
-    # fail the main process's next batch ("DataLoader worker ... killed by signal") before
-    # --exit-signal-handler could save.
+def _worker_loader(tmp_path):
     prefix = str(tmp_path / "d")
     write_corpus(prefix, random_lengths(30, 1, 40, seed=8))
     train, _, _ = build_train_valid_test_datasets([prefix], "mmap", "1", [40, 0, 0], 8, 3, True,
                                                   data_cache_path=str(tmp_path / "c"))
-    loader = build_pretraining_data_loader(train, 0, 2, 0, 1, num_workers=2)
-    batches = iter(loader)
+    return train, build_pretraining_data_loader(train, 0, 2, 0, 1, num_workers=2)
+
+
+def test_data_loader_workers_leave_sigterm_and_sigint_to_the_main_process(tmp_path):
+    # torchrun and SLURM signal every process on preemption: a worker that died of it would
+    # fail the main process's next batch ("DataLoader worker ... killed by signal") before
+    # --exit-signal-handler could save.
+    train, loader = _worker_loader(tmp_path)
+    with shutdown_signals_blocked():
+        batches = iter(loader)
     first = [next(batches)["text"] for _ in range(2)]  # one from each worker: both started
     workers = list(batches._workers)
     assert len(workers) == 2
-    for worker in workers:
-        os.kill(worker.pid, signal.SIGTERM)
-        os.kill(worker.pid, signal.SIGINT)
+    for worker in workers:  # from another process, as a launcher sends them
+        subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)
+        subprocess.run(["kill", "-INT", str(worker.pid)], check=True)
     time.sleep(0.5)
     assert all(w.is_alive() for w in workers)
     rest = [b["text"] for b in batches]
@@ -109,3 +115,33 @@ def test_data_loader_workers_leave_sigterm_and_sigint_to_the_main_process(tmp_pa
     assert len(first + rest) == len(expected)
     for got, want in zip(first + rest, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_data_loader_workers_still_obey_their_main_process(tmp_path):
+    # Process.terminate() is how the DataLoader and multiprocessing's exit handler stop
+    # workers that did not stop by themselves; ignoring it would hang the main process.
+    _, loader = _worker_loader(tmp_path)
+    batches = iter(loader)
+    next(batches)
+    next(batches)
+    for worker in batches._workers:
+        worker.terminate()
+        worker.join(timeout=10)
+        assert worker.exitcode == 0  # as PyTorch's own handler answers its main process
+
+
+CRASH_WITH_WORKERS = """
+import sys
+from megatron.data.samplers import build_pretraining_data_loader
+loader = build_pretraining_data_loader([{"x": i} for i in range(40)], 0, 2, 0, 1,
+                                       num_workers=2)
+batches = iter(loader)
+next(batches)
+raise RuntimeError("boom")  # the traceback keeps the workers' iterator alive at exit
+"""
+
+
+def test_a_crash_with_live_workers_still_exits():
+    done = subprocess.run([sys.executable, "-c", CRASH_WITH_WORKERS], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and "RuntimeError: boom" in done.stderr
