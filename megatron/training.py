@@ -5,7 +5,7 @@ a global ``args``)::
 
     model_provider(ctx, pre_process, post_process, first_layer, num_layers) -> nn.Module
     train_valid_test_datasets_provider(ctx, [n_train, n_valid, n_test]) -> (train, valid, test)
-    forward_step(ctx, data_iterator, model) -> (output_tensor, loss_func)
+    forward_step(ctx, data_iterator, model, stage) -> (output_tensor, loss_func)
 
 ``loss_func(output_tensor) -> (loss, {"lm loss": loss.detach()})``; reported values are
 averaged over micro-batches and data-parallel ranks here.
@@ -27,18 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.arguments import parse_args_or_exit, print_config
+from megatron.config import RunConfig, layer_range, parse_args_or_exit, print_config
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import bubble
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.data.dataset_utils import train_valid_test_num_samples as data_sample_counts
 from megatron.initialize import initialize_megatron
 from megatron.microbatches import NumMicroBatchesCalculator
-from megatron.model.stages import layer_range
 from megatron.model.transformer import flash_attn_installed
 from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
-from megatron.run_config import RunConfig
 from megatron.timers import Timers, format_across_ranks, gather_across_ranks
 from megatron.training_log import (
     TensorBoard,
@@ -79,19 +78,16 @@ class TrainState:
 def build_model_chunks(model_provider: Callable, ctx: RunContext) -> list[nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), each built for its layers."""
     cfg = ctx.config
-    vp = cfg.parallel.virtual_pipeline_model_parallel_size
+    vp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    last_rank = cfg.parallel.pipeline_model_parallel_size - 1
     chunks = []
-    for v in range(vp or 1):
-        if vp is not None:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(v)
+    for v in range(vp):
         first_layer, num_layers = layer_range(cfg.pipeline_stage_num_layers, pp_rank, vp, v)
         chunks.append(model_provider(
-            ctx, pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
+            ctx, pre_process=pp_rank == 0 and v == 0,
+            post_process=pp_rank == last_rank and v == vp - 1,
             first_layer=first_layer, num_layers=num_layers))
-    if vp is not None:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
 
 
@@ -127,12 +123,10 @@ def num_parameters(chunks: Sequence[nn.Module]) -> int:
 
 
 def train_valid_test_num_samples(cfg: RunConfig) -> list[int]:
+    """[train, valid, test] samples the datasets must hold (the data layer's one formula)."""
     t = cfg.training
-    gbs = t.global_batch_size
-    train_samples = t.train_samples if t.train_samples is not None else t.train_iters * gbs
-    train_iters = t.train_iters if t.train_iters is not None else train_samples // gbs
-    eval_runs = train_iters // t.eval_interval + 1
-    return [train_samples, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs]
+    return data_sample_counts(t.global_batch_size, t.eval_iters, t.eval_interval,
+                              train_iters=t.train_iters, train_samples=t.train_samples)
 
 
 def build_data_iterators(provider: Callable, ctx: RunContext, state: TrainState):
@@ -523,7 +517,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
              forward_step_func: Callable, *, extra_args_provider: Optional[Callable] = None,
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
     """Parse flags, initialize, build, train, evaluate and save; returns the final state."""
-    cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
+    cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults,
+                             check_files=True)
     device = initialize_megatron(cfg)
     tokenizer = build_run_tokenizer(cfg)
     vocab = tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)

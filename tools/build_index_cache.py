@@ -21,7 +21,11 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.data.dataset_utils import DataConfigError, train_valid_test_num_samples  # noqa: E402
+from megatron.data.dataset_utils import (  # noqa: E402
+    DEFAULT_SPLIT,
+    DataConfigError,
+    train_valid_test_num_samples,
+)
 from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E402
 
 
@@ -33,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-data-path", nargs="*", default=None)
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
-    g.add_argument("--split", default="969, 30, 1", help="train,valid,test weights")
+    g.add_argument("--split", default=DEFAULT_SPLIT,
+                   help=f"train,valid,test weights (default: {DEFAULT_SPLIT})")
     g.add_argument("--data-impl", default="mmap", choices=["mmap", "infer"])
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--seq-length", type=int, required=True)

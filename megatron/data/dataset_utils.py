@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 DataPath = Union[str, Sequence[str], None]
 
 
+# --split's default, spelled as Megatron-DeepSpeed spells it: index-cache file names hash the
+# string, so caches built ahead with default flags (by tools/build_index_cache.py, by
+# pretrain_gpt.py or by Megatron-DeepSpeed) are found by every other.
+DEFAULT_SPLIT = "969, 30, 1"
+
+
 class DataConfigError(ValueError):
     """A data flag (--data-path, --split, ...) is malformed; the message names it."""
 
@@ -33,18 +39,29 @@ class DataConfigError(ValueError):
 # ----------------------------------------------------------------------------------------------
 
 
-def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
-    """Document boundaries [0, a, b, size] for ``--split`` such as ``949,50,1``, ``98,2,0``,
-    ``1`` or ``90/10``: the weights are normalised and rounded as Megatron does."""
+def parse_split(splits_string: str) -> list[float]:
+    """The three train/valid/test weights of ``--split`` (``969, 30, 1``, ``98,2,0``, ``1``,
+    ``90/10``; missing parts are 0), as given: not normalised."""
     text = str(splits_string)
     sep = "," if "," in text else "/" if "/" in text else None
+    parts = text.split(sep) if sep else [text]
+    if len(parts) > 3:
+        raise DataConfigError(f"--split {splits_string!r}: at most three weights "
+                              "(train, valid, test)")
     try:
-        weights = [float(s) for s in (text.split(sep) if sep else [text])]
+        weights = [float(s) for s in parts]
     except ValueError:
-        raise DataConfigError(f"--split {splits_string!r}: expected numbers like 949,50,1") from None
+        raise DataConfigError(f"--split {splits_string!r}: expected numbers like 969,30,1") from None
     weights = (weights + [0.0, 0.0])[:3]
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
         raise DataConfigError(f"--split {splits_string!r}: weights must be >= 0 with a positive sum")
+    return weights
+
+
+def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
+    """Document boundaries [0, a, b, size] for ``--split``: the weights are normalised and
+    rounded as Megatron does."""
+    weights = parse_split(splits_string)
     total = sum(weights)
     bounds = [0]
     for w in weights:
@@ -76,15 +93,17 @@ def parse_data_path(data_path: DataPath, flag_name: str = "--data-path"
             f"{flag_name}: expected one prefix or weight/prefix pairs, got {len(items)} values "
             f"{items}")
     prefixes, weights = [], []
-    for weight_text, prefix in zip(items[0::2], items[1::2]):
+    for position, (weight_text, prefix) in enumerate(zip(items[0::2], items[1::2]), start=1):
         try:
             weight = float(weight_text)
         except ValueError:
-            raise DataConfigError(f"{flag_name}: weight {weight_text!r} before {prefix!r} is not "
-                                  "a number") from None
+            raise DataConfigError(f"{flag_name}: weight {position} ({weight_text!r}, before "
+                                  f"{prefix!r}) is not a number (expected WEIGHT PREFIX "
+                                  "pairs)") from None
         if not math.isfinite(weight) or weight <= 0:
-            raise DataConfigError(f"{flag_name}: weight {weight_text} of {prefix!r} must be "
-                                  "positive (a dataset no sample is drawn from is an error)")
+            raise DataConfigError(f"{flag_name}: weight {position} of the blend is not positive: "
+                                  f"weight {weight_text} of {prefix!r} (a dataset no sample is "
+                                  "drawn from is an error)")
         prefixes.append(prefix.strip())
         weights.append(weight)
     return prefixes, weights

@@ -63,10 +63,10 @@ class Recorder:
             if weight is not None:
                 self.digests.append(hashlib.sha1(weight.detach().numpy().tobytes()).hexdigest())
 
-    def forward_step(self, ctx, data_iterator, model):
+    def forward_step(self, ctx, data_iterator, model, stage):
         if model.training:
             self._note()
-        return pretrain_gpt.forward_step(ctx, data_iterator, model)
+        return pretrain_gpt.forward_step(ctx, data_iterator, model, stage)
 
     def evaluate(self, original):
         def wrapped(*args, **kwargs):

@@ -233,7 +233,7 @@ def _launcher_option(argv: list[str], name: str, default: str) -> str:
 
 
 def _pretrain_config(call: dict, world_size: int):
-    from megatron.arguments import parse_args
+    from megatron.config import parse_args
 
     argv = call["argv"]
     script = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))

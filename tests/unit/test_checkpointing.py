@@ -12,13 +12,19 @@ import pytest
 import torch
 
 from megatron import checkpointing as ckpt
-from megatron.config import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron.config import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RunConfig,
+)
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_seed
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.gpt_model import GPTModel
 from megatron.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.run_config import CheckpointConfig, DataConfig, RunConfig
 
 MICRO_BATCH = 2
 
@@ -33,20 +39,17 @@ def run_config(save_dir=None, *, tp: int = 1, pp: int = 1, world_size: int = 1,
     fp16, bf16 = precision == "fp16", precision == "bf16"
     model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                         vocab_size=500, hidden_dropout=dropout, attention_dropout=dropout,
-                        tensor_model_parallel_size=tp, fp16=fp16, bf16=bf16,
-                        params_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(
-                            precision, torch.float32))
+                        tensor_model_parallel_size=tp, fp16=fp16, bf16=bf16)
     checkpoint.setdefault("save", None if save_dir is None else str(save_dir))
     checkpoint.setdefault("load", checkpoint["save"])
     checkpoint.setdefault("save_interval", 1)
     return RunConfig(
         model=model,
         parallel=ParallelConfig(world_size=world_size, tensor_model_parallel_size=tp,
-                                pipeline_model_parallel_size=pp,
-                                use_distributed_optimizer=distributed_optimizer),
+                                pipeline_model_parallel_size=pp),
         optimizer=OptimizerConfig(lr=1e-3, fp16=fp16, bf16=bf16, initial_loss_scale=2.0**20,
                                   use_distributed_optimizer=distributed_optimizer),
-        data=DataConfig(seq_length=16, tokenizer_type="NullTokenizer", vocab_size=500),
+        data=DataConfig(tokenizer_type="NullTokenizer", vocab_size=500),
         checkpoint=CheckpointConfig(**checkpoint),
     )
 
