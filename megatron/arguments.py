@@ -316,6 +316,10 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-checkpoint-args", action="store_true")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="Stop with an error when --load holds no checkpoint.")
+    g.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="Load without checksumming the files against the checkpoint's "
+                        "manifest.json (sizes are still checked): for checkpoints too large "
+                        "to read twice.")
     g.add_argument("--ckpt-format", default="torch", help="Only torch (Megatron's layout).")
 
 

@@ -274,6 +274,7 @@ class CheckpointConfig:
     save_best: bool = False  # also keep the checkpoint with the lowest validation loss
     use_checkpoint_args: bool = False  # model shape from the checkpoint's stored config
     exit_on_missing_checkpoint: bool = False  # --load without a checkpoint is an error
+    no_verify_checkpoint: bool = False  # load: check file sizes against manifest.json, not CRCs
     ckpt_format: str = "torch"  # Megatron-LM's torch format; torch_dist/zarr are not written
 
     def __post_init__(self) -> None:
