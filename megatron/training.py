@@ -519,6 +519,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     """Parse flags, initialize, build, train, evaluate and save; returns the final state."""
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults,
                              check_files=True)
+    _check_checkpoint_folders_or_exit(cfg)
     device = initialize_megatron(cfg)
     tokenizer = build_run_tokenizer(cfg)
     vocab = tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)
@@ -579,6 +580,21 @@ _EXIT_MESSAGES = {
     "duration": "--exit-duration-in-mins reached",
     "interval": "--exit-interval reached",
 }
+
+
+def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
+    """A --load that is a file and a --save that cannot be written are user errors: say so
+    (``error: ...``, exit 2) before any process group or model exists."""
+    from megatron import checkpointing
+
+    try:
+        if cfg.checkpoint.load:
+            checkpointing.check_load_dir(cfg.checkpoint.load)
+        if cfg.checkpoint.save:
+            checkpointing.check_save_dir(cfg.checkpoint.save)
+    except checkpointing.CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def _warn_slow_precision(cfg: RunConfig, device: torch.device) -> None:

@@ -36,6 +36,9 @@ class CheckpointConfig(Slice):
         "--hidden-size, ...) from the checkpoint in --load; flags given still win.")
     exit_on_missing_checkpoint: bool = option(
         default=False, help="Stop with an error when --load holds no checkpoint.")
+    no_verify_checkpoint: bool = option(
+        default=False, help="Load without checksumming the files against the checkpoint's "
+        "manifest.json (sizes are still checked): for checkpoints too large to read twice.")
     ckpt_format: str = option(
         default="torch", help="Only torch (Megatron's iter_XXXXXXX/mp_rank_XX layout).",
         refused="only the torch format (the iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt "

@@ -145,7 +145,7 @@ def test_checkpoint_and_resume(two_runs):
     assert read_tracker(save).iteration == 6
     for it in (3, 4, 6):  # one folder per tensor-parallel rank, written by data rank 0
         folder = os.path.join(save, f"iter_{it:07d}")
-        assert sorted(os.listdir(folder)) == ["mp_rank_00", "mp_rank_01"]
+        assert sorted(os.listdir(folder)) == ["manifest.json", "mp_rank_00", "mp_rank_01"]
 
 
 def test_tensorboard_scalars(two_runs):
