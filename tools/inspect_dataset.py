@@ -67,7 +67,7 @@ def check(dataset: MMapIndexedDataset, eod: Optional[int]) -> list[str]:
 
 
 def _readable(dataset: MMapIndexedDataset) -> bool:
-    """Whether every sequence lies inside the .bin (a longer .bin is still readable)."""
+    """Whether the sequences can be read as the index lays them out (a longer .bin can)."""
     bin_bytes = os.path.getsize(data_file_path(dataset.path_prefix))
     return not layout_problems(dataset.index) and bin_bytes >= sequences_end(dataset.index)
 
@@ -132,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if _readable(dataset):
         _print_documents(dataset, args.docs, tokenizer)
     else:
-        print("  documents not shown: the index points outside the .bin")
+        print("  documents not shown: the index does not fit the .bin (see PROBLEM)")
     eod = args.eod if args.eod is not None else getattr(tokenizer, "eod", None)
     problems = check(dataset, eod) if args.check else dataset.problems()
     for problem in problems:
