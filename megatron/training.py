@@ -513,6 +513,25 @@ def build_run_tokenizer(cfg: RunConfig):
                            d.tokenizer_name_or_path, d.vocab_size)
 
 
+def check_run_inputs(cfg: RunConfig):
+    """The run's tokenizer, built and checked with the data files before any process group or
+    model exists: bad input ends the run with ``error: ...`` naming the flag or file, and
+    status 2. Returns the tokenizer (None for --mock-data without tokenizer files)."""
+    from megatron.data.checks import check_training_data
+    from megatron.data.dataset_utils import DataConfigError
+    from megatron.data.indexed_dataset import IndexedDatasetError
+    from megatron.tokenizer import TokenizerConfigError
+
+    try:
+        tokenizer = build_run_tokenizer(cfg)
+        check_training_data(cfg.data, tokenizer.vocab_size if tokenizer is not None else None,
+                            train_valid_test_num_samples(cfg)[0])
+    except (TokenizerConfigError, DataConfigError, IndexedDatasetError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return tokenizer
+
+
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: Callable, *, extra_args_provider: Optional[Callable] = None,
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
@@ -520,8 +539,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults,
                              check_files=True)
     _check_checkpoint_folders_or_exit(cfg)
+    tokenizer = check_run_inputs(cfg)
     device = initialize_megatron(cfg)
-    tokenizer = build_run_tokenizer(cfg)
     vocab = tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)
     cfg = cfg.with_vocab_size(vocab)
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.

@@ -27,6 +27,7 @@ from megatron.data.indexed_dataset import (  # noqa: E402
     data_file_path,
     index_file_path,
 )
+from megatron.data.preprocess.config import InputError, check_output_dir  # noqa: E402
 
 
 class MergeError(Exception):
@@ -117,11 +118,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     start = time.time()
     try:
+        check_output_dir(args.output_prefix)
         prefixes = resolve_prefixes(args.input, args.output_prefix)
         print(f"Merging {len(prefixes)} datasets into {args.output_prefix}")
         sequences, documents = merge(prefixes, args.output_prefix)
-    except (MergeError, IndexedDatasetError) as e:
+    except (MergeError, IndexedDatasetError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk while writing: the partial output is already removed
+        print(f"error: writing {args.output_prefix}.bin/.idx: {e}", file=sys.stderr)
         return 1
     print(f"Done: {documents} documents, {sequences} sequences in {time.time() - start:.2f} s")
     return 0

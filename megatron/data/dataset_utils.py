@@ -180,16 +180,17 @@ def description_hash(desc: str) -> str:
     return hashlib.md5(desc.encode("utf-8")).hexdigest()
 
 
-def _writable_dir(path: str) -> bool:
+def _unwritable_reason(path: str) -> Optional[str]:
+    """None when ``path`` is (or can be made) a folder a file can be created in, else why not."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-probe-{socket.gethostname()}-{os.getpid()}")
         with open(probe, "w"):
             pass
         os.remove(probe)
-        return True
-    except OSError:
-        return False
+        return None
+    except OSError as e:
+        return e.strerror or str(e)
 
 
 class IndexCache:
@@ -197,8 +198,10 @@ class IndexCache:
 
     Lookup order (Megatron-DeepSpeed's, plus a user fallback): ``<data dir>/index-cache``,
     then ``--data-cache-path``, then ``default_user_cache_dir()``.  A missing set is built in
-    ``--data-cache-path`` if given, else ``<data dir>/index-cache``; when that folder is not
-    writable the user folder is used and a warning says so.
+    ``--data-cache-path`` if given (an error naming the flag when it is not writable: the
+    user chose it), else in ``<data dir>/index-cache``, or, when that folder is not writable,
+    in the user folder with a warning.  A cached file that cannot be read (truncated, not
+    .npy) counts as missing and is rebuilt.
     """
 
     def __init__(self, data_prefix: str, data_cache_path: Optional[str] = None,
@@ -207,6 +210,7 @@ class IndexCache:
         self.user_dir = user_cache_dir or default_user_cache_dir()
         self.lookup_dirs = [beside_data] + ([data_cache_path] if data_cache_path else [])
         self.lookup_dirs.append(self.user_dir)
+        self.data_cache_path = data_cache_path
         self.preferred_dir = data_cache_path or beside_data
         self.lock_timeout_s = lock_timeout_s
 
@@ -216,9 +220,14 @@ class IndexCache:
                 if all(os.path.isfile(os.path.join(folder, n)) for n in names)]
 
     def build_dir(self) -> str:
-        if _writable_dir(self.preferred_dir):
+        reason = _unwritable_reason(self.preferred_dir)
+        if reason is None:
             return self.preferred_dir
-        if not _writable_dir(self.user_dir):
+        if self.data_cache_path:
+            raise DataConfigError(f"--data-cache-path {self.data_cache_path!r} is not a "
+                                  f"writable folder ({reason}); the index cache cannot be "
+                                  "written there")
+        if _unwritable_reason(self.user_dir) is not None:
             raise OSError(f"cannot write the dataset index cache: neither {self.preferred_dir} "
                           f"nor {self.user_dir} is writable; set --data-cache-path")
         logger.warning("index cache folder %s is not writable; using %s instead (set "
@@ -240,8 +249,7 @@ class IndexCache:
         """
         check_names = list(names) + list(extra_files or {})
         for folder in self.candidates(check_names):
-            arrays = _load_arrays(folder, names)
-            problem = validate(arrays)
+            arrays, problem = _load_valid_arrays(folder, names, validate)
             if problem is None:
                 log_rank0(" > loaded index cache %s from %s", key, folder)
                 return arrays
@@ -250,8 +258,8 @@ class IndexCache:
         folder = self.build_dir()
         with FileLock(os.path.join(folder, key + ".lock"), self.lock_timeout_s):
             if all(os.path.isfile(os.path.join(folder, n)) for n in check_names):
-                arrays = _load_arrays(folder, names)
-                if validate(arrays) is None:  # another process built it while we waited
+                arrays, problem = _load_valid_arrays(folder, names, validate)
+                if problem is None:  # another process built it while we waited
                     return arrays
             start = time.time()
             built = build()
@@ -265,6 +273,22 @@ class IndexCache:
 
 def _load_arrays(folder: str, names: Sequence[str]) -> dict[str, np.ndarray]:
     return {n: np.load(os.path.join(folder, n), allow_pickle=False, mmap_mode="r") for n in names}
+
+
+def _load_valid_arrays(folder: str, names: Sequence[str],
+                       validate: Callable[[dict[str, np.ndarray]], Optional[str]]
+                       ) -> tuple[Optional[dict[str, np.ndarray]], Optional[str]]:
+    """(arrays, None) for a usable cached set, else (None, why not): a file numpy cannot map
+    (truncated by a full disk or a copy cut short, or not .npy at all) is a miss, not an error."""
+    arrays = {}
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            arrays[name] = np.load(path, allow_pickle=False, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as e:
+            return None, f"{path} cannot be read: {e}"
+    problem = validate(arrays)
+    return (None, problem) if problem else (arrays, None)
 
 
 def _tmp_name(path: str) -> str:
