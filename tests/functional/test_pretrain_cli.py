@@ -298,6 +298,73 @@ def test_distributed_and_slurm_scripts_launch_valid_runs(fake_launchers):
     assert cfg.parallel.data_parallel_size == 8 and cfg.optimizer.fp16
 
 
+# The same scripts at toy size, really launched: torchrun itself, and an srun stand-in that
+# runs its one task here. Later flags override the script's 345M model.
+
+ONE_TASK_SRUN = """#!/bin/bash
+# srun for a one-task job on this machine: drop srun's options, set what it sets, run.
+while [ "${1#-}" != "$1" ]; do shift; done
+SLURM_PROCID=0 SLURM_LOCALID=0 exec "$@"
+"""
+PRINTED_PRECISION = {"fp32": ("False", "False", "torch.float32"),
+                     "bf16": ("False", "True", "torch.bfloat16"),
+                     "fp16": ("True", "False", "torch.float16")}
+
+
+@pytest.fixture
+def one_task_srun(tmp_path):
+    """PATH with an srun that runs its task here and a python that is this interpreter."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(ONE_TASK_SRUN)
+    (bin_dir / "python").write_text(f'#!/bin/bash\nexec {sys.executable} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NTASKS="1",
+                SLURM_SUBMIT_DIR=REPO, MASTER_ADDR="127.0.0.1", GPUS_PER_NODE="1", TP="1")
+
+
+def _printed_argument(stdout: str, name: str) -> str:
+    """The value of ``name`` in the run's printed arguments block."""
+    [value] = re.findall(rf"^  {name} \.+ (.*)$", stdout, flags=re.MULTILINE)
+    return value
+
+
+TOY_FLAGS = ["--use-cpu", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads",
+             "2", "--seq-length", "16", "--max-position-embeddings", "16",
+             "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "2",
+             "--lr-decay-iters", "2", "--log-interval", "1", "--eval-interval", "2",
+             "--eval-iters", "1", "--split", "90,5,5", "--num-workers", "0"]
+
+
+@pytest.mark.parametrize("script", ["examples/pretrain_gpt_distributed.sh",
+                                    "examples/slurm/pretrain_gpt_slurm.sh"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_example_scripts_train_in_the_named_precision(dataset, one_task_srun, tmp_path,
+                                                      script, precision):
+    tok = dataset["tokenizer"]
+    vocab, merges = tok[tok.index("--vocab-file") + 1], tok[tok.index("--merge-file") + 1]
+    done = _run(["bash", script, tmp_path / "ckpt", vocab, merges, dataset["prefix"],
+                 *TOY_FLAGS], timeout=180, PRECISION=precision, MASTER_PORT=str(free_port()),
+                **one_task_srun)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    printed = tuple(_printed_argument(done.stdout, name)
+                    for name in ("fp16", "bf16", "params_dtype"))
+    assert printed == PRINTED_PRECISION[precision]
+    assert [line["iteration"] for line in parse_log_lines(done.stdout)] == [1, 2]
+
+
+@pytest.mark.parametrize("value", ["", "fp8", "float32"])
+def test_example_scripts_refuse_an_unknown_precision(value):
+    for script in ("examples/pretrain_gpt_distributed.sh", "examples/slurm/pretrain_gpt_slurm.sh",
+                   "examples/gpt3/train_gpt3_175b_distributed.sh"):
+        done = _run(["bash", script, "/ck", "/v.json", "/m.txt", "/d"], timeout=60,
+                    PRECISION=value)
+        assert done.returncode == 2, (script, done.stdout, done.stderr)
+        assert done.stderr.strip() == \
+            f"error: PRECISION='{value}' is not one of fp32, bf16, fp16", script
+
+
 def test_quickstart_builds_everything_and_launches_tp2(fake_launchers, tmp_path):
     env, calls = fake_launchers
     out = tmp_path / "qs"
