@@ -52,6 +52,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel.random import get_rng_tracker
+from megatron.file_modes import chmod_as_created
 
 logger = logging.getLogger(__name__)
 
@@ -453,6 +454,7 @@ def _make_tmp_dir(save_dir: str, iteration: int, layout: _Layout) -> str:
             os.makedirs(save_dir, exist_ok=True)
             tmp_dir = tempfile.mkdtemp(prefix=f"{iteration_dir_name(iteration)}.tmp-",
                                        dir=save_dir)
+            chmod_as_created(tmp_dir)  # mkdtemp's 0700 would become iter_XXXXXXX's mode
         except OSError as error:  # the other ranks wait for the name: tell them instead
             problem = f"cannot create a folder in --save {save_dir}: {error}"
     tmp_dir, problem = _broadcast_from_rank0((tmp_dir, problem))
