@@ -338,6 +338,10 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
                    dest="log_loss_scale_to_tensorboard")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-all-ranks", action="store_true",
+                   help="Print messages on every rank, each line prefixed by [rank N] (default: "
+                        "once, from global rank 0; a warning only another rank meets then "
+                        "shows only with this flag).")
     g.add_argument("--wandb-project", default=None, help="Accepted; not used.")
 
 

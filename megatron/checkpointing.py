@@ -104,16 +104,31 @@ class _LoadedFields(NamedTuple):
     consumed_valid_samples: int
 
 
+class LoadReport(NamedTuple):
+    """What a load read and restored, for the run's log (which says what was reset)."""
+
+    folder: str  # the iteration folder read
+    iteration: int  # the checkpoint's iteration (a model-only load restarts at 0 anyway)
+    release: bool
+    optimizer: bool  # optimizer state restored
+    scheduler: bool  # LR/weight-decay schedule restored
+    rng: bool  # random generators restored
+
+
 class LoadedCheckpoint(_LoadedFields):
     """``(iteration, consumed_train_samples, consumed_valid_samples)``; also ``.extra``: the
-    checkpoint's other top-level entries (e.g. ``num_floating_point_operations_so_far``)."""
+    checkpoint's other top-level entries (e.g. ``num_floating_point_operations_so_far``), and
+    ``.report``: a LoadReport, None when nothing was loaded."""
 
     extra: dict
+    report: Optional[LoadReport]
 
     def __new__(cls, iteration: int = 0, consumed_train_samples: int = 0,
-                consumed_valid_samples: int = 0, extra: Optional[dict] = None):
+                consumed_valid_samples: int = 0, extra: Optional[dict] = None,
+                report: Optional[LoadReport] = None):
         self = super().__new__(cls, iteration, consumed_train_samples, consumed_valid_samples)
         self.extra = dict(extra or {})
+        self.report = report
         return self
 
 
@@ -711,7 +726,9 @@ def _read_distrib_optim(state: dict, optimizer: Any, path: str) -> Optional[dict
 
 
 def _load_optimizer(state: dict, distrib_state: Optional[dict], optimizer: Any,
-                    scheduler: Any, path: str) -> None:
+                    scheduler: Any, path: str) -> bool:
+    """Restore the optimizer (and the scheduler, if given); returns whether the scheduler's
+    state was restored (a checkpoint may hold none)."""
     if optimizer is not None:
         if distrib_state is not None:
             optimizer.load_state_dict(distrib_state)  # collective over data parallel
@@ -727,6 +744,8 @@ def _load_optimizer(state: dict, distrib_state: Optional[dict], optimizer: Any,
     saved = state.get("opt_param_scheduler", state.get("lr_scheduler"))
     if scheduler is not None and saved is not None:
         scheduler.load_state_dict(saved)
+        return True
+    return False
 
 
 def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_scheduler: Any,
@@ -773,9 +792,10 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
         raise CheckpointError(f"loading the checkpoint from {ckpt.load} failed on another rank "
                               "(see its error)")
 
+    scheduler_loaded = False
     if load_optim:
         scheduler = None if ckpt.no_load_lr_state else opt_param_scheduler
-        _load_optimizer(state, distrib_state, optimizer, scheduler, path)
+        scheduler_loaded = _load_optimizer(state, distrib_state, optimizer, scheduler, path)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 main copies must follow the loaded weights
     if not model_only and not ckpt.no_load_rng:
@@ -785,12 +805,12 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
                                   "pass --no-load-rng")
         _restore_rng_state(rng)
 
+    report = LoadReport(iter_dir, tracker.iteration, tracker.release, load_optim,
+                        scheduler_loaded, not model_only and not ckpt.no_load_rng)
     if model_only:
-        return LoadedCheckpoint(0, 0, 0, _extra_entries(state))
-    logger.info("successfully loaded checkpoint from %s at iteration %d", ckpt.load,
-                state["iteration"])
+        return LoadedCheckpoint(0, 0, 0, _extra_entries(state), report)
     return LoadedCheckpoint(int(state["iteration"]), *_consumed_samples(state),
-                            extra=_extra_entries(state))
+                            extra=_extra_entries(state), report=report)
 
 
 def _check_version(state: dict, path: str) -> None:
@@ -832,6 +852,7 @@ __all__ = [
     "BestCheckpoint",
     "CheckpointError",
     "CheckpointLayoutError",
+    "LoadReport",
     "LoadedCheckpoint",
     "Tracker",
     "checkpoint_path",

@@ -306,6 +306,7 @@ class LoggingConfig:
     log_bubble: bool = False  # pipeline bubble time per iteration
     log_loss_scale_to_tensorboard: bool = True
     log_world_size_to_tensorboard: bool = False
+    log_all_ranks: bool = False  # every rank prints, lines prefixed "[rank N] "; else rank 0
     wandb_project: Optional[str] = None  # accepted for compatibility; not used
 
     def __post_init__(self) -> None:

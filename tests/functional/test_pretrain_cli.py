@@ -94,7 +94,8 @@ def two_runs(dataset, tmp_path_factory):
     """Run 1 trains 4 of 6 iterations (--exit-interval 4), run 2 loads and finishes."""
     folder = tmp_path_factory.mktemp("run")
     save, tb = str(folder / "ckpt"), str(folder / "tb")
-    common = ["--save", save, "--save-interval", "3", "--tensorboard-dir", tb]
+    common = ["--save", save, "--save-interval", "3", "--tensorboard-dir", tb,
+              "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard"]
     first = _torchrun(_flags(dataset) + common + ["--exit-interval", "4"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     tracker_after_first = read_tracker(save)
@@ -165,6 +166,74 @@ def test_tensorboard_scalars(two_runs):
     logged = [line["lm loss"] for line in parse_log_lines(two_runs["first"])]
     written = [e.value for e in acc.Scalars("lm loss")][:4]
     assert written == pytest.approx(logged, rel=1e-5)
+
+
+def test_resume_says_what_was_loaded(two_runs):
+    save = two_runs["save"]
+    assert (f"successfully loaded checkpoint from {save} at iteration 4 "
+            f"({save}/iter_0000004, {4 * GBS} samples consumed); restored: model, "
+            "optimizer state, LR schedule, RNG state\n") in two_runs["second"]
+    assert "successfully loaded" not in two_runs["first"]
+
+
+def _summary(text: str) -> dict:
+    """The fields of the run's summary line, which must be its last line."""
+    last = text.rstrip("\n").splitlines()[-1]
+    assert last.startswith(" run summary | "), last
+    fields = dict(part.strip().split(": ", 1) for part in last.split("|")[1:-1]
+                  if ": " in part)
+    fields["no checkpoint"] = "no checkpoint saved" in last
+    return fields
+
+
+def test_run_ends_with_a_summary(two_runs):
+    save = two_runs["save"]
+    for text, iterations, valid_at, checkpoint in ((two_runs["first"], 4, 3, 4),
+                                                   (two_runs["second"], 2, 6, 6)):
+        summary = _summary(text)
+        assert int(summary["iterations"]) == iterations
+        assert int(summary["tokens"]) == iterations * GBS * 64
+        assert float(summary["wall time (s)"]) > 0
+        assert float(summary["mean tokens per GPU per second (TGS)"]) > 0
+        assert float(summary["mean TFLOP/s per GPU"]) >= 0
+        logged = parse_log_lines(text)[-1]["lm loss"]  # --log-interval 1: the last iteration
+        assert float(summary["last train lm loss"]) == pytest.approx(logged, rel=1e-6)
+        valid = re.findall(rf"validation loss at iteration {valid_at} \| lm loss value: (\S+)",
+                           text)
+        assert summary["last validation lm loss"] == valid[0]
+        assert summary["last checkpoint"] == os.path.join(save, f"iter_{checkpoint:07d}")
+
+
+def test_tensorboard_has_megatron_deepspeed_series(two_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(two_runs["tb"], size_guidance={"scalars": 0})
+    acc.Reload()
+    iterations = [1, 2, 3, 4, 5, 6]
+    samples = [GBS * i for i in iterations]
+    tokens = [64 * n for n in samples]
+
+    def steps(tag):
+        return [e.step for e in acc.Scalars(tag)]
+
+    for tag in ("lm-loss-training/lm loss", "learning-rate/learning-rate",
+                "batch-size/batch-size", "grad-norm/grad-norm"):
+        assert steps(tag) == iterations, tag
+        assert steps(f"{tag} vs samples") == samples, tag
+        assert steps(f"{tag} vs tokens") == tokens, tag
+    loss = [e.value for e in acc.Scalars("lm loss")]
+    assert [e.value for e in acc.Scalars("lm-loss-training/lm loss vs tokens")] == loss
+    assert {e.value for e in acc.Scalars("batch-size/batch-size vs samples")} == {GBS}
+    for tag in ("lm-loss-validation/lm loss validation",
+                "lm-loss-validation/lm loss validation ppl"):
+        assert steps(tag) == [3, 6]
+        assert steps(f"{tag} vs samples") == [3 * GBS, 6 * GBS]
+        assert steps(f"{tag} vs tokens") == [3 * GBS * 64, 6 * GBS * 64]
+    assert steps("lm-loss-validation/lm loss test") == [6]
+    assert [e.value for e in acc.Scalars("steps-vs-samples/y=steps,x=samples")] == iterations
+    assert steps("steps-vs-samples/y=steps,x=samples") == samples
+    assert [e.value for e in acc.Scalars("steps-vs-tokens/y=tokens,x=steps")] == tokens
+    assert steps("steps-vs-tokens/y=steps,x=tokens") == tokens
 
 
 # User errors: exit 2 with the flag named, before any process group -----------------------
