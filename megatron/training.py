@@ -427,11 +427,12 @@ class Trainer:
         if cfg.logging.log_timers_to_tensorboard:
             scalars.update({f"timers/{k}": 1000.0 * v / iters for k, v in timings.items()})
         self.tensorboard.scalars(scalars, s.iteration)
+        axes = self._tensorboard_axes()
         self.tensorboard.series(training_series(
             losses, learning_rate=lr, batch_size=gbs, loss_scale=scale, grad_norm=grad_norm,
             num_zeros=num_zeros, world_size=world, iteration_seconds=elapsed / iters,
-            logging=cfg.logging), **self._tensorboard_axes())
-        self.tensorboard.axes(**self._tensorboard_axes())
+            logging=cfg.logging), **axes)
+        self.tensorboard.axes(**axes)
         self._interval, self._interval_iters, self._interval_tokens = {}, 0, 0
         self._skipped = self._nan = 0
         self._interval_start = time.perf_counter()
@@ -464,11 +465,10 @@ class Trainer:
         empty_cuda_cache(self.ctx, level=1)
         print_rank_0(format_eval(prefix, losses))
         step = self.state.iteration
+        tag = "validation" if "valid" in prefix else "test"
         for name, value in losses.items():
-            tag = "validation" if "valid" in prefix else "test"
             self.tensorboard.scalars({f"{name} {tag}": value,
                                       f"{name} {tag} ppl": math.exp(min(20.0, value))}, step)
-        tag = "validation" if "valid" in prefix else "test"
         self.tensorboard.series(evaluation_series(
             losses, tag, self.cfg.logging.log_validation_ppl_to_tensorboard),
             **self._tensorboard_axes())
