@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,13 +41,17 @@ from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
 from megatron.timers import Timers, format_across_ranks, gather_across_ranks
 from megatron.training_log import (
     TensorBoard,
+    evaluation_series,
     flops_per_token,
     format_eval,
+    format_load_report,
     format_log_line,
     format_memory_report,
+    format_run_summary,
     memory_gb,
+    training_series,
 )
-from megatron.utils import print_rank_0
+from megatron.utils import configure_output, print_rank_0
 
 
 @dataclasses.dataclass
@@ -70,6 +74,8 @@ class TrainState:
     # Per iteration of this process: {"iteration", "losses", "grad_norm", "skipped",
     # "loss_scale"}; what tests and benchmarks read instead of parsing the log.
     history: list = dataclasses.field(default_factory=list)
+    last_checkpoint: Optional[str] = None  # folder of the last checkpoint saved or resumed
+    last_valid_losses: dict = dataclasses.field(default_factory=dict)
 
 
 # Model, optimizer, scheduler ---------------------------------------------------------------
@@ -415,9 +421,21 @@ class Trainer:
         if cfg.logging.log_timers_to_tensorboard:
             scalars.update({f"timers/{k}": 1000.0 * v / iters for k, v in timings.items()})
         self.tensorboard.scalars(scalars, s.iteration)
+        axes = self._tensorboard_axes()
+        self.tensorboard.series(training_series(
+            losses, learning_rate=lr, batch_size=gbs, loss_scale=scale, grad_norm=grad_norm,
+            num_zeros=num_zeros, world_size=world, iteration_seconds=elapsed / iters,
+            logging=cfg.logging), **axes)
+        self.tensorboard.axes(**axes)
         self._interval, self._interval_iters, self._interval_tokens = {}, 0, 0
         self._skipped = self._nan = 0
         self._interval_start = time.perf_counter()
+
+    def _tensorboard_axes(self) -> dict[str, int]:
+        """Megatron-DeepSpeed's x axes: iteration, consumed samples, consumed tokens."""
+        samples = self.state.consumed_train_samples
+        return dict(iteration=self.state.iteration, samples=samples,
+                    tokens=samples * self.cfg.model.seq_length)
 
     def _report_memory_once(self) -> None:
         """After the first logged iteration (the peak includes the optimizer state by then),
@@ -441,10 +459,15 @@ class Trainer:
         empty_cuda_cache(self.ctx, level=1)
         print_rank_0(format_eval(prefix, losses))
         step = self.state.iteration
+        tag = "validation" if "valid" in prefix else "test"
         for name, value in losses.items():
-            tag = "validation" if "valid" in prefix else "test"
             self.tensorboard.scalars({f"{name} {tag}": value,
                                       f"{name} {tag} ppl": math.exp(min(20.0, value))}, step)
+        self.tensorboard.series(evaluation_series(
+            losses, tag, self.cfg.logging.log_validation_ppl_to_tensorboard),
+            **self._tensorboard_axes())
+        if tag == "validation":
+            self.state.last_valid_losses = losses
         return losses
 
     def _after_iteration(self) -> Optional[str]:
@@ -487,14 +510,13 @@ class Trainer:
         s = self.state
         from megatron import checkpointing
 
-        start = time.perf_counter()
         folder = checkpointing.save_checkpoint(
             s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
             consumed_train_samples=s.consumed_train_samples,
             consumed_valid_samples=s.consumed_valid_samples)
-        print_rank_0(f"  saved checkpoint at iteration {s.iteration:7d} to {folder} "
-                     f"({time.perf_counter() - start:.1f} s)")
-        s.last_saved = s.iteration
+        # checkpointing logs the save ("successfully saved checkpoint ..."); the run summary
+        # names the last folder.
+        s.last_saved, s.last_checkpoint = s.iteration, folder
 
 
 # Entry -----------------------------------------------------------------------------------
@@ -536,8 +558,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
              forward_step_func: Callable, *, extra_args_provider: Optional[Callable] = None,
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
     """Parse flags, initialize, build, train, evaluate and save; returns the final state."""
+    wall_start = time.perf_counter()
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults,
                              check_files=True)
+    configure_output(cfg.logging.log_all_ranks)
     _check_checkpoint_folders_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
     device = initialize_megatron(cfg)
@@ -546,7 +570,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
     ctx = RunContext(cfg, tokenizer, Timers(timer_level), device)
-    print_config(cfg)
+    print_config(cfg, print_fn=print_rank_0)
     _warn_slow_precision(cfg, ctx.device)
     if cfg.model.use_flash_attn and not flash_attn_installed():
         print_rank_0("> --use-flash-attn: the flash_attn package is not installed; attention "
@@ -559,25 +583,19 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                  f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_parameters(chunks)}")
     state = TrainState()
     if cfg.checkpoint.load:
-        from megatron import checkpointing
-
-        state.iteration, state.consumed_train_samples, state.consumed_valid_samples = \
-            checkpointing.load_checkpoint(chunks, optimizer, scheduler, cfg)
-        if state.iteration > 0:
-            print_rank_0(f"  loaded checkpoint from {cfg.checkpoint.load} at iteration "
-                         f"{state.iteration} ({state.consumed_train_samples} samples consumed)")
-            if not cfg.checkpoint.finetune:
-                state.last_saved = state.iteration  # nothing new to save before a step
+        load_into(state, chunks, optimizer, scheduler, cfg)
     forward_step = functools.partial(forward_step_func, ctx)
     iterators = build_data_iterators(train_valid_test_datasets_provider, ctx, state)
     trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state)
     print_rank_0(f"training from iteration {state.iteration} to {trainer.train_iters} ...")
+    start = _RunStart(wall_start, state.iteration, state.consumed_train_samples)
+    loop_start = time.perf_counter()
     reason = trainer.train()
+    loop_seconds = time.perf_counter() - loop_start
     if reason != "done":
         print_rank_0(f"exiting at iteration {state.iteration} ({_EXIT_MESSAGES[reason]}); "
                      + ("checkpoint saved" if cfg.checkpoint.save else "no --save given"))
-        trainer.tensorboard.close()
-        _finish()
+        _end_run(trainer, start, loop_seconds)
         return state
     t = cfg.training
     if t.eval_iters and state.iteration % t.eval_interval != 0:
@@ -589,9 +607,45 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         trainer.save()
     trainer.run_evaluation(f"test loss at the end of training (iteration {state.iteration})",
                            trainer.test_iter, t.eval_iters, trainer.has_test)
+    _end_run(trainer, start, loop_seconds)
+    return state
+
+
+def load_into(state: TrainState, chunks, optimizer, scheduler, cfg: RunConfig) -> None:
+    """--load: restore the latest checkpoint into the model, optimizer, scheduler and
+    ``state``; say on one line (rank 0) what was loaded and what starts anew."""
+    from megatron import checkpointing
+
+    loaded = checkpointing.load_checkpoint(chunks, optimizer, scheduler, cfg)
+    state.iteration, state.consumed_train_samples, state.consumed_valid_samples = loaded
+    if loaded.report is None:
+        return  # no checkpoint there (checkpointing warned)
+    print_rank_0(format_load_report(loaded.report, cfg.checkpoint,
+                                    state.consumed_train_samples))
+    if state.iteration > 0 and not cfg.checkpoint.finetune:
+        state.last_saved = state.iteration  # nothing new to save before a step
+        state.last_checkpoint = loaded.report.folder
+
+
+class _RunStart(NamedTuple):
+    wall_time: float  # time.perf_counter() when pretrain() began
+    iteration: int
+    consumed_train_samples: int
+
+
+def _end_run(trainer: Trainer, start: _RunStart, loop_seconds: float) -> None:
+    """The run's one-line summary (rank 0), then TensorBoard closed and every rank joined."""
+    s, cfg = trainer.state, trainer.cfg
+    print_rank_0(format_run_summary(
+        iterations=s.iteration - start.iteration,
+        tokens=(s.consumed_train_samples - start.consumed_train_samples) * cfg.model.seq_length,
+        wall_seconds=time.perf_counter() - start.wall_time, train_seconds=loop_seconds,
+        world_size=dist.get_world_size() if dist.is_initialized() else 1,
+        flops_per_token=flops_per_token(cfg.model),
+        train_losses=s.history[-1]["losses"] if s.history else {},
+        valid_losses=s.last_valid_losses, checkpoint=s.last_checkpoint))
     trainer.tensorboard.close()
     _finish()
-    return state
 
 
 _EXIT_MESSAGES = {

@@ -33,6 +33,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Optional
 
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron.file_modes import chmod_as_created  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"
 EOD_TOKEN = "<|endoftext|>"
@@ -149,6 +153,7 @@ def write_loose_json(documents: Iterable[str], output: Path) -> int:
                 count += 1
         if count == 0:
             raise ValueError(f"no documents to write to {output}")
+        chmod_as_created(tmp)  # mkstemp's 0600 would become the corpus file's mode
         os.replace(tmp, output)
     except BaseException:
         if os.path.exists(tmp):

@@ -27,6 +27,7 @@ from megatron.checkpointing import (  # noqa: E402
     mp_rank_dir_name,
 )
 from megatron.config import to_dict  # noqa: E402
+from megatron.file_modes import chmod_as_created  # noqa: E402
 from megatron.model.hf_gpt2 import hf_to_megatron_state_dict, model_config_from_hf  # noqa: E402
 
 
@@ -140,6 +141,7 @@ def convert(hf_model_dir: str, save_dir: str, make_vocab_size_divisible_by: int 
     os.makedirs(save_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="release.tmp-", dir=save_dir)
     try:
+        chmod_as_created(tmp)  # mkdtemp's 0700 would become release/'s mode
         os.makedirs(os.path.join(tmp, mp_rank_dir_name(0, 0, 1)))
         torch.save(state, os.path.join(tmp, mp_rank_dir_name(0, 0, 1), MODEL_FILENAME))
     except BaseException:

@@ -3,6 +3,8 @@
 
     python tools/merge_datasets.py --input data/shards/ --output-prefix data/all_text_document
     python tools/merge_datasets.py --input a_text_document b_text_document --output-prefix ab
+    python tools/merge_preprocessed_data.py --datasets a_text_document b_text_document \
+        --output-prefix ab                             (Megatron-DeepSpeed's spelling)
 
 A directory input takes every ``*.idx`` with a matching ``.bin`` in it, sorted by name. All
 inputs must have the same token dtype; the output is written under temporary names and
@@ -108,9 +110,12 @@ def merge(prefixes: Sequence[str], output_prefix: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="a directory of .bin/.idx pairs, or dataset prefixes in order")
+    parser.add_argument("--input", "--datasets", nargs="+", required=True, dest="input",
+                        help="a directory of .bin/.idx pairs, or dataset prefixes in order "
+                             "(--datasets: Megatron-DeepSpeed's spelling)")
     parser.add_argument("--output-prefix", required=True, help="merged dataset path prefix")
+    parser.add_argument("--dataset-impl", default="mmap", choices=["mmap"],
+                        help="only mmap (Megatron's default format) is written")
     return parser
 
 

@@ -40,7 +40,12 @@ from megatron.checkpointing.errors import (
     CheckpointError,
     CheckpointLayoutError,
 )
-from megatron.checkpointing.load import LoadedCheckpoint, load_checkpoint, load_checkpoint_config
+from megatron.checkpointing.load import (
+    LoadedCheckpoint,
+    LoadReport,
+    load_checkpoint,
+    load_checkpoint_config,
+)
 from megatron.checkpointing.manifest import read_manifest
 from megatron.checkpointing.paths import (
     BEST_FILENAME,
@@ -78,6 +83,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointLayoutError",
+    "LoadReport",
     "LoadedCheckpoint",
     "Tracker",
     "check_load_dir",

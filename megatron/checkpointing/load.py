@@ -61,16 +61,31 @@ class _LoadedFields(NamedTuple):
     consumed_valid_samples: int
 
 
+class LoadReport(NamedTuple):
+    """What a load read and restored, for the run's log (which says what was reset)."""
+
+    folder: str  # the iteration folder read
+    iteration: int  # the checkpoint's iteration (a model-only load restarts at 0 anyway)
+    release: bool
+    optimizer: bool  # optimizer state restored
+    scheduler: bool  # LR/weight-decay schedule restored
+    rng: bool  # random generators restored
+
+
 class LoadedCheckpoint(_LoadedFields):
     """``(iteration, consumed_train_samples, consumed_valid_samples)``; also ``.extra``: the
-    checkpoint's other top-level entries (e.g. ``num_floating_point_operations_so_far``)."""
+    checkpoint's other top-level entries (e.g. ``num_floating_point_operations_so_far``), and
+    ``.report``: a LoadReport, None when nothing was loaded."""
 
     extra: dict
+    report: Optional[LoadReport]
 
     def __new__(cls, iteration: int = 0, consumed_train_samples: int = 0,
-                consumed_valid_samples: int = 0, extra: Optional[dict] = None):
+                consumed_valid_samples: int = 0, extra: Optional[dict] = None,
+                report: Optional[LoadReport] = None):
         self = super().__new__(cls, iteration, consumed_train_samples, consumed_valid_samples)
         self.extra = dict(extra or {})
+        self.report = report
         return self
 
 
@@ -122,15 +137,16 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
             raise error
         raise CheckpointError(f"loading the checkpoint from {ckpt.load} failed on another rank "
                               "(see its error)")
-    _restore_training_state(files, ckpt, layout, optimizer, opt_param_scheduler, model_only,
-                            load_optim)
+    scheduler_loaded = _restore_training_state(files, ckpt, layout, optimizer,
+                                               opt_param_scheduler, model_only, load_optim)
     state = files.state
+    report = LoadReport(os.path.dirname(os.path.dirname(files.path)), tracker.iteration,
+                        tracker.release, load_optim, scheduler_loaded,
+                        not model_only and not ckpt.no_load_rng)
     if model_only:
-        return LoadedCheckpoint(0, 0, 0, extra_entries(state))
-    logger.info("successfully loaded checkpoint from %s at iteration %d", ckpt.load,
-                state["iteration"])
+        return LoadedCheckpoint(0, 0, 0, extra_entries(state), report)
     return LoadedCheckpoint(int(state["iteration"]), *consumed_samples(state),
-                            extra=extra_entries(state))
+                            extra=extra_entries(state), report=report)
 
 
 def _read_rank_files(config: Any, tracker: Tracker, layout: RankLayout, optimizer: Any,
@@ -216,10 +232,13 @@ def _read_distrib_optim(state: dict, optimizer: Any, path: str) -> Optional[dict
 
 
 def _restore_training_state(files: _RankFiles, ckpt: Any, layout: RankLayout, optimizer: Any,
-                            scheduler: Any, model_only: bool, load_optim: bool) -> None:
-    """Optimizer, scheduler and generators, after every rank has loaded its weights."""
+                            scheduler: Any, model_only: bool, load_optim: bool) -> bool:
+    """Optimizer, scheduler and generators, after every rank has loaded its weights; returns
+    whether the scheduler's state was restored."""
+    scheduler_loaded = False
     if load_optim:
-        _load_optimizer(files, optimizer, None if ckpt.no_load_lr_state else scheduler)
+        scheduler_loaded = _load_optimizer(files, optimizer,
+                                           None if ckpt.no_load_lr_state else scheduler)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 main copies must follow the loaded weights
     if not model_only and not ckpt.no_load_rng:
@@ -228,9 +247,12 @@ def _restore_training_state(files: _RankFiles, ckpt: Any, layout: RankLayout, op
             raise CheckpointError(f"{files.path} has no RNG state (saved with --no-save-rng?): "
                                   "pass --no-load-rng")
         restore_rng_state(rng)
+    return scheduler_loaded
 
 
-def _load_optimizer(files: _RankFiles, optimizer: Any, scheduler: Any) -> None:
+def _load_optimizer(files: _RankFiles, optimizer: Any, scheduler: Any) -> bool:
+    """Restore the optimizer (and the scheduler, if given); returns whether the scheduler's
+    state was restored (a checkpoint may hold none)."""
     state, path = files.state, files.path
     if optimizer is not None:
         if files.distrib_state is not None:
@@ -247,6 +269,8 @@ def _load_optimizer(files: _RankFiles, optimizer: Any, scheduler: Any) -> None:
     saved = state.get("opt_param_scheduler", state.get("lr_scheduler"))
     if scheduler is not None and saved is not None:
         scheduler.load_state_dict(saved)
+        return True
+    return False
 
 
 def load_checkpoint_config(load_dir: str) -> Optional[dict]:

@@ -42,6 +42,7 @@ from megatron.checkpointing.retention import (
 )
 from megatron.checkpointing.rng import gather_rng_states
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.file_modes import chmod_as_created
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def _make_tmp_dir(save_dir: str, iteration: int, layout: RankLayout) -> str:
             os.makedirs(save_dir, exist_ok=True)
             tmp_dir = tempfile.mkdtemp(prefix=f"{iteration_dir_name(iteration)}.tmp-",
                                        dir=save_dir)
+            chmod_as_created(tmp_dir)  # mkdtemp's 0700 would become iter_XXXXXXX's mode
         except OSError as error:  # the other ranks wait for the name: tell them instead
             problem = f"cannot create a folder in --save {save_dir}: {error}"
     tmp_dir, problem = broadcast_from_rank0((tmp_dir, problem))

@@ -43,6 +43,10 @@ class LoggingConfig(Slice):
         help="Do not write the loss scale to TensorBoard.")
     log_world_size_to_tensorboard: bool = option(default=False,
                                                  help="Also write the world size.")
+    log_all_ranks: bool = option(
+        default=False, help="Print messages on every rank, each line prefixed by [rank N] "
+        "(otherwise once, from global rank 0; a warning only another rank meets then shows "
+        "only with this flag).")
     wandb_project: Optional[str] = option(
         default=None, help="Weights & Biases project (not available yet).",
         refused="Weights & Biases logging is not available yet; use --tensorboard-dir")

@@ -35,6 +35,7 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 NEW_FLAGS = {
     "--config", "--dump-config",  # TOML files (issue 11)
     "--no-verify-checkpoint",  # checkpoint manifests (issue 13)
+    "--log-all-ranks",  # every message once unless asked (issue 11)
 }
 
 
