@@ -301,7 +301,7 @@ class Trainer:
         self._interval: dict[str, float] = {}
         self._interval_iters = self._skipped = self._nan = 0
         self._interval_tokens = 0
-        self._interval_start = time.perf_counter()
+        self._interval_start = self._last_iteration_end = time.perf_counter()
         self._memory_reported = False
 
     @property
@@ -378,10 +378,48 @@ class Trainer:
         if not skipped and not bad:
             for name, value in losses.items():
                 self._interval[name] = self._interval.get(name, 0.0) + value
-        if s.iteration % self.cfg.logging.log_interval == 0:
-            self._log(gbs, grad_norm, num_zeros)
+        log = self.cfg.logging
+        to_log = s.iteration % log.log_interval == 0
+        to_tensorboard = s.iteration % log.tensorboard_log_interval == 0
+        # --log-params-norm: a collective over the model-parallel ranks, which all log alike.
+        params_norm = (self.optimizer.params_norm()
+                       if log.log_params_norm and (to_log or to_tensorboard) else None)
+        now = time.perf_counter()
+        if to_tensorboard:
+            self._write_tensorboard(losses, gbs, grad_norm, num_zeros, params_norm,
+                                    now - self._last_iteration_end)
+        self._last_iteration_end = now
+        if to_log:
+            self._log(gbs, grad_norm, num_zeros, params_norm)
 
-    def _log(self, gbs: int, grad_norm, num_zeros) -> None:
+    def _write_tensorboard(self, losses, gbs, grad_norm, num_zeros, params_norm,
+                           iteration_seconds: float) -> None:
+        """This iteration's values, every --tensorboard-log-interval iterations (as
+        Megatron-DeepSpeed writes them), against iterations, samples and tokens."""
+        cfg = self.cfg
+        lr = self.optimizer.param_groups[0]["lr"]
+        scale = self.optimizer.get_loss_scale()
+        scale = float(scale) if (cfg.optimizer.fp16 and scale is not None) else None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        scalars = dict(losses)
+        if cfg.logging.log_loss_scale_to_tensorboard:
+            scalars["loss-scale"] = scale
+        if cfg.logging.log_world_size_to_tensorboard:
+            scalars["world-size"] = world
+        scalars.update({"learning-rate": lr, "grad-norm": grad_norm, "batch-size": gbs,
+                        "params-norm": params_norm})
+        self.tensorboard.scalars(scalars, self.state.iteration)
+        axes = self._tensorboard_axes()
+        series = training_series(
+            losses, learning_rate=lr, batch_size=gbs, loss_scale=scale, grad_norm=grad_norm,
+            num_zeros=num_zeros, world_size=world, iteration_seconds=iteration_seconds,
+            logging=cfg.logging)
+        if params_norm is not None:
+            series["params-norm/params-norm"] = params_norm
+        self.tensorboard.series(series, **axes)
+        self.tensorboard.axes(**axes)
+
+    def _log(self, gbs: int, grad_norm, num_zeros, params_norm) -> None:
         s, cfg = self.state, self.cfg
         elapsed = time.perf_counter() - self._interval_start
         iters = max(self._interval_iters, 1)
@@ -399,7 +437,8 @@ class Trainer:
             lr=lr, global_batch_size=gbs, losses=losses,
             loss_scale=scale if cfg.optimizer.fp16 else 1.0, grad_norm=grad_norm,
             skipped=self._skipped, nan=self._nan, tgs=tgs, tflops=tflops,
-            num_zeros=num_zeros if cfg.optimizer.log_num_zeros_in_grad else None))
+            num_zeros=num_zeros if cfg.optimizer.log_num_zeros_in_grad else None,
+            params_norm=params_norm))
         self._report_memory_once()
         timings = self.ctx.timers.pop_all()
         if cfg.logging.timing_log_level > 0:  # the same on every rank: a collective is safe
@@ -410,23 +449,12 @@ class Trainer:
             print_rank_0(bubble.format_bubble(
                 stages, self.calculator.num_microbatches,
                 cfg.parallel.virtual_pipeline_model_parallel_size, iters))
-        scalars = {f"{name}": value for name, value in losses.items()}
-        if cfg.logging.log_loss_scale_to_tensorboard:
-            scalars["loss-scale"] = scale
-        if cfg.logging.log_world_size_to_tensorboard:
-            scalars["world-size"] = world
-        scalars.update({"learning-rate": lr, "grad-norm": grad_norm, "batch-size": gbs,
-                        "tokens-per-gpu-per-second": tgs, "tflops-per-gpu": tflops, "mem-max-gb": memory_gb(),
-                        "iteration-time-ms": 1000.0 * elapsed / iters})
+        # Rates over the logging interval; the per-iteration values go out in _account.
+        scalars = {"tokens-per-gpu-per-second": tgs, "tflops-per-gpu": tflops,
+                   "mem-max-gb": memory_gb(), "iteration-time-ms": 1000.0 * elapsed / iters}
         if cfg.logging.log_timers_to_tensorboard:
             scalars.update({f"timers/{k}": 1000.0 * v / iters for k, v in timings.items()})
         self.tensorboard.scalars(scalars, s.iteration)
-        axes = self._tensorboard_axes()
-        self.tensorboard.series(training_series(
-            losses, learning_rate=lr, batch_size=gbs, loss_scale=scale, grad_norm=grad_norm,
-            num_zeros=num_zeros, world_size=world, iteration_seconds=elapsed / iters,
-            logging=cfg.logging), **axes)
-        self.tensorboard.axes(**axes)
         self._interval, self._interval_iters, self._interval_tokens = {}, 0, 0
         self._skipped = self._nan = 0
         self._interval_start = time.perf_counter()

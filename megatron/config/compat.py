@@ -8,12 +8,9 @@ stands for before the slices are built, so the slices only ever see one spelling
 from __future__ import annotations
 
 import argparse
-import logging
 from dataclasses import dataclass
 
 from megatron.config.base import ConfigError
-
-logger = logging.getLogger("megatron.config")
 
 
 @dataclass(frozen=True)
@@ -52,6 +49,9 @@ NO_OP_FLAGS = {
                                  "with compute"),
     "log_memory_to_tensorboard": NoOpFlag(
         "--log-memory-to-tensorboard", "memory is always logged to TensorBoard on a GPU"),
+    "log_throughput": NoOpFlag(
+        "--log-throughput", "tokens per GPU per second and TFLOP/s per GPU are always in the "
+        "log line and in TensorBoard"),
     "use_cpu_initialization": NoOpFlag(
         "--use-cpu-initialization", "weights are always drawn on the CPU as full fp32 master "
         "weights, then split and moved to the device"),
@@ -116,7 +116,9 @@ def announce_no_ops(ns: argparse.Namespace) -> list[str]:
         value = getattr(ns, dest)
         if dest == "local_rank" or value == noop.stores_false:
             continue
-        logger.info("%s is accepted for compatibility and has no effect: %s",
-                    noop.spelling, noop.reason)
+        from megatron.utils import print_rank_0  # rank 0 only, before and after start-up
+
+        print_rank_0(f"> {noop.spelling} is accepted for compatibility and has no effect: "
+                     f"{noop.reason}")
         given.append(noop.spelling)
     return given

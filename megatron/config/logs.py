@@ -34,8 +34,6 @@ class LoggingConfig(Slice):
     log_params_norm: bool = option(default=False, help="Log the L2 norm of the parameters.")
     log_num_zeros_in_grad: bool = option(default=False,
                                          help="Log the number of zero gradient entries.")
-    log_throughput: bool = option(default=False, help="Log the throughput (TFLOP/s per GPU) "
-                                  "in the log line.")
     log_bubble: bool = option(default=False, help="Log the pipeline bubble time per "
                               "iteration.")
     log_loss_scale_to_tensorboard: bool = option(

@@ -61,6 +61,7 @@ class RunConfig:
         self._resolve_batch_sizes()
         self._check_interleaved_batch_sizes()
         self._check_schedule_units()
+        self._check_warmup_fits_decay()
 
     def _set(self, slice_name: str, **changes: Any) -> None:
         current = getattr(self, slice_name)
@@ -142,6 +143,28 @@ class RunConfig:
                 value = getattr(self.scheduler, name)
                 require(not value, f"{flag(name)} ({value}) cannot be used with "
                         f"--train-{unit}; use {flag(name.replace(other, unit))}")
+
+    def _check_warmup_fits_decay(self) -> None:
+        """The warm-up must end before the decay does (in the run's unit; token-based
+        schedules are checked by the scheduler, which counts tokens)."""
+        t, sc = self.training, self.scheduler
+        unit = "iters" if t.train_iters is not None else "samples"
+        length = t.train_iters if unit == "iters" else t.train_samples
+        if length is None or sc.lr_decay_tokens is not None or sc.lr_warmup_tokens is not None:
+            return
+        decay_flag = f"lr_decay_{unit}"
+        decay = getattr(sc, decay_flag) or length
+        decay_text = (f"{flag(decay_flag)} ({decay})" if getattr(sc, decay_flag)
+                      else f"--train-{unit} ({decay}; no {flag(decay_flag)} given)")
+        if sc.lr_warmup_fraction is not None:
+            require(sc.lr_warmup_fraction < 1.0,
+                    f"--lr-warmup-fraction ({sc.lr_warmup_fraction}) leaves no decay: it must "
+                    f"be below 1")
+            return
+        warmup = getattr(sc, f"lr_warmup_{unit}")
+        require(not warmup or warmup < decay,
+                f"{flag('lr_warmup_' + unit)} ({warmup}) must be shorter than the learning-rate "
+                f"decay, {decay_text}")
 
     @property
     def pipeline_stage_num_layers(self) -> tuple[int, ...]:

@@ -296,3 +296,12 @@ def test_the_gpt2_small_example_holds_nanogpts_hyperparameters():
     # nanoGPT: 12 sequences x 5 accumulation steps x 8 GPUs per step.
     assert (t.micro_batch_size, t.global_batch_size, c.num_microbatches) == (12, 480, 5)
     assert isinstance(c, RunConfig)
+
+
+def test_a_no_op_flag_says_so_once(capsys):
+    parse_args([*BASE, "--log-throughput", "--no-bias-gelu-fusion"])
+    out = capsys.readouterr().out
+    assert out.count("--log-throughput is accepted for compatibility and has no effect") == 1
+    assert out.count("--no-bias-gelu-fusion is accepted") == 1
+    parse_args(BASE)
+    assert "has no effect" not in capsys.readouterr().out
