@@ -20,8 +20,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-import tomli_w
-
 from megatron.config.base import ConfigError, option_fields, value_type
 from megatron.config.run import SLICE_CLASSES, RunConfig
 
@@ -123,6 +121,8 @@ def _extra_values(path: str, content: dict, extra_dests: Mapping[str, Any]) -> d
 def config_to_toml(config: RunConfig) -> str:
     """The effective configuration as TOML (unset values are left out: they are the
     defaults)."""
+    import tomli_w  # only --dump-config writes TOML; machines without it can still train
+
     document = {}
     for table, settings in config.settings().items():
         entries = {k: list(v) if isinstance(v, tuple) else v
