@@ -57,7 +57,7 @@ def test_tool_outputs_follow_umask_022(corpus, tmp_path):
     out = tmp_path / "tools"
     out.mkdir(mode=0o755)
     _run([sys.executable, "tools/build_quickstart_corpus.py", "corpus", "--output",
-          out / "corpus.json", "--wikitext-dir", tmp_path / "none", "--max-chars", "20000"],
+          out / "corpus.json", "--max-chars", "20000"],
          0o022)
     tok = corpus["tokenizer_flags"]
     _run([sys.executable, "tools/preprocess_data.py", "--input", out / "corpus.json",
