@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.schedules import StageInfo
 from megatron.model.gpt_model import GPTModel
 from megatron.training import RunContext, pretrain, print_rank_0
 from megatron.utils import get_ltor_masks_and_position_ids
@@ -39,12 +39,10 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(ctx: RunContext, data_iterator, model):
-    """One micro-batch through this stage; stages that read no data get their input from the
-    previous stage (set by the pipeline schedule)."""
-    first = parallel_state.is_pipeline_first_stage()
-    last = parallel_state.is_pipeline_last_stage()
-    if first or last:
+def forward_step(ctx: RunContext, data_iterator, model, stage: StageInfo):
+    """One micro-batch through this stage (``stage``, from the schedule, says which); stages
+    that read no data get their input from the previous stage (set by the schedule)."""
+    if stage.is_first or stage.is_last:
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(ctx, data_iterator)
     else:
         tokens = labels = loss_mask = attention_mask = position_ids = None

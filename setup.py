@@ -40,6 +40,8 @@ setup(
         "nltk",
         "tensorboard",
         "deepspeed",
+        "tomli-w",  # --dump-config writes TOML (reading uses the standard library's tomllib)
+        "tomli; python_version < '3.11'",
     ],
     extras_require={
         "test": ["pytest", "ruff"],

@@ -51,12 +51,11 @@ from torch import nn
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 sys.path.insert(0, REPO)
 
-from megatron.config import ModelConfig  # noqa: E402
+from megatron.config import ModelConfig, layer_range  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import bubble, schedules  # noqa: E402
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
 from megatron.model.gpt_model import GPTModel  # noqa: E402
-from megatron.model.stages import layer_range  # noqa: E402
 from megatron.timers import Timers  # noqa: E402
 
 LAYERS_PER_STAGE = 2

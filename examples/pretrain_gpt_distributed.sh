@@ -6,7 +6,8 @@
 # DATA_PATH is a preprocessed prefix (my-gpt2_text_document) or a blend ("0.3 a 0.7 b").
 # Multi-node: run it on every node with NNODES, NODE_RANK and MASTER_ADDR set.
 # TP and PP set the tensor and pipeline parallel sizes; the rest of the processes are data
-# parallel. Extra flags after DATA_PATH are passed to pretrain_gpt.py.
+# parallel. PRECISION=fp16 (default), bf16 or fp32 picks the number format. Extra flags after
+# DATA_PATH are passed to pretrain_gpt.py (a later flag overrides the script's own).
 set -euo pipefail
 
 if [ $# -lt 4 ]; then
@@ -27,7 +28,13 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 TP=${TP:-1}
 PP=${PP:-1}
-PRECISION=${PRECISION:---fp16}   # --fp16, --bf16, or "" for fp32
+# PRECISION names the number format: fp16 (the default), bf16 or fp32 (--fp16/--bf16 also work).
+case "${PRECISION-fp16}" in
+    fp16 | --fp16) PRECISION_FLAG=--fp16 ;;
+    bf16 | --bf16) PRECISION_FLAG=--bf16 ;;
+    fp32) PRECISION_FLAG= ;;
+    *) echo "error: PRECISION='$PRECISION' is not one of fp32, bf16, fp16" >&2; exit 2 ;;
+esac
 
 DISTRIBUTED_ARGS=(
     --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK"
@@ -39,7 +46,7 @@ GPT_ARGS=(
     --micro-batch-size 8 --global-batch-size 64
     --lr 0.00015 --train-iters 500000 --lr-decay-iters 320000 --lr-decay-style cosine
     --min-lr 1.0e-5 --weight-decay 1e-2 --lr-warmup-fraction .01 --clip-grad 1.0
-    $PRECISION
+    $PRECISION_FLAG
 )
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
 DATA_ARGS=(

@@ -17,7 +17,8 @@
 # Settings (environment variables):
 #   OUT_DIR=./quickstart      output folder
 #   CORPUS_JSON=              your own corpus: one {"text": "..."} JSON object per line
-#   WIKITEXT_DIR=../shared/data/wikitext-2   where WikiText-2's raw text is looked for
+#   WIKITEXT_DIR=             WikiText-2's raw text (must hold some); unset: ../shared/data/
+#                             wikitext-2 if present, else Python's own documentation
 #   VOCAB_FILE= MERGE_FILE=   use these GPT-2-format tokenizer files (e.g. GPT-2's own)
 #   VOCAB_SIZE=8192           size of the tokenizer trained otherwise
 #   TRAIN_ITERS=150           training iterations (about 3-5 minutes on 2 CPU cores)
@@ -34,7 +35,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
 OUT_DIR="${OUT_DIR:-$PWD/quickstart}"
 CORPUS_JSON="${CORPUS_JSON:-}"
-WIKITEXT_DIR="${WIKITEXT_DIR:-$REPO/../shared/data/wikitext-2}"
+WIKITEXT_DIR="${WIKITEXT_DIR:-}"
 VOCAB_FILE="${VOCAB_FILE:-}"
 MERGE_FILE="${MERGE_FILE:-}"
 VOCAB_SIZE="${VOCAB_SIZE:-8192}"
@@ -87,7 +88,7 @@ build_corpus() {
     NAME=builtin
     stage "building corpus: $CORPUS"
     "$PYTHON" "$REPO/tools/build_quickstart_corpus.py" corpus --output "$CORPUS" \
-        --wikitext-dir "$WIKITEXT_DIR"
+        ${WIKITEXT_DIR:+--wikitext-dir "$WIKITEXT_DIR"}
 }
 
 # Sets VOCAB_FILE, MERGE_FILE and TOKENIZER (its name in file names).

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.config import RunConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_seed
 from megatron.device import compute_device, describe
-from megatron.run_config import RunConfig
 from megatron.utils import print_rank_0
 
 

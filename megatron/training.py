@@ -5,7 +5,7 @@ a global ``args``)::
 
     model_provider(ctx, pre_process, post_process, first_layer, num_layers) -> nn.Module
     train_valid_test_datasets_provider(ctx, [n_train, n_valid, n_test]) -> (train, valid, test)
-    forward_step(ctx, data_iterator, model) -> (output_tensor, loss_func)
+    forward_step(ctx, data_iterator, model, stage) -> (output_tensor, loss_func)
 
 ``loss_func(output_tensor) -> (loss, {"lm loss": loss.detach()})``; reported values are
 averaged over micro-batches and data-parallel ranks here.
@@ -27,16 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.arguments import parse_args_or_exit, print_config
-from megatron.config import ConfigError
+from megatron.config import RunConfig, layer_range, parse_args_or_exit, print_config
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import bubble
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.data.dataset_utils import train_valid_test_num_samples as data_sample_counts
 from megatron.initialize import initialize_megatron
 from megatron.microbatches import NumMicroBatchesCalculator
-from megatron.model.stages import layer_range
 from megatron.model.transformer import flash_attn_installed
 from megatron.nonfinite import (
     NonFiniteError,
@@ -47,17 +46,20 @@ from megatron.nonfinite import (
     locate_nonfinite_loss,
 )
 from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
-from megatron.run_config import RunConfig
 from megatron.timers import Timers, format_across_ranks, gather_across_ranks
 from megatron.training_log import (
     TensorBoard,
+    evaluation_series,
     flops_per_token,
     format_eval,
+    format_load_report,
     format_log_line,
     format_memory_report,
+    format_run_summary,
     memory_gb,
+    training_series,
 )
-from megatron.utils import print_rank_0
+from megatron.utils import configure_output, print_rank_0
 
 
 @dataclasses.dataclass
@@ -80,6 +82,8 @@ class TrainState:
     # Per iteration of this process: {"iteration", "losses", "grad_norm", "skipped",
     # "nonfinite", "loss_scale"}; what tests and benchmarks read instead of parsing the log.
     history: list = dataclasses.field(default_factory=list)
+    last_checkpoint: Optional[str] = None  # folder of the last checkpoint saved or resumed
+    last_valid_losses: dict = dataclasses.field(default_factory=dict)
 
 
 # Model, optimizer, scheduler ---------------------------------------------------------------
@@ -88,19 +92,16 @@ class TrainState:
 def build_model_chunks(model_provider: Callable, ctx: RunContext) -> list[nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), each built for its layers."""
     cfg = ctx.config
-    vp = cfg.parallel.virtual_pipeline_model_parallel_size
+    vp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    last_rank = cfg.parallel.pipeline_model_parallel_size - 1
     chunks = []
-    for v in range(vp or 1):
-        if vp is not None:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(v)
+    for v in range(vp):
         first_layer, num_layers = layer_range(cfg.pipeline_stage_num_layers, pp_rank, vp, v)
         chunks.append(model_provider(
-            ctx, pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
+            ctx, pre_process=pp_rank == 0 and v == 0,
+            post_process=pp_rank == last_rank and v == vp - 1,
             first_layer=first_layer, num_layers=num_layers))
-    if vp is not None:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
 
 
@@ -136,12 +137,10 @@ def num_parameters(chunks: Sequence[nn.Module]) -> int:
 
 
 def train_valid_test_num_samples(cfg: RunConfig) -> list[int]:
+    """[train, valid, test] samples the datasets must hold (the data layer's one formula)."""
     t = cfg.training
-    gbs = t.global_batch_size
-    train_samples = t.train_samples if t.train_samples is not None else t.train_iters * gbs
-    train_iters = t.train_iters if t.train_iters is not None else train_samples // gbs
-    eval_runs = train_iters // t.eval_interval + 1
-    return [train_samples, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs]
+    return data_sample_counts(t.global_batch_size, t.eval_iters, t.eval_interval,
+                              train_iters=t.train_iters, train_samples=t.train_samples)
 
 
 def build_data_iterators(provider: Callable, ctx: RunContext, state: TrainState):
@@ -310,7 +309,7 @@ class Trainer:
     """Holds what the loop needs between iterations; ``train()`` runs to the end or an exit."""
 
     def __init__(self, ctx: RunContext, forward_step, chunks, optimizer, scheduler,
-                 iterators, state: TrainState, guard: Optional[NonFiniteGuard] = None) -> None:
+                 iterators, state: TrainState) -> None:
         self.ctx, self.cfg = ctx, ctx.config
         self.forward_step, self.chunks = forward_step, chunks
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -327,13 +326,13 @@ class Trainer:
         self.tensorboard = TensorBoard(self.cfg.logging.tensorboard_dir, is_logger,
                                        self.cfg.logging.tensorboard_queue_size)
         self.signal = _SignalFlag(t.exit_signal_handler)
-        self.guard = guard or NonFiniteGuard(t.max_consecutive_nonfinite_iterations)
+        self.guard = NonFiniteGuard(t.max_consecutive_nonfinite_iterations)
         self._refused_save: Optional[int] = None
         self.start_time = time.time()
         self._interval: dict[str, float] = {}
         self._interval_iters = self._skipped = self._nan = 0
         self._interval_tokens = 0
-        self._interval_start = time.perf_counter()
+        self._interval_start = self._last_iteration_end = time.perf_counter()
         self._memory_reported = False
 
     @property
@@ -413,15 +412,53 @@ class Trainer:
         if not result.skipped and not bad:
             for name, value in losses.items():
                 self._interval[name] = self._interval.get(name, 0.0) + value
-        if s.iteration % self.cfg.logging.log_interval == 0:
-            self._log(gbs, result.grad_norm, result.num_zeros)
+        log = self.cfg.logging
+        to_log = s.iteration % log.log_interval == 0
+        to_tensorboard = s.iteration % log.tensorboard_log_interval == 0
+        # --log-params-norm: a collective over the model-parallel ranks, which all log alike.
+        params_norm = (self.optimizer.params_norm()
+                       if log.log_params_norm and (to_log or to_tensorboard) else None)
+        now = time.perf_counter()
+        if to_tensorboard:
+            self._write_tensorboard(losses, gbs, result.grad_norm, result.num_zeros,
+                                    params_norm, now - self._last_iteration_end)
+        self._last_iteration_end = now
+        if to_log:
+            self._log(gbs, result.grad_norm, result.num_zeros, params_norm)
 
     def _warn_nonfinite(self, nonfinite: Optional[str]) -> None:
         warning = self.guard.observe(self.state.iteration, nonfinite)
         if warning:
             print_rank_0(warning)
 
-    def _log(self, gbs: int, grad_norm, num_zeros) -> None:
+    def _write_tensorboard(self, losses, gbs, grad_norm, num_zeros, params_norm,
+                           iteration_seconds: float) -> None:
+        """This iteration's values, every --tensorboard-log-interval iterations (as
+        Megatron-DeepSpeed writes them), against iterations, samples and tokens."""
+        cfg = self.cfg
+        lr = self.optimizer.param_groups[0]["lr"]
+        scale = self.optimizer.get_loss_scale()
+        scale = float(scale) if (cfg.optimizer.fp16 and scale is not None) else None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        scalars = dict(losses)
+        if cfg.logging.log_loss_scale_to_tensorboard:
+            scalars["loss-scale"] = scale
+        if cfg.logging.log_world_size_to_tensorboard:
+            scalars["world-size"] = world
+        scalars.update({"learning-rate": lr, "grad-norm": grad_norm, "batch-size": gbs,
+                        "params-norm": params_norm})
+        self.tensorboard.scalars(scalars, self.state.iteration)
+        axes = self._tensorboard_axes()
+        series = training_series(
+            losses, learning_rate=lr, batch_size=gbs, loss_scale=scale, grad_norm=grad_norm,
+            num_zeros=num_zeros, world_size=world, iteration_seconds=iteration_seconds,
+            logging=cfg.logging)
+        if params_norm is not None:
+            series["params-norm/params-norm"] = params_norm
+        self.tensorboard.series(series, **axes)
+        self.tensorboard.axes(**axes)
+
+    def _log(self, gbs: int, grad_norm, num_zeros, params_norm) -> None:
         s, cfg = self.state, self.cfg
         elapsed = time.perf_counter() - self._interval_start
         iters = max(self._interval_iters, 1)
@@ -439,7 +476,8 @@ class Trainer:
             lr=lr, global_batch_size=gbs, losses=losses,
             loss_scale=scale if cfg.optimizer.fp16 else 1.0, grad_norm=grad_norm,
             skipped=self._skipped, nan=self._nan, tgs=tgs, tflops=tflops,
-            num_zeros=num_zeros if cfg.optimizer.log_num_zeros_in_grad else None))
+            num_zeros=num_zeros if cfg.optimizer.log_num_zeros_in_grad else None,
+            params_norm=params_norm))
         self._report_memory_once()
         timings = self.ctx.timers.pop_all()
         if cfg.logging.timing_log_level > 0:  # the same on every rank: a collective is safe
@@ -450,20 +488,21 @@ class Trainer:
             print_rank_0(bubble.format_bubble(
                 stages, self.calculator.num_microbatches,
                 cfg.parallel.virtual_pipeline_model_parallel_size, iters))
-        scalars = {f"{name}": value for name, value in losses.items()}
-        if cfg.logging.log_loss_scale_to_tensorboard:
-            scalars["loss-scale"] = scale
-        if cfg.logging.log_world_size_to_tensorboard:
-            scalars["world-size"] = world
-        scalars.update({"learning-rate": lr, "grad-norm": grad_norm, "batch-size": gbs,
-                        "tokens-per-gpu-per-second": tgs, "tflops-per-gpu": tflops, "mem-max-gb": memory_gb(),
-                        "iteration-time-ms": 1000.0 * elapsed / iters})
+        # Rates over the logging interval; the per-iteration values go out in _account.
+        scalars = {"tokens-per-gpu-per-second": tgs, "tflops-per-gpu": tflops,
+                   "mem-max-gb": memory_gb(), "iteration-time-ms": 1000.0 * elapsed / iters}
         if cfg.logging.log_timers_to_tensorboard:
             scalars.update({f"timers/{k}": 1000.0 * v / iters for k, v in timings.items()})
         self.tensorboard.scalars(scalars, s.iteration)
         self._interval, self._interval_iters, self._interval_tokens = {}, 0, 0
         self._skipped = self._nan = 0
         self._interval_start = time.perf_counter()
+
+    def _tensorboard_axes(self) -> dict[str, int]:
+        """Megatron-DeepSpeed's x axes: iteration, consumed samples, consumed tokens."""
+        samples = self.state.consumed_train_samples
+        return dict(iteration=self.state.iteration, samples=samples,
+                    tokens=samples * self.cfg.model.seq_length)
 
     def _report_memory_once(self) -> None:
         """After the first logged iteration (the peak includes the optimizer state by then),
@@ -487,10 +526,15 @@ class Trainer:
         empty_cuda_cache(self.ctx, level=1)
         print_rank_0(format_eval(prefix, losses))
         step = self.state.iteration
+        tag = "validation" if "valid" in prefix else "test"
         for name, value in losses.items():
-            tag = "validation" if "valid" in prefix else "test"
             self.tensorboard.scalars({f"{name} {tag}": value,
                                       f"{name} {tag} ppl": math.exp(min(20.0, value))}, step)
+        self.tensorboard.series(evaluation_series(
+            losses, tag, self.cfg.logging.log_validation_ppl_to_tensorboard),
+            **self._tensorboard_axes())
+        if tag == "validation":
+            self.state.last_valid_losses = losses
         return losses
 
     def _after_iteration(self) -> Optional[str]:
@@ -557,14 +601,13 @@ class Trainer:
                              f"was NaN/Inf and skipped (latest checkpoint: {s.last_saved})")
             return False
         check_finite_for_save(self.chunks, self.optimizer, s.iteration)
-        start = time.perf_counter()
         folder = checkpointing.save_checkpoint(
             s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
             consumed_train_samples=s.consumed_train_samples,
             consumed_valid_samples=s.consumed_valid_samples)
-        print_rank_0(f"  saved checkpoint at iteration {s.iteration:7d} to {folder} "
-                     f"({time.perf_counter() - start:.1f} s)")
-        s.last_saved = s.iteration
+        # checkpointing logs the save ("successfully saved checkpoint ..."); the run summary
+        # names the last folder.
+        s.last_saved, s.last_checkpoint = s.iteration, folder
         return True
 
 
@@ -584,20 +627,42 @@ def build_run_tokenizer(cfg: RunConfig):
                            d.tokenizer_name_or_path, d.vocab_size)
 
 
+def check_run_inputs(cfg: RunConfig):
+    """The run's tokenizer, built and checked with the data files before any process group or
+    model exists: bad input ends the run with ``error: ...`` naming the flag or file, and
+    status 2. Returns the tokenizer (None for --mock-data without tokenizer files)."""
+    from megatron.data.checks import check_training_data
+    from megatron.data.dataset_utils import DataConfigError
+    from megatron.data.indexed_dataset import IndexedDatasetError
+    from megatron.tokenizer import TokenizerConfigError
+
+    try:
+        tokenizer = build_run_tokenizer(cfg)
+        check_training_data(cfg.data, tokenizer.vocab_size if tokenizer is not None else None,
+                            train_valid_test_num_samples(cfg)[0])
+    except (TokenizerConfigError, DataConfigError, IndexedDatasetError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return tokenizer
+
+
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: Callable, *, extra_args_provider: Optional[Callable] = None,
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
     """Parse flags, initialize, build, train, evaluate and save; returns the final state."""
-    cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
-    guard = _build_guard_or_exit(cfg)
+    wall_start = time.perf_counter()
+    cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults,
+                             check_files=True)
+    configure_output(cfg.logging.log_all_ranks)
+    _check_checkpoint_folders_or_exit(cfg)
+    tokenizer = check_run_inputs(cfg)
     device = initialize_megatron(cfg)
-    tokenizer = build_run_tokenizer(cfg)
     vocab = tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)
     cfg = cfg.with_vocab_size(vocab)
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
     ctx = RunContext(cfg, tokenizer, Timers(timer_level), device)
-    print_config(cfg)
+    print_config(cfg, print_fn=print_rank_0)
     _warn_slow_precision(cfg, ctx.device)
     if cfg.model.use_flash_attn and not flash_attn_installed():
         print_rank_0("> --use-flash-attn: the flash_attn package is not installed; attention "
@@ -610,21 +675,16 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                  f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_parameters(chunks)}")
     state = TrainState()
     if cfg.checkpoint.load:
-        from megatron import checkpointing
-
-        state.iteration, state.consumed_train_samples, state.consumed_valid_samples = \
-            checkpointing.load_checkpoint(chunks, optimizer, scheduler, cfg)
-        if state.iteration > 0:
-            print_rank_0(f"  loaded checkpoint from {cfg.checkpoint.load} at iteration "
-                         f"{state.iteration} ({state.consumed_train_samples} samples consumed)")
-            if not cfg.checkpoint.finetune:
-                state.last_saved = state.iteration  # nothing new to save before a step
+        load_into(state, chunks, optimizer, scheduler, cfg)
     forward_step = functools.partial(forward_step_func, ctx)
     iterators = build_data_iterators(train_valid_test_datasets_provider, ctx, state)
-    trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state, guard)
+    trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state)
     print_rank_0(f"training from iteration {state.iteration} to {trainer.train_iters} ...")
+    start = _RunStart(wall_start, state.iteration, state.consumed_train_samples)
+    loop_start = time.perf_counter()
     try:
         reason = trainer.train()
+        loop_seconds = time.perf_counter() - loop_start
         if reason == "done":
             trainer.finish()
         else:
@@ -636,9 +696,45 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    _end_run(trainer, start, loop_seconds)
+    return state
+
+
+def load_into(state: TrainState, chunks, optimizer, scheduler, cfg: RunConfig) -> None:
+    """--load: restore the latest checkpoint into the model, optimizer, scheduler and
+    ``state``; say on one line (rank 0) what was loaded and what starts anew."""
+    from megatron import checkpointing
+
+    loaded = checkpointing.load_checkpoint(chunks, optimizer, scheduler, cfg)
+    state.iteration, state.consumed_train_samples, state.consumed_valid_samples = loaded
+    if loaded.report is None:
+        return  # no checkpoint there (checkpointing warned)
+    print_rank_0(format_load_report(loaded.report, cfg.checkpoint,
+                                    state.consumed_train_samples))
+    if state.iteration > 0 and not cfg.checkpoint.finetune:
+        state.last_saved = state.iteration  # nothing new to save before a step
+        state.last_checkpoint = loaded.report.folder
+
+
+class _RunStart(NamedTuple):
+    wall_time: float  # time.perf_counter() when pretrain() began
+    iteration: int
+    consumed_train_samples: int
+
+
+def _end_run(trainer: Trainer, start: _RunStart, loop_seconds: float) -> None:
+    """The run's one-line summary (rank 0), then TensorBoard closed and every rank joined."""
+    s, cfg = trainer.state, trainer.cfg
+    print_rank_0(format_run_summary(
+        iterations=s.iteration - start.iteration,
+        tokens=(s.consumed_train_samples - start.consumed_train_samples) * cfg.model.seq_length,
+        wall_seconds=time.perf_counter() - start.wall_time, train_seconds=loop_seconds,
+        world_size=dist.get_world_size() if dist.is_initialized() else 1,
+        flops_per_token=flops_per_token(cfg.model),
+        train_losses=s.history[-1]["losses"] if s.history else {},
+        valid_losses=s.last_valid_losses, checkpoint=s.last_checkpoint))
     trainer.tensorboard.close()
     _finish()
-    return state
 
 
 _EXIT_MESSAGES = {
@@ -658,11 +754,17 @@ def _exit_message(reason: str, state: TrainState, cfg: RunConfig) -> str:
     return f"exiting at iteration {state.iteration} ({_EXIT_MESSAGES[reason]}); {saved}"
 
 
-def _build_guard_or_exit(cfg: RunConfig) -> NonFiniteGuard:
-    """The non-finite guard, its flag checked before any work (exit 2 as for other flags)."""
+def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
+    """A --load that is a file and a --save that cannot be written are user errors: say so
+    (``error: ...``, exit 2) before any process group or model exists."""
+    from megatron import checkpointing
+
     try:
-        return NonFiniteGuard(cfg.training.max_consecutive_nonfinite_iterations)
-    except ConfigError as error:
+        if cfg.checkpoint.load:
+            checkpointing.check_load_dir(cfg.checkpoint.load)
+        if cfg.checkpoint.save:
+            checkpointing.check_save_dir(cfg.checkpoint.save)
+    except checkpointing.CheckpointError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

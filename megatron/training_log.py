@@ -1,4 +1,5 @@
-"""The Megatron log line, TensorBoard scalars, and the FLOPs count behind TFLOP/s.
+"""The Megatron log line, TensorBoard scalars, the FLOPs count behind TFLOP/s, and the lines
+that say what a load restored and how a run went.
 
 FLOPs of one training iteration (forward + backward, a matmul of m x k by k x n counted as
 2mkn), for B sequences of s tokens, L layers, hidden h, FFN width f, attention projection
@@ -16,8 +17,10 @@ recompute settings (MFU, not HFU).
 from __future__ import annotations
 
 import math
+import os
 import resource
-from typing import Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch
 
@@ -100,6 +103,91 @@ def format_eval(prefix: str, losses: dict[str, float]) -> str:
     return f"{bar}\n{line}\n{bar}"
 
 
+def format_load_report(report: Any, ckpt: Any, consumed_train_samples: int) -> str:
+    """One line: the folder a load read, its iteration, what it restored and what starts anew
+    (and why). ``report`` is checkpointing's LoadReport, ``ckpt`` the CheckpointConfig."""
+    model_only = ckpt.finetune or report.release
+    whole = "--finetune" if ckpt.finetune else "release checkpoint" if report.release else None
+    restored, reset = ["model"], {}
+    parts = [("optimizer state", report.optimizer, whole or "--no-load-optim"),
+             ("LR schedule", report.scheduler,
+              whole or ("--no-load-optim" if ckpt.no_load_optim else "--no-load-lr-state"
+                        if ckpt.no_load_lr_state else "not in the checkpoint")),
+             ("RNG state", report.rng, whole or "--no-load-rng")]
+    for name, loaded, reason in parts:
+        if loaded:
+            restored.append(name)
+        else:
+            reset.setdefault(reason, []).append(name)
+    if model_only:
+        reset[whole].append("iteration to 0")
+    where = f"{report.folder}" + (f", {consumed_train_samples} samples consumed"
+                                  if not model_only else "")
+    line = (f"successfully loaded checkpoint from {os.path.dirname(report.folder)} at iteration "
+            f"{report.iteration} ({where}); restored: {', '.join(restored)}")
+    for reason, names in reset.items():
+        line += f"; reset ({reason}): {', '.join(names)}"
+    return line
+
+
+def format_run_summary(*, iterations: int, tokens: int, wall_seconds: float,
+                       train_seconds: float, world_size: int, flops_per_token: float,
+                       train_losses: Mapping[str, float], valid_losses: Mapping[str, float],
+                       checkpoint: Optional[str]) -> str:
+    """The run's last line: iterations and tokens of this run, wall time (whole process),
+    mean TGS and TFLOP/s per GPU over the training loop, the last train and validation
+    losses, and the last checkpoint."""
+    tgs = tokens / max(train_seconds, 1e-9) / world_size if iterations else 0.0
+    parts = [
+        f" run summary | iterations: {iterations}",
+        f"tokens: {tokens}",
+        f"wall time (s): {wall_seconds:.1f}",
+        f"mean tokens per GPU per second (TGS): {tgs:.1f}",
+        f"mean TFLOP/s per GPU: {tgs * flops_per_token / 1e12:.3f}",
+    ]
+    parts += [f"last train {name}: {value:.6E}" for name, value in train_losses.items()]
+    parts += [f"last validation {name}: {value:.6E}" for name, value in valid_losses.items()]
+    if not train_losses:
+        parts.append("last train loss: none")
+    if not valid_losses:
+        parts.append("last validation loss: none")
+    parts.append(f"last checkpoint: {checkpoint}" if checkpoint else "no checkpoint saved")
+    return " | ".join(parts) + " |"
+
+
+def training_series(losses: Mapping[str, float], *, learning_rate: float, batch_size: int,
+                    loss_scale: Optional[float], grad_norm: Optional[float],
+                    num_zeros: Optional[float], world_size: int, iteration_seconds: float,
+                    logging: Any) -> dict[str, Optional[float]]:
+    """Megatron-DeepSpeed's TensorBoard tags for a logged iteration (``logging``: the
+    LoggingConfig whose switches choose some of them); see TensorBoard.series."""
+    series: dict[str, Optional[float]] = {
+        f"lm-loss-training/{name}": value for name, value in losses.items()}
+    series["learning-rate/learning-rate"] = learning_rate
+    if logging.log_batch_size_to_tensorboard:
+        series["batch-size/batch-size"] = batch_size
+    if logging.log_loss_scale_to_tensorboard:
+        series["loss-scale/loss-scale"] = loss_scale
+    if logging.log_world_size_to_tensorboard:
+        series["world-size/world-size"] = world_size
+    series["grad-norm/grad-norm"] = grad_norm
+    series["num-zeros/num-zeros"] = num_zeros
+    if logging.log_timers_to_tensorboard:
+        series["iteration-time/iteration-time"] = iteration_seconds
+    return series
+
+
+def evaluation_series(losses: Mapping[str, float], kind: str,
+                      with_ppl: bool) -> dict[str, Optional[float]]:
+    """Megatron-DeepSpeed's tags for an evaluation (``kind``: validation or test)."""
+    series: dict[str, Optional[float]] = {}
+    for name, value in losses.items():
+        series[f"lm-loss-validation/{name} {kind}"] = value
+        if with_ppl:
+            series[f"lm-loss-validation/{name} {kind} ppl"] = math.exp(min(20.0, value))
+    return series
+
+
 class TensorBoard:
     """A SummaryWriter on one rank; every call is a no-op elsewhere or without a directory."""
 
@@ -116,6 +204,22 @@ class TensorBoard:
         for name, value in values.items():
             if value is not None and math.isfinite(value):
                 self.writer.add_scalar(name, value, step)
+
+    def series(self, values: Mapping[str, Optional[float]], *, iteration: int,
+               samples: int, tokens: int) -> None:
+        """Megatron-DeepSpeed's three views of each value: ``tag`` by iteration, ``tag vs
+        samples`` by consumed samples and ``tag vs tokens`` by consumed tokens."""
+        for tag, value in values.items():
+            self.scalars({tag: value}, iteration)
+            self.scalars({f"{tag} vs samples": value}, samples)
+            self.scalars({f"{tag} vs tokens": value}, tokens)
+
+    def axes(self, *, iteration: int, samples: int, tokens: int) -> None:
+        """Megatron-DeepSpeed's tags that map iterations onto samples and tokens and back."""
+        self.scalars({"steps-vs-samples/y=steps,x=samples": iteration}, samples)
+        self.scalars({"steps-vs-tokens/y=steps,x=tokens": iteration}, tokens)
+        self.scalars({"steps-vs-samples/y=samples,x=steps": samples,
+                      "steps-vs-tokens/y=tokens,x=steps": tokens}, iteration)
 
     def text(self, name: str, text: str) -> None:
         if self.writer is not None:

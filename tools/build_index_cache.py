@@ -1,7 +1,9 @@
-"""Build the GPT dataset index caches (doc/sample/shuffle idx .npy) ahead of a training job.
+"""Build the GPT dataset index caches (doc/sample/shuffle idx .npy) ahead of a training job,
+and the token id range of each dataset that training checks against the vocabulary.
 
 Run it once on each node's file system (or once on a shared one) with the same data flags as
-the job; training then only loads the files.  Example:
+the job; training then only loads the files.  A cached file that cannot be read (truncated,
+not .npy) is rebuilt.  Example:
 
     python tools/build_index_cache.py --data-path 0.35 wiki_text_document 0.65 owt_text_document \\
         --split 949,50,1 --seq-length 2048 --seed 1234 \\
@@ -21,8 +23,14 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.data.dataset_utils import DataConfigError, train_valid_test_num_samples  # noqa: E402
+from megatron.data.checks import cached_token_range, data_sources  # noqa: E402
+from megatron.data.dataset_utils import (  # noqa: E402
+    DEFAULT_SPLIT,
+    DataConfigError,
+    train_valid_test_num_samples,
+)
 from megatron.data.gpt_dataset import build_train_valid_test_datasets  # noqa: E402
+from megatron.data.indexed_dataset import MMapIndexedDataset  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-data-path", nargs="*", default=None)
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
-    g.add_argument("--split", default="969, 30, 1", help="train,valid,test weights")
+    g.add_argument("--split", default=DEFAULT_SPLIT,
+                   help=f"train,valid,test weights (default: {DEFAULT_SPLIT})")
     g.add_argument("--data-impl", default="mmap", choices=["mmap", "infer"])
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--seq-length", type=int, required=True)
@@ -68,6 +77,18 @@ def sample_counts(args: argparse.Namespace) -> list[int]:
     return counts
 
 
+def scan_token_ranges(args: argparse.Namespace) -> None:
+    """Cache the token id range of every dataset too, which training checks against the
+    vocabulary (one full read of each .bin, done here rather than in the job)."""
+    for _, prefixes in data_sources(args):
+        for prefix in prefixes:
+            dataset = MMapIndexedDataset(prefix)
+            found = cached_token_range(dataset, args.data_cache_path, args.lock_timeout)
+            dataset.close()
+            print(f"token ids of {prefix}: {found.min_id}..{found.max_id} "
+                  f"({found.tokens} tokens)")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
@@ -85,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, n, ds in zip(("train", "valid", "test"), counts, datasets):
         got = "none" if ds is None else f"{type(ds).__name__} of {len(ds)} samples"
         print(f"{name}: asked {n} samples -> {got}")
+    try:
+        scan_token_ranges(args)
+    except (DataConfigError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"index caches ready in {time.time() - start:.2f} s")
     return 0
 

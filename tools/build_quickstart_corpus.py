@@ -5,10 +5,11 @@
         --output-dir quickstart/tokenizer --vocab-size 8192
 
 ``corpus`` writes one ``{"text": ...}`` JSON object per line (what tools/preprocess_data.py
-reads). Its source is WikiText-2 (``--wikitext-dir``, by default ``<repo>/../shared/data/
-wikitext-2``) cut into articles when that folder exists, or else Python's own documentation,
-which every Python installation carries: the language reference topics of ``pydoc_data`` and
-the docstrings of the standard library's modules.
+reads). Its source is WikiText-2 cut into articles: the folder ``--wikitext-dir`` names (an
+error when it holds none), or without the flag ``<repo>/../shared/data/wikitext-2`` when that
+folder exists, or else Python's own documentation, which every Python installation carries:
+the language reference topics of ``pydoc_data`` and the docstrings of the standard library's
+modules.
 
 ``tokenizer`` trains a byte-level BPE with Hugging Face ``tokenizers`` and writes it in GPT-2's
 format (``vocab.json`` + ``merges.txt``), with ``<|endoftext|>`` as the last id as in GPT-2, so
@@ -31,6 +32,10 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Optional
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron.file_modes import chmod_as_created  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"
@@ -148,12 +153,23 @@ def write_loose_json(documents: Iterable[str], output: Path) -> int:
                 count += 1
         if count == 0:
             raise ValueError(f"no documents to write to {output}")
+        chmod_as_created(tmp)  # mkstemp's 0600 would become the corpus file's mode
         os.replace(tmp, output)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     return count
+
+
+def check_wikitext_dir(folder: Path) -> None:
+    """Raise ValueError naming --wikitext-dir unless ``folder`` holds WikiText raw text (a
+    folder the user names must be the corpus; only the default may fall back)."""
+    if not Path(folder).is_dir():
+        raise ValueError(f"--wikitext-dir {folder}: no such folder")
+    if not any(wikitext_documents(Path(folder))):
+        raise ValueError(f"--wikitext-dir {folder}: holds no WikiText raw text (train.txt, "
+                         "valid.txt, test.txt or wiki.*.raw/tokens with articles)")
 
 
 def build_corpus(output: Path, wikitext_dir: Optional[Path] = DEFAULT_WIKITEXT,
@@ -206,9 +222,10 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     corpus = sub.add_parser("corpus", help="write the built-in corpus as loose JSON")
     corpus.add_argument("--output", type=Path, required=True, help="the .json file to write")
-    corpus.add_argument("--wikitext-dir", type=Path, default=DEFAULT_WIKITEXT,
-                        help="folder with WikiText-2 raw text (valid.txt, test.txt, ...); "
-                        "Python's documentation is used when it has none")
+    corpus.add_argument("--wikitext-dir", type=Path, default=None,
+                        help="folder with WikiText-2 raw text (valid.txt, test.txt, ...), "
+                        "which must hold some; without the flag <repo>/../shared/data/"
+                        "wikitext-2 is used if present, else Python's documentation")
     corpus.add_argument("--max-chars", type=int, default=4_000_000,
                         help="size cap of the Python-documentation fallback")
     corpus.add_argument("--force", action="store_true", help="rebuild an existing output")
@@ -226,10 +243,17 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse(argv)
     if args.command == "corpus":
+        if args.wikitext_dir is not None:
+            try:
+                check_wikitext_dir(args.wikitext_dir)
+            except ValueError as error:
+                print(f"error: {error}", file=sys.stderr)
+                return 2
         if args.output.is_file() and not args.force:
             print(f"   reusing {args.output}", flush=True)
             return 0
-        source, count = build_corpus(args.output, args.wikitext_dir, args.max_chars)
+        source, count = build_corpus(args.output, args.wikitext_dir or DEFAULT_WIKITEXT,
+                                     args.max_chars)
         print(f"   wrote {count} documents ({source}) to {args.output}", flush=True)
         return 0
     vocab, merges = args.output_dir / "vocab.json", args.output_dir / "merges.txt"

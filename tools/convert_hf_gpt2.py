@@ -11,10 +11,12 @@ must hold ``config.json`` and the weights. Resharding to other layouts is a late
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import tempfile
+import zipfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,6 +27,7 @@ from megatron.checkpointing import (  # noqa: E402
     mp_rank_dir_name,
 )
 from megatron.config import to_dict  # noqa: E402
+from megatron.file_modes import chmod_as_created  # noqa: E402
 from megatron.model.hf_gpt2 import hf_to_megatron_state_dict, model_config_from_hf  # noqa: E402
 
 
@@ -43,13 +46,87 @@ def model_flags(config) -> str:
     return " ".join(flags)
 
 
-def convert(hf_model_dir: str, save_dir: str, make_vocab_size_divisible_by: int = 128) -> str:
-    import torch
+# What from_pretrained reads, in its order of preference.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+class ConversionError(Exception):
+    """The folder cannot be converted; the message names the flag or the file."""
+
+
+def read_hf_config(hf_model_dir: str) -> dict:
+    """``config.json`` of the folder, checked to be JSON describing a GPT-2."""
+    if not os.path.isdir(hf_model_dir):
+        raise ConversionError(f"--hf-model-dir {hf_model_dir!r} is not a folder")
+    path = os.path.join(hf_model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConversionError(f"--hf-model-dir {hf_model_dir!r} has no config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    if config.get("model_type", "gpt2") != "gpt2":
+        raise ConversionError(f"{path}: model_type {config['model_type']!r}; this tool "
+                              "converts GPT-2 (model_type 'gpt2')")
+    return config
+
+
+def find_weights(hf_model_dir: str) -> str:
+    """The weights file from_pretrained will read."""
+    for name in WEIGHT_FILES:
+        path = os.path.join(hf_model_dir, name)
+        if os.path.isfile(path):
+            return path
+    raise ConversionError(f"--hf-model-dir {hf_model_dir!r} holds no weights: none of "
+                          f"{', '.join(WEIGHT_FILES)}")
+
+
+def check_weights_file(path: str) -> None:
+    """A quick look at the container before torch or safetensors parse it, so a corrupt file
+    is named as such (their own errors suggest unsafe loading, or say nothing of the file)."""
+    if path.endswith(".index.json"):
+        return  # the shards it lists are checked by from_pretrained
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt"):
+                return
+        except Exception as e:  # SafetensorError is not importable under one stable name
+            raise ConversionError(f"{path} is not a readable safetensors file (truncated or "
+                                  f"corrupt?): {e}") from None
+    with open(path, "rb") as f:
+        head = f.read(2)
+    # torch.save writes a zip archive; before PyTorch 1.6 a pickle (protocol 2: 0x80 0x02).
+    if not zipfile.is_zipfile(path) and head != b"\x80\x02":
+        raise ConversionError(f"{path} is not a PyTorch weights file (neither a complete zip "
+                              "archive nor a pickle): truncated or corrupt?")
+
+
+def load_hf_model(hf_model_dir: str):
+    """The GPT2LMHeadModel of the folder; unreadable files raise ConversionError naming them."""
     from transformers import GPT2LMHeadModel
 
-    if not os.path.isfile(os.path.join(hf_model_dir, "config.json")):
-        raise SystemExit(f"error: --hf-model-dir {hf_model_dir!r} has no config.json")
-    hf = GPT2LMHeadModel.from_pretrained(hf_model_dir, local_files_only=True)
+    read_hf_config(hf_model_dir)
+    weights = find_weights(hf_model_dir)
+    check_weights_file(weights)
+    try:
+        return GPT2LMHeadModel.from_pretrained(hf_model_dir, local_files_only=True)
+    except Exception as e:  # safetensors, torch's unpickler and transformers each raise their own
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConversionError(f"cannot load the model from {weights} (with "
+                              f"{os.path.join(hf_model_dir, 'config.json')}): "
+                              f"{type(e).__name__}: {reason}") from e
+
+
+def convert(hf_model_dir: str, save_dir: str, make_vocab_size_divisible_by: int = 128) -> str:
+    import torch
+
+    hf = load_hf_model(hf_model_dir)
     config = model_config_from_hf(hf.config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     state = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -63,8 +140,13 @@ def convert(hf_model_dir: str, save_dir: str, make_vocab_size_divisible_by: int 
     }
     os.makedirs(save_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="release.tmp-", dir=save_dir)
-    os.makedirs(os.path.join(tmp, mp_rank_dir_name(0, 0, 1)))
-    torch.save(state, os.path.join(tmp, mp_rank_dir_name(0, 0, 1), MODEL_FILENAME))
+    try:
+        chmod_as_created(tmp)  # mkdtemp's 0700 would become release/'s mode
+        os.makedirs(os.path.join(tmp, mp_rank_dir_name(0, 0, 1)))
+        torch.save(state, os.path.join(tmp, mp_rank_dir_name(0, 0, 1), MODEL_FILENAME))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     final = os.path.join(save_dir, "release")
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -82,7 +164,11 @@ def main(argv=None) -> int:
     parser.add_argument("--save", required=True, help="Megatron checkpoint folder to write")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     args = parser.parse_args(argv)
-    flags = convert(args.hf_model_dir, args.save, args.make_vocab_size_divisible_by)
+    try:
+        flags = convert(args.hf_model_dir, args.save, args.make_vocab_size_divisible_by)
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {os.path.join(args.save, 'release')}; train or evaluate it with:\n  {flags} "
           f"--load {args.save} --finetune")
     return 0

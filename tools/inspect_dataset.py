@@ -5,11 +5,13 @@
         --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
     python tools/inspect_dataset.py my-gpt2_text_document --check --eod 50256
 
-``--check`` catches the index that Megatron-DeepSpeed's preprocess_data.py writes with
-``--append-eod``: its sizes leave out each document's EOD, so the sizes sum to fewer tokens
-than the ``.bin`` holds and every document after the first is read from the wrong offset
-(document k starts k tokens early; document 1 starts with document 0's EOD). Exit code 1 when
-a problem is found.
+The structural checks (dtype code, pointers against sizes, the document index, the ``.bin``
+length) are the ones the training loader runs when it opens a dataset
+(``megatron.data.indexed_dataset.index_problems``); they catch, for instance, the index that
+Megatron-DeepSpeed's preprocess_data.py writes with ``--append-eod``: its sizes leave out each
+document's EOD, so the sizes sum to fewer tokens than the ``.bin`` holds and every document
+after the first is read from the wrong offset (document k starts k tokens early; document 1
+starts with document 0's EOD). ``--check`` adds the EOD placement of the first documents. Exit code 1 when a problem is found.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetError,
     MMapIndexedDataset,
     data_file_path,
+    layout_problems,
+    sequences_end,
 )
 
 
@@ -53,33 +57,19 @@ def document(dataset: MMapIndexedDataset, d: int) -> np.ndarray:
 
 
 def check(dataset: MMapIndexedDataset, eod: Optional[int]) -> list[str]:
-    """Problems found in the dataset (empty when it is consistent)."""
-    info = summary(dataset)
-    problems = []
-    in_sizes, in_bin = info["tokens (sum of sizes)"], info["tokens in .bin"]
-    bin_bytes = os.path.getsize(data_file_path(dataset.path_prefix))
-    if bin_bytes % dataset.dtype.itemsize:
-        problems.append(f".bin size {bin_bytes} is not a multiple of the {dataset.dtype} item size")
-    if in_sizes != in_bin:
-        nonempty = int(np.sum(np.diff(dataset.doc_idx) > 0))
-        missing = in_bin - in_sizes
-        problem = (f"the .idx sizes sum to {in_sizes} tokens but the .bin holds {in_bin} "
-                   f"({missing:+d})")
-        if missing == nonempty:
-            problem += (
-                "; exactly one token per non-empty document is left out of the sizes: this is "
-                "Megatron-DeepSpeed's preprocess_data.py --append-eod index, which does not "
-                "count the EOD, so each document is read shifted by one token per earlier "
-                "document. Re-run tools/preprocess_data.py on the source JSON to fix it"
-            )
-        problems.append(problem)
-    if eod is not None:
+    """Problems found in the dataset (empty when it is consistent): the structural checks the
+    loader runs at open (indexed_dataset.index_problems), then, when the tokens can be read,
+    the EOD placement of the first documents."""
+    problems = dataset.problems()
+    if eod is not None and _readable(dataset):
         problems += _check_eod(dataset, eod)
-    diffs = np.diff(dataset.pointers) if len(dataset) > 1 else np.empty(0)
-    expected = dataset.sizes[:-1].astype(np.int64) * dataset.dtype.itemsize
-    if len(diffs) and not np.array_equal(diffs, expected):
-        problems.append("pointers do not advance by the sequence sizes")
     return problems
+
+
+def _readable(dataset: MMapIndexedDataset) -> bool:
+    """Whether the sequences can be read as the index lays them out (a longer .bin can)."""
+    bin_bytes = os.path.getsize(data_file_path(dataset.path_prefix))
+    return not layout_problems(dataset.index) and bin_bytes >= sequences_end(dataset.index)
 
 
 def _check_eod(dataset: MMapIndexedDataset, eod: int, sample: int = 1000) -> list[str]:
@@ -131,27 +121,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prefix = args.prefix[:-4] if args.prefix.endswith((".bin", ".idx")) else args.prefix
     try:
         tokenizer = _tokenizer(args)
-        dataset = MMapIndexedDataset(prefix)
+        # Opened unverified so that a broken pair is described rather than only refused.
+        dataset = MMapIndexedDataset(prefix, verify=False)
     except (IndexedDatasetError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(prefix)
     for name, value in summary(dataset).items():
         print(f"  {name}: {value}")
-    for d in range(min(args.docs, len(dataset.doc_idx) - 1)):
+    if _readable(dataset):
+        _print_documents(dataset, args.docs, tokenizer)
+    else:
+        print("  documents not shown: the index does not fit the .bin (see PROBLEM)")
+    eod = args.eod if args.eod is not None else getattr(tokenizer, "eod", None)
+    problems = check(dataset, eod) if args.check else dataset.problems()
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    if args.check or problems:
+        print("check: " + ("FAILED" if problems else "OK"))
+    return 1 if problems else 0
+
+
+def _print_documents(dataset: MMapIndexedDataset, count: int, tokenizer) -> None:
+    for d in range(min(count, len(dataset.doc_idx) - 1)):
         tokens = document(dataset, d)
         print(f"  document {d}: {len(tokens)} tokens: {tokens[:32].tolist()}"
               + (" ..." if len(tokens) > 32 else ""))
         if tokenizer is not None:
             print(f"    {tokenizer.detokenize(tokens[:200].tolist())!r}")
-    if not args.check:
-        return 0
-    eod = args.eod if args.eod is not None else getattr(tokenizer, "eod", None)
-    problems = check(dataset, eod)
-    for problem in problems:
-        print(f"PROBLEM: {problem}")
-    print("check: " + ("FAILED" if problems else "OK"))
-    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 
     python tools/merge_datasets.py --input data/shards/ --output-prefix data/all_text_document
     python tools/merge_datasets.py --input a_text_document b_text_document --output-prefix ab
+    python tools/merge_preprocessed_data.py --datasets a_text_document b_text_document \
+        --output-prefix ab                             (Megatron-DeepSpeed's spelling)
 
 A directory input takes every ``*.idx`` with a matching ``.bin`` in it, sorted by name. All
 inputs must have the same token dtype; the output is written under temporary names and
@@ -27,6 +29,7 @@ from megatron.data.indexed_dataset import (  # noqa: E402
     data_file_path,
     index_file_path,
 )
+from megatron.data.preprocess.config import InputError, check_output_dir  # noqa: E402
 
 
 class MergeError(Exception):
@@ -107,9 +110,12 @@ def merge(prefixes: Sequence[str], output_prefix: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="a directory of .bin/.idx pairs, or dataset prefixes in order")
+    parser.add_argument("--input", "--datasets", nargs="+", required=True, dest="input",
+                        help="a directory of .bin/.idx pairs, or dataset prefixes in order "
+                             "(--datasets: Megatron-DeepSpeed's spelling)")
     parser.add_argument("--output-prefix", required=True, help="merged dataset path prefix")
+    parser.add_argument("--dataset-impl", default="mmap", choices=["mmap"],
+                        help="only mmap (Megatron's default format) is written")
     return parser
 
 
@@ -117,11 +123,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     start = time.time()
     try:
+        check_output_dir(args.output_prefix)
         prefixes = resolve_prefixes(args.input, args.output_prefix)
         print(f"Merging {len(prefixes)} datasets into {args.output_prefix}")
         sequences, documents = merge(prefixes, args.output_prefix)
-    except (MergeError, IndexedDatasetError) as e:
+    except (MergeError, IndexedDatasetError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk while writing: the partial output is already removed
+        print(f"error: writing {args.output_prefix}.bin/.idx: {e}", file=sys.stderr)
         return 1
     print(f"Done: {documents} documents, {sequences} sequences in {time.time() - start:.2f} s")
     return 0

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Alias of tools/merge_datasets.py (the name some Megatron-DeepSpeed guides use)."""
+"""Alias of tools/merge_datasets.py under Megatron-DeepSpeed's name; it takes that tool's flags
+too (``--datasets PREFIX ... --output-prefix OUT [--dataset-impl mmap]``) beside ``--input``."""
 
 import os
 import sys

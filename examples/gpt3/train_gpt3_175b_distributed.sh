@@ -36,7 +36,13 @@ NUM_NODES=${NUM_NODES:-128}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
-PRECISION=${PRECISION:---fp16}   # or --bf16
+# PRECISION names the number format: fp16 (the default), bf16 or fp32 (--fp16/--bf16 also work).
+case "${PRECISION-fp16}" in
+    fp16 | --fp16) PRECISION_FLAG=--fp16 ;;
+    bf16 | --bf16) PRECISION_FLAG=--bf16 ;;
+    fp32) PRECISION_FLAG= ;;
+    *) echo "error: PRECISION='$PRECISION' is not one of fp32, bf16, fp16" >&2; exit 2 ;;
+esac
 
 DISTRIBUTED_ARGS=(
     --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NUM_NODES" --node_rank "$NODE_RANK"
@@ -53,7 +59,7 @@ TRAINING_ARGS=(
     --lr 6.0e-5 --min-lr 6.0e-6 --lr-decay-style cosine
     --lr-warmup-samples 183105 --lr-decay-samples 126953125
     --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
-    $PRECISION
+    $PRECISION_FLAG
 )
 MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8

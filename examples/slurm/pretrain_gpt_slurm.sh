@@ -5,7 +5,8 @@
 #     sbatch examples/slurm/pretrain_gpt_slurm.sh CHECKPOINT_PATH VOCAB_FILE MERGE_FILE DATA_PATH [flags]
 #
 # Adjust the #SBATCH lines to your cluster; TP and PP set the tensor and pipeline parallel
-# sizes, the rest of the tasks are data parallel.
+# sizes, the rest of the tasks are data parallel; PRECISION=fp16 (default), bf16 or fp32 picks
+# the number format. Extra flags after DATA_PATH are passed to pretrain_gpt.py.
 #SBATCH --job-name=megatron-gpt
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
@@ -24,6 +25,13 @@ VOCAB_FILE=$2
 MERGE_FILE=$3
 read -r -a DATA_PATH <<< "$4"
 shift 4
+# PRECISION names the number format: fp16 (the default), bf16 or fp32 (--fp16/--bf16 also work).
+case "${PRECISION-fp16}" in
+    fp16 | --fp16) PRECISION_FLAG=--fp16 ;;
+    bf16 | --bf16) PRECISION_FLAG=--bf16 ;;
+    fp32) PRECISION_FLAG= ;;
+    *) echo "error: PRECISION='$PRECISION' is not one of fp32, bf16, fp16" >&2; exit 2 ;;
+esac
 
 # sbatch runs a copy of this script: find the repository from where it was submitted.
 REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(pwd)}}
@@ -38,7 +46,6 @@ export WORLD_SIZE=${SLURM_NTASKS:-$((SLURM_JOB_NUM_NODES * SLURM_NTASKS_PER_NODE
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 TP=${TP:-2}
 PP=${PP:-1}
-PRECISION=${PRECISION:---fp16}   # --fp16, --bf16, or "" for fp32
 
 GPT_ARGS=(
     --num-layers 24 --hidden-size 1024 --num-attention-heads 16
@@ -46,7 +53,7 @@ GPT_ARGS=(
     --micro-batch-size 4 --global-batch-size 256
     --lr 0.00015 --train-iters 500000 --lr-decay-iters 320000 --lr-decay-style cosine
     --min-lr 1.0e-5 --weight-decay 1e-2 --lr-warmup-fraction .01 --clip-grad 1.0
-    $PRECISION
+    $PRECISION_FLAG
 )
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
 DATA_ARGS=(

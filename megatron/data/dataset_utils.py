@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 DataPath = Union[str, Sequence[str], None]
 
 
+# --split's default, spelled as Megatron-DeepSpeed spells it: index-cache file names hash the
+# string, so caches built ahead with default flags (by tools/build_index_cache.py, by
+# pretrain_gpt.py or by Megatron-DeepSpeed) are found by every other.
+DEFAULT_SPLIT = "969, 30, 1"
+
+
 class DataConfigError(ValueError):
     """A data flag (--data-path, --split, ...) is malformed; the message names it."""
 
@@ -33,18 +39,29 @@ class DataConfigError(ValueError):
 # ----------------------------------------------------------------------------------------------
 
 
-def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
-    """Document boundaries [0, a, b, size] for ``--split`` such as ``949,50,1``, ``98,2,0``,
-    ``1`` or ``90/10``: the weights are normalised and rounded as Megatron does."""
+def parse_split(splits_string: str) -> list[float]:
+    """The three train/valid/test weights of ``--split`` (``969, 30, 1``, ``98,2,0``, ``1``,
+    ``90/10``; missing parts are 0), as given: not normalised."""
     text = str(splits_string)
     sep = "," if "," in text else "/" if "/" in text else None
+    parts = text.split(sep) if sep else [text]
+    if len(parts) > 3:
+        raise DataConfigError(f"--split {splits_string!r}: at most three weights "
+                              "(train, valid, test)")
     try:
-        weights = [float(s) for s in (text.split(sep) if sep else [text])]
+        weights = [float(s) for s in parts]
     except ValueError:
-        raise DataConfigError(f"--split {splits_string!r}: expected numbers like 949,50,1") from None
+        raise DataConfigError(f"--split {splits_string!r}: expected numbers like 969,30,1") from None
     weights = (weights + [0.0, 0.0])[:3]
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
         raise DataConfigError(f"--split {splits_string!r}: weights must be >= 0 with a positive sum")
+    return weights
+
+
+def get_train_valid_test_split_(splits_string: str, size: int) -> list[int]:
+    """Document boundaries [0, a, b, size] for ``--split``: the weights are normalised and
+    rounded as Megatron does."""
+    weights = parse_split(splits_string)
     total = sum(weights)
     bounds = [0]
     for w in weights:
@@ -76,15 +93,17 @@ def parse_data_path(data_path: DataPath, flag_name: str = "--data-path"
             f"{flag_name}: expected one prefix or weight/prefix pairs, got {len(items)} values "
             f"{items}")
     prefixes, weights = [], []
-    for weight_text, prefix in zip(items[0::2], items[1::2]):
+    for position, (weight_text, prefix) in enumerate(zip(items[0::2], items[1::2]), start=1):
         try:
             weight = float(weight_text)
         except ValueError:
-            raise DataConfigError(f"{flag_name}: weight {weight_text!r} before {prefix!r} is not "
-                                  "a number") from None
+            raise DataConfigError(f"{flag_name}: weight {position} ({weight_text!r}, before "
+                                  f"{prefix!r}) is not a number (expected WEIGHT PREFIX "
+                                  "pairs)") from None
         if not math.isfinite(weight) or weight <= 0:
-            raise DataConfigError(f"{flag_name}: weight {weight_text} of {prefix!r} must be "
-                                  "positive (a dataset no sample is drawn from is an error)")
+            raise DataConfigError(f"{flag_name}: weight {position} of the blend is not positive: "
+                                  f"weight {weight_text} of {prefix!r} (a dataset no sample is "
+                                  "drawn from is an error)")
         prefixes.append(prefix.strip())
         weights.append(weight)
     return prefixes, weights
@@ -161,16 +180,17 @@ def description_hash(desc: str) -> str:
     return hashlib.md5(desc.encode("utf-8")).hexdigest()
 
 
-def _writable_dir(path: str) -> bool:
+def _unwritable_reason(path: str) -> Optional[str]:
+    """None when ``path`` is (or can be made) a folder a file can be created in, else why not."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-probe-{socket.gethostname()}-{os.getpid()}")
         with open(probe, "w"):
             pass
         os.remove(probe)
-        return True
-    except OSError:
-        return False
+        return None
+    except OSError as e:
+        return e.strerror or str(e)
 
 
 class IndexCache:
@@ -178,8 +198,10 @@ class IndexCache:
 
     Lookup order (Megatron-DeepSpeed's, plus a user fallback): ``<data dir>/index-cache``,
     then ``--data-cache-path``, then ``default_user_cache_dir()``.  A missing set is built in
-    ``--data-cache-path`` if given, else ``<data dir>/index-cache``; when that folder is not
-    writable the user folder is used and a warning says so.
+    ``--data-cache-path`` if given (an error naming the flag when it is not writable: the
+    user chose it), else in ``<data dir>/index-cache``, or, when that folder is not writable,
+    in the user folder with a warning.  A cached file that cannot be read (truncated, not
+    .npy) counts as missing and is rebuilt.
     """
 
     def __init__(self, data_prefix: str, data_cache_path: Optional[str] = None,
@@ -188,6 +210,7 @@ class IndexCache:
         self.user_dir = user_cache_dir or default_user_cache_dir()
         self.lookup_dirs = [beside_data] + ([data_cache_path] if data_cache_path else [])
         self.lookup_dirs.append(self.user_dir)
+        self.data_cache_path = data_cache_path
         self.preferred_dir = data_cache_path or beside_data
         self.lock_timeout_s = lock_timeout_s
 
@@ -197,9 +220,14 @@ class IndexCache:
                 if all(os.path.isfile(os.path.join(folder, n)) for n in names)]
 
     def build_dir(self) -> str:
-        if _writable_dir(self.preferred_dir):
+        reason = _unwritable_reason(self.preferred_dir)
+        if reason is None:
             return self.preferred_dir
-        if not _writable_dir(self.user_dir):
+        if self.data_cache_path:
+            raise DataConfigError(f"--data-cache-path {self.data_cache_path!r} is not a "
+                                  f"writable folder ({reason}); the index cache cannot be "
+                                  "written there")
+        if _unwritable_reason(self.user_dir) is not None:
             raise OSError(f"cannot write the dataset index cache: neither {self.preferred_dir} "
                           f"nor {self.user_dir} is writable; set --data-cache-path")
         logger.warning("index cache folder %s is not writable; using %s instead (set "
@@ -221,8 +249,7 @@ class IndexCache:
         """
         check_names = list(names) + list(extra_files or {})
         for folder in self.candidates(check_names):
-            arrays = _load_arrays(folder, names)
-            problem = validate(arrays)
+            arrays, problem = _load_valid_arrays(folder, names, validate)
             if problem is None:
                 log_rank0(" > loaded index cache %s from %s", key, folder)
                 return arrays
@@ -231,8 +258,8 @@ class IndexCache:
         folder = self.build_dir()
         with FileLock(os.path.join(folder, key + ".lock"), self.lock_timeout_s):
             if all(os.path.isfile(os.path.join(folder, n)) for n in check_names):
-                arrays = _load_arrays(folder, names)
-                if validate(arrays) is None:  # another process built it while we waited
+                arrays, problem = _load_valid_arrays(folder, names, validate)
+                if problem is None:  # another process built it while we waited
                     return arrays
             start = time.time()
             built = build()
@@ -246,6 +273,22 @@ class IndexCache:
 
 def _load_arrays(folder: str, names: Sequence[str]) -> dict[str, np.ndarray]:
     return {n: np.load(os.path.join(folder, n), allow_pickle=False, mmap_mode="r") for n in names}
+
+
+def _load_valid_arrays(folder: str, names: Sequence[str],
+                       validate: Callable[[dict[str, np.ndarray]], Optional[str]]
+                       ) -> tuple[Optional[dict[str, np.ndarray]], Optional[str]]:
+    """(arrays, None) for a usable cached set, else (None, why not): a file numpy cannot map
+    (truncated by a full disk or a copy cut short, or not .npy at all) is a miss, not an error."""
+    arrays = {}
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            arrays[name] = np.load(path, allow_pickle=False, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as e:
+            return None, f"{path} cannot be read: {e}"
+    problem = validate(arrays)
+    return (None, problem) if problem else (arrays, None)
 
 
 def _tmp_name(path: str) -> str:

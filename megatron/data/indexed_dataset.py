@@ -156,14 +156,9 @@ class MMapIndex:
         self.pointers = np.frombuffer(buf, dtype="<i8", count=n, offset=HEADER_SIZE + 4 * n)
         self.doc_idx = np.frombuffer(buf, dtype="<i8", count=d, offset=HEADER_SIZE + 12 * n)
         self.dtype = DTYPE_CODES[code]
+        self.code = code
         if code == 7:
             self.dtype = _resolve_code_7(idx_path, self.sizes, self.pointers, bin_bytes)
-        if d == 0 or self.doc_idx[0] != 0 or self.doc_idx[-1] > n:
-            first = self.doc_idx[0] if d else None
-            last = self.doc_idx[-1] if d else None
-            raise IndexedDatasetError(
-                f"{idx_path}: document index is inconsistent ({d} entries, first {first}, last "
-                f"{last}, {n} sequences); expected doc_idx[0] = 0 and doc_idx[-1] <= {n}")
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -186,6 +181,131 @@ def _warmup(path: str) -> None:
             pass
 
 
+# ----------------------------------------------------------------------------------------------
+# Structural checks (the reader runs them at open; tools/inspect_dataset.py --check lists them)
+# ----------------------------------------------------------------------------------------------
+
+# Index entries per vectorised step: bounded memory on indexes of billions of sequences.
+_CHECK_CHUNK = 1 << 24
+_ITEMSIZES = (1, 2, 4, 8)
+
+
+def index_problems(index: MMapIndex, bin_path: str, bin_bytes: int) -> list[str]:
+    """What is structurally wrong with an opened .idx and its .bin of ``bin_bytes`` bytes
+    (empty when consistent); each problem names its file.
+
+    Reads the index arrays only (vectorised, in chunks), never the tokens: the pointers must
+    advance by the sizes in the dtype's item size from byte 0, the document index must rise
+    from 0 to at most the sequence count, and the .bin must end exactly where the last
+    sequence does (a wrong dtype code or another dataset's .bin breaks one of these).
+    """
+    problems = layout_problems(index)
+    if not problems:  # where the last sequence ends means something only with sound pointers
+        problems += _bin_length_problems(index, bin_path, bin_bytes)
+    return problems
+
+
+def layout_problems(index: MMapIndex) -> list[str]:
+    """The problems of the index arrays alone (pointers, sizes, document index)."""
+    return _pointer_problems(index) + _doc_idx_problems(index)
+
+
+def sequences_end(index: MMapIndex) -> int:
+    """The byte of the .bin where the last sequence ends (what its length must be)."""
+    if len(index) == 0:
+        return 0
+    return int(index.pointers[-1]) + int(index.sizes[-1]) * index.dtype.itemsize
+
+
+def verify_index(index: MMapIndex, bin_path: str, bin_bytes: int) -> None:
+    """Raise IndexedDatasetError listing ``index_problems`` when there are any."""
+    problems = index_problems(index, bin_path, bin_bytes)
+    if problems:
+        raise IndexedDatasetError("; ".join(problems) + " (tools/inspect_dataset.py --check "
+                                  "shows the dataset)")
+
+
+def _chunks(n: int):
+    for start in range(0, n, _CHECK_CHUNK):
+        yield start, min(start + _CHECK_CHUNK, n)
+
+
+def _pointer_problems(index: MMapIndex) -> list[str]:
+    sizes, pointers, n = index.sizes, index.pointers, len(index)
+    if n == 0:
+        return []
+    if int(pointers[0]) != 0:
+        return [f"{index.path}: the first sequence starts at byte {int(pointers[0])} of the "
+                ".bin, expected 0"]
+    itemsize = index.dtype.itemsize
+    for start, stop in _chunks(n):
+        negative = np.flatnonzero(sizes[start:stop] < 0)
+        if negative.size:
+            i = start + int(negative[0])
+            return [f"{index.path}: sequence {i} has a negative size {int(sizes[i])}"]
+        last = min(stop, n - 1)  # steps from sequence i to i + 1 for i in [start, last)
+        steps = np.diff(pointers[start:last + 1])
+        bad = np.flatnonzero(steps != sizes[start:last].astype(np.int64) * itemsize)
+        if bad.size:
+            return [_pointer_problem(index, start + int(bad[0]) + 1)]
+    return []
+
+
+def _pointer_problem(index: MMapIndex, i: int) -> str:
+    """Sequence ``i`` does not start where sequence ``i - 1`` ends."""
+    itemsize = index.dtype.itemsize
+    previous, step = int(index.sizes[i - 1]), int(index.pointers[i] - index.pointers[i - 1])
+    text = (f"{index.path}: pointers do not advance by the sequence sizes: sequence {i} starts "
+            f"{step} bytes after sequence {i - 1}, whose {previous} tokens of {index.dtype} take "
+            f"{previous * itemsize}")
+    if previous > 0 and step % previous == 0 and step // previous in _ITEMSIZES:
+        text += (f"; the pointers fit {step // previous}-byte tokens: is the dtype code "
+                 f"{index.code} ({index.dtype}) in the .idx wrong?")
+    return text
+
+
+def _doc_idx_problems(index: MMapIndex) -> list[str]:
+    doc_idx, n = index.doc_idx, len(index)
+    if len(doc_idx) == 0 or int(doc_idx[0]) != 0:
+        first = int(doc_idx[0]) if len(doc_idx) else None
+        return [f"{index.path}: the document index must start with 0, found {first} "
+                f"({len(doc_idx)} entries)"]
+    if int(doc_idx[-1]) > n:
+        return [f"{index.path}: the document index ends at sequence {int(doc_idx[-1])} but "
+                f"there are {n} sequences"]
+    for start, stop in _chunks(len(doc_idx) - 1):
+        falls = np.flatnonzero(np.diff(doc_idx[start:stop + 1]) < 0)
+        if falls.size:
+            j = start + int(falls[0]) + 1
+            return [f"{index.path}: the document index decreases at entry {j} "
+                    f"({int(doc_idx[j - 1])} then {int(doc_idx[j])})"]
+    return []
+
+
+def _bin_length_problems(index: MMapIndex, bin_path: str, bin_bytes: int) -> list[str]:
+    itemsize, end = index.dtype.itemsize, sequences_end(index)
+    if bin_bytes == end:
+        return []
+    text = (f"{bin_path}: file is {bin_bytes} bytes but {index.path} says its last sequence "
+            f"ends at byte {end}")
+    tokens = int(index.sizes.sum(dtype=np.int64))
+    extra = (bin_bytes - end) / itemsize
+    nonempty = int(np.count_nonzero(np.diff(index.doc_idx)))
+    if bin_bytes > end and extra == nonempty:
+        return [text + f"; the .bin holds {nonempty} tokens more than the .idx counts, exactly "
+                "one per non-empty document: this is Megatron-DeepSpeed's preprocess_data.py "
+                "--append-eod index, which does not count the EOD, so each document would be "
+                "read shifted by one token per earlier document. Re-run tools/preprocess_data.py "
+                "on the source JSON to fix it"]
+    if tokens and bin_bytes % tokens == 0 and bin_bytes // tokens in _ITEMSIZES:
+        return [text + f"; the .bin holds exactly {tokens} tokens of {bin_bytes // tokens} "
+                f"bytes: is the dtype code {index.code} ({index.dtype}) in the .idx wrong?"]
+    if bin_bytes < end:
+        return [text + "; the .bin is truncated or belongs to another index"]
+    return [text + "; the .bin is longer than the index describes: it belongs to another "
+            "(larger) dataset, or the .idx leaves tokens out"]
+
+
 class MMapIndexedDataset:
     """Read-only view of a ``prefix.bin`` / ``prefix.idx`` pair; sequences are numpy arrays.
 
@@ -195,10 +315,10 @@ class MMapIndexedDataset:
 
     Index = MMapIndex
 
-    def __init__(self, path_prefix: str, skip_warmup: bool = True) -> None:
-        self._open(path_prefix, skip_warmup)
+    def __init__(self, path_prefix: str, skip_warmup: bool = True, verify: bool = True) -> None:
+        self._open(path_prefix, skip_warmup, verify)
 
-    def _open(self, path_prefix: str, skip_warmup: bool) -> None:
+    def _open(self, path_prefix: str, skip_warmup: bool, verify: bool) -> None:
         self._path = path_prefix
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
         for p, what in ((idx_path, ".idx"), (bin_path, ".bin")):
@@ -208,28 +328,19 @@ class MMapIndexedDataset:
                     "must be the path without .bin/.idx)")
         bin_bytes = os.path.getsize(bin_path)
         self._index = MMapIndex(idx_path, skip_warmup, bin_bytes)
-        self._check_bin_size(bin_path, bin_bytes)
+        if verify:
+            verify_index(self._index, bin_path, bin_bytes)
         if not skip_warmup:
             _warmup(bin_path)
         self._bin_mmap = np.memmap(bin_path, mode="r", order="C") if bin_bytes else None
         self._bin = memoryview(self._bin_mmap) if self._bin_mmap is not None else b""
 
-    def _check_bin_size(self, bin_path: str, bin_bytes: int) -> None:
-        # Pointers are increasing in every file Megatron writes, so the last sequence ends last.
-        index = self._index
-        if len(index) == 0:
-            return
-        need = int(index.pointers[-1]) + int(index.sizes[-1]) * index.dtype.itemsize
-        if bin_bytes < need:
-            raise IndexedDatasetError(
-                f"{bin_path}: file is {bin_bytes} bytes but {index.path} says its last sequence "
-                f"ends at byte {need}; the .bin is truncated or belongs to another index")
-
     def __getstate__(self) -> str:
         return self._path
 
     def __setstate__(self, state: str) -> None:
-        self._open(state, skip_warmup=True)
+        # Verified when the pickling process opened it; DataLoader workers only re-map.
+        self._open(state, skip_warmup=True, verify=False)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -298,6 +409,15 @@ class MMapIndexedDataset:
     @property
     def path_prefix(self) -> str:
         return self._path
+
+    @property
+    def index(self) -> MMapIndex:
+        return self._index
+
+    def problems(self) -> list[str]:
+        """``index_problems`` of this pair (for a dataset opened with ``verify=False``)."""
+        bin_path = data_file_path(self._path)
+        return index_problems(self._index, bin_path, os.path.getsize(bin_path))
 
     @property
     def supports_prefetch(self) -> bool:
@@ -451,8 +571,7 @@ class MMapIndexedDatasetBuilder:
         offset = len(self._sizes)
         self._sizes.extend(other.sizes)
         self._doc_idx.extend(other.doc_idx[1:] + offset)
-        used = int(other.pointers[-1]) + int(other.sizes[-1]) * self._dtype.itemsize \
-            if len(other) else 0
+        used = sequences_end(other.index)
         other.close()
         with open(data_file_path(another_prefix), "rb") as f:
             _copy_bytes(f, self._file, used)
@@ -543,6 +662,7 @@ def merge_datasets(prefixes: list[str], out_prefix: str) -> None:
 __all__ = [
     "DTYPE_CODES", "HEADER_SIZE", "INDEX_MAGIC", "IndexedDatasetError", "MMapIndex",
     "MMapIndexedDataset", "MMapIndexedDatasetBuilder", "best_fitting_dtype", "data_file_path",
-    "dataset_exists", "dtype_code", "index_file_path", "make_builder", "make_dataset",
-    "merge_datasets", "write_index",
+    "dataset_exists", "dtype_code", "index_file_path", "index_problems", "layout_problems",
+    "make_builder", "make_dataset", "merge_datasets", "sequences_end", "verify_index",
+    "write_index",
 ]

@@ -76,6 +76,11 @@ def load_gpt2_files(vocab_file: str | None, merge_file: str | None) -> GPT2Files
     """Read and check a GPT-2 ``vocab.json`` and ``merges.txt``; errors name the file."""
     vocab_file = _require_file(vocab_file, "--vocab-file")
     merge_file = _require_file(merge_file, "--merge-file")
+    vocab = _read_vocab(vocab_file)
+    return GPT2Files(vocab, _read_merges(merge_file, vocab, vocab_file), vocab_file, merge_file)
+
+
+def _read_vocab(vocab_file: str) -> dict[str, int]:
     try:
         with open(vocab_file, encoding="utf-8") as f:
             vocab = json.load(f)
@@ -85,19 +90,42 @@ def load_gpt2_files(vocab_file: str | None, merge_file: str | None) -> GPT2Files
         raise TokenizerFileError(f"--vocab-file {vocab_file!r} must map token strings to ids")
     if EOD_TOKEN not in vocab:
         raise TokenizerFileError(f"--vocab-file {vocab_file!r} has no {EOD_TOKEN} token")
+    return vocab
+
+
+def _read_merges(merge_file: str, vocab: dict[str, int], vocab_file: str) -> list[tuple[str, str]]:
+    """The merges in priority order. Each makes a token of the vocabulary, so a file cut
+    mid-line (or one from another vocabulary) is refused rather than tokenizing differently."""
+    with open(merge_file, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_number = raw.count(b"\n", 0, e.start) + 1
+        raise TokenizerFileError(
+            f"--merge-file {merge_file!r} line {line_number}: not UTF-8 text ({e.reason} at "
+            f"byte {e.start}); is it a GPT-2 merges.txt, complete?") from None
+    lines = text.split("\n")
     merges = []
-    with open(merge_file, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if line.startswith("#version") or not line.strip():
-                continue
-            parts = line.split()
-            if len(parts) != 2:
-                raise TokenizerFileError(
-                    f"--merge-file {merge_file!r} line {line_number}: expected two tokens, "
-                    f"got {line.rstrip()!r}"
-                )
-            merges.append((parts[0], parts[1]))
-    return GPT2Files(vocab, merges, vocab_file, merge_file)
+    for line_number, line in enumerate(lines, start=1):
+        if line.startswith("#version") or not line.strip():
+            continue
+        # A last line without its newline is where a copy cut short would end.
+        cut = "; the file ends mid-line (cut short?)" if line_number == len(lines) else ""
+        parts = line.split()
+        if len(parts) != 2:
+            raise TokenizerFileError(
+                f"--merge-file {merge_file!r} line {line_number}: expected two tokens, "
+                f"got {line.rstrip()!r}{cut}"
+            )
+        if parts[0] + parts[1] not in vocab:
+            raise TokenizerFileError(
+                f"--merge-file {merge_file!r} line {line_number}: the merge {line.rstrip()!r} "
+                f"makes {parts[0] + parts[1]!r}, which --vocab-file {vocab_file!r} does not "
+                f"hold{cut or '; is the merges file from another vocabulary?'}"
+            )
+        merges.append((parts[0], parts[1]))
+    return merges
 
 
 def mergeable_ranks(files: GPT2Files) -> dict[bytes, int] | None:

@@ -7,8 +7,10 @@ single-process halves (dp=1 save/load, loading at the wrong layout) run in this 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from megatron.core.distributed import DistributedDataParallel, finalize_model_gr
 from megatron.core.optimizer import DistributedOptimizer, get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_seed
 from megatron.model.gpt_model import GPTModel
+from tests.checkpoint_utils import flip_bytes
 from tests.dist_utils import run_distributed
 from tests.unit.test_checkpointing import (
     assert_params_equal,
@@ -63,9 +66,28 @@ def _tensor_parallel(rank: int, root: str) -> dict:
     loaded = ckpt.load_checkpoint([model], optimizer, scheduler, config)
     resumed = [train_step(model, optimizer, scheduler, batch(STEPS_BEFORE + i)) for i in range(3)]
     assert_params_equal(params(model), reference_params)
+    damaged = _load_with_rank1_file_damaged(rank, root, config, build)
     parallel_state.destroy_model_parallel()
     return {"reference": reference, "resumed": resumed, "loaded": tuple(loaded),
-            "failure": failure, "folders": sorted(os.listdir(os.path.join(root, "tp2")))}
+            "failure": failure, "folders": sorted(os.listdir(os.path.join(root, "tp2"))),
+            "damaged": damaged}
+
+
+def _load_with_rank1_file_damaged(rank, root, config, build) -> str:
+    """A copy of the tp2 checkpoint with bytes flipped in mp_rank_01's file: tensor rank 1
+    names it, tensor rank 0 (whose file is intact) fails too, and no rank loads anything."""
+    copy = os.path.join(root, "tp2-damaged")
+    if rank == 0:
+        shutil.copytree(os.path.join(root, "tp2"), copy)
+        flip_bytes(ckpt.checkpoint_path(copy, STEPS_BEFORE, 1, 0, 1))
+    dist.barrier()
+    model, optimizer, scheduler = build(78)
+    damaged = config.replace(checkpoint=dataclasses.replace(config.checkpoint, load=copy))
+    try:
+        ckpt.load_checkpoint([model], optimizer, scheduler, damaged)
+    except ckpt.CheckpointError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
 
 
 def _save_failing_on_rank1(rank, model, optimizer, scheduler, config) -> str:
@@ -202,12 +224,47 @@ def runs(tmp_path_factory):
 def test_tensor_parallel_saves_one_folder_per_rank_and_resumes_exactly(runs):
     root = runs["root"]
     iter_dir = os.path.join(root, "tp2", "iter_0000002")
-    assert sorted(os.listdir(iter_dir)) == ["mp_rank_00", "mp_rank_01"]
+    assert sorted(os.listdir(iter_dir)) == ["manifest.json", "mp_rank_00", "mp_rank_01"]
     for tp_rank in (0, 1):
         assert os.path.isfile(ckpt.checkpoint_path(os.path.join(root, "tp2"), 2, tp_rank, 0, 1))
     for result in (r["tp"] for r in runs["ranks"]):
         assert result["loaded"] == (2, 8, 0)
         assert result["resumed"] == result["reference"]  # bit-identical, dropout on
+
+
+def _assert_manifest_matches_folder(iter_dir: str, expected_files: list[str]) -> dict:
+    manifest = ckpt.read_manifest(iter_dir)
+    assert sorted(manifest["files"]) == expected_files
+    for rel, entry in manifest["files"].items():
+        data = open(os.path.join(iter_dir, rel), "rb").read()
+        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, rel
+    return manifest
+
+
+def test_manifest_lists_the_files_every_rank_wrote(runs):
+    root = runs["root"]
+    tp2 = _assert_manifest_matches_folder(
+        os.path.join(root, "tp2", "iter_0000002"),
+        ["mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"])
+    assert tp2["parallel_layout"]["tensor_model_parallel_size"] == 2
+    assert tp2["config"]["parallel"]["tensor_model_parallel_size"] == 2
+    pp2 = _assert_manifest_matches_folder(
+        os.path.join(root, "pp2", "iter_0000004"),
+        ["mp_rank_00_000/model_optim_rng.pt", "mp_rank_00_001/model_optim_rng.pt"])
+    assert pp2["parallel_layout"]["pipeline_model_parallel_size"] == 2
+    dp2 = _assert_manifest_matches_folder(
+        os.path.join(root, "dp2", "iter_0000002"),
+        ["mp_rank_00/distrib_optim.pt", "mp_rank_00/model_optim_rng.pt"])
+    assert dp2["parallel_layout"]["data_parallel_size"] == 2
+
+
+def test_a_damaged_file_of_one_rank_fails_the_load_on_every_rank(runs):
+    messages = [r["tp"]["damaged"] for r in runs["ranks"]]
+    damaged = os.path.join(runs["root"], "tp2-damaged", "iter_0000002", "mp_rank_01",
+                           "model_optim_rng.pt")
+    assert messages[1].startswith("CheckpointCorruptError: checkpoint file " + damaged +
+                                  " is damaged: its CRC-32 is"), messages[1]
+    assert "failed on another rank" in messages[0], messages[0]
 
 
 def test_a_failing_rank_fails_the_whole_save(runs):
@@ -219,7 +276,7 @@ def test_a_failing_rank_fails_the_whole_save(runs):
 
 def test_pipeline_parallel_folder_names(runs):
     for result in (r["pp"] for r in runs["ranks"]):
-        assert result["folders"] == ["mp_rank_00_000", "mp_rank_00_001"]
+        assert result["folders"] == ["manifest.json", "mp_rank_00_000", "mp_rank_00_001"]
         assert result["loaded"] == (4, 8, 0)
 
 
@@ -231,7 +288,7 @@ def test_loading_at_another_tensor_parallel_size_names_both_layouts(runs):
         ckpt.load_checkpoint(model, None, None, config)
     message = str(info.value)
     assert "tp=2, pp=1" in message and "tp=1, pp=1" in message
-    assert "tools/checkpoint_util.py" in message
+    assert "saved with" in message and "tools/" not in message  # no tool that does not exist
 
 
 def _assert_close(got: list[float], expected: list[float]) -> None:
@@ -279,13 +336,24 @@ def test_distributed_optimizer_checkpoint_without_its_state(runs):
         ckpt.load_checkpoint(model, optimizer, build_scheduler(optimizer), plain)
 
 
-def test_corrupt_distributed_optimizer_file_names_it(runs, tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "truncated-unverified"])
+def test_corrupt_distributed_optimizer_file_names_it(runs, tmp_path, damage):
     shutil.copytree(os.path.join(runs["root"], "dp2"), tmp_path / "dp2")
     path = str(tmp_path / "dp2" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt")
-    with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 3)
+    if damage == "flipped":
+        flip_bytes(path)
+        expected = "is damaged: its CRC-32 is"
+    else:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 3)
+        expected = "is damaged: it has"
+    if damage == "truncated-unverified":  # a save from before manifests: the read names it
+        os.remove(tmp_path / "dp2" / "iter_0000002" / "manifest.json")
+        expected = "cannot read checkpoint file"
     config = run_config(tmp_path / "dp2", dropout=0.0, distributed_optimizer=True)
     model, optimizer, scheduler = build_distributed(config)
-    with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint file") as info:
+    before = params(model)
+    with pytest.raises(ckpt.CheckpointError, match=expected) as info:
         ckpt.load_checkpoint([model], optimizer, scheduler, config)
     assert path in str(info.value)
+    assert_params_equal(params(model), before)

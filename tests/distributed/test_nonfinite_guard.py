@@ -44,7 +44,7 @@ class Injector:
         self.snapshot = None
         self.unchanged: dict[int, bool] = {}  # iteration -> params equal to the previous one's
 
-    def __call__(self, ctx, data_iterator, model):
+    def __call__(self, ctx, data_iterator, model, stage):
         iteration, micro = divmod(self.calls, NUM_MICRO)
         iteration += 1
         self.calls += 1
@@ -54,7 +54,7 @@ class Injector:
                 self.unchanged[iteration - 1] = all(
                     torch.equal(a, b) for a, b in zip(self.snapshot, params))
             self.snapshot = params
-        output, loss_func = pretrain_gpt.forward_step(ctx, data_iterator, model)
+        output, loss_func = pretrain_gpt.forward_step(ctx, data_iterator, model, stage)
         where = (iteration, self.rank, micro)
         if where in self.nan_grad:
             output.register_hook(lambda grad: torch.full_like(grad, float("nan")))

@@ -63,10 +63,10 @@ class Recorder:
             if weight is not None:
                 self.digests.append(hashlib.sha1(weight.detach().numpy().tobytes()).hexdigest())
 
-    def forward_step(self, ctx, data_iterator, model):
+    def forward_step(self, ctx, data_iterator, model, stage):
         if model.training:
             self._note()
-        return pretrain_gpt.forward_step(ctx, data_iterator, model)
+        return pretrain_gpt.forward_step(ctx, data_iterator, model, stage)
 
     def evaluate(self, original):
         def wrapped(*args, **kwargs):
@@ -90,7 +90,8 @@ def train_once(argv: list[str]) -> dict:
             "bubble_lines": [line for line in log.getvalue().splitlines()
                              if "pipeline bubble" in line],
             "throughput_lines": [line for line in log.getvalue().splitlines()
-                                 if "tokens per GPU per second (TGS)" in line
+                                 if line.startswith(" iteration")  # not the run summary
+                                 and "tokens per GPU per second (TGS)" in line
                                  and "TFLOP/s per GPU" in line],
             "steps": [(h["losses"]["lm loss"], h["grad_norm"]) for h in state.history],
             "evaluations": recorder.evaluations,
@@ -250,7 +251,7 @@ def test_checkpoint_has_a_folder_per_stage(spawn, name, folders, chunks):
     with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == str(ITERS)
     iteration_dir = os.path.join(root, f"iter_{ITERS:07d}")
-    assert sorted(os.listdir(iteration_dir)) == folders
+    assert sorted(os.listdir(iteration_dir)) == ["manifest.json", *folders]
     for stage, folder in enumerate(folders):
         state = torch.load(os.path.join(iteration_dir, folder, "model_optim_rng.pt"),
                            map_location="cpu", weights_only=False)

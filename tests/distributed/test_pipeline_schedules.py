@@ -12,13 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.config import ModelConfig
+from megatron.config import ModelConfig, layer_range
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape
 from megatron.model.gpt_model import GPTModel
-from megatron.model.stages import layer_range
 from tests.dist_utils import run_distributed
 
 WORLD = 4
@@ -80,7 +79,7 @@ def check_shape_errors() -> str:
 def check_sequence_parallel_and_bf16() -> dict:
     """tp = 2, pp = 2 under sequence parallelism in bf16: the communicator derived from the
     model sends [s/tp, b, h] in bf16 between the same tensor ranks of adjacent stages."""
-    config = model_config(tp=2, sequence_parallel=True, params_dtype=torch.bfloat16)
+    config = model_config(tp=2, sequence_parallel=True, bf16=True)
     chunk = GPTModel(config, pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(), first_layer=0,
                      num_layers=1)
@@ -111,10 +110,13 @@ def micro_batches(dp_rank: int, m: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g) for _ in range(m)]
 
 
-def gpt_forward_step(data_iterator, model):
-    """pretrain_gpt.forward_step's shape: tokens on the first stage, labels on the last."""
-    first = parallel_state.is_pipeline_first_stage()
-    last = parallel_state.is_pipeline_last_stage()
+ONE_STAGE = schedules.StageInfo()
+
+
+def gpt_forward_step(data_iterator, model, stage=ONE_STAGE):
+    """pretrain_gpt.forward_step's shape: tokens on the first stage, labels on the last (the
+    schedule says which stage this is)."""
+    first, last = stage.is_first, stage.is_last
     tokens = labels = None
     if first or last:
         sample = next(data_iterator)
@@ -182,9 +184,9 @@ def check_schedule(tp: int, pp: int, vp: int, m: int, sequence_parallel: bool = 
         schedule = schedules.get_forward_backward_func()
         sent = []  # the activations this rank's chunks passed on
 
-        def recording_step(data_iterator, model):
-            out, loss_func = gpt_forward_step(data_iterator, model)
-            if not parallel_state.is_pipeline_last_stage():
+        def recording_step(data_iterator, model, stage):
+            out, loss_func = gpt_forward_step(data_iterator, model, stage)
+            if not stage.is_last:
                 sent.append(out)
             return out, loss_func
 

@@ -28,9 +28,9 @@ def _manual_gc_run(rank, world_size, argv):
 
     enabled_in_steps = set()
 
-    def forward_step(ctx, data_iterator, model):
+    def forward_step(ctx, data_iterator, model, stage):
         enabled_in_steps.add(gc.isenabled())
-        return pretrain_gpt.forward_step(ctx, data_iterator, model)
+        return pretrain_gpt.forward_step(ctx, data_iterator, model, stage)
 
     gc.collect = counting_collect
     try:

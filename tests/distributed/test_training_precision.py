@@ -43,14 +43,14 @@ class Probe:
         self.dtypes: set = set()
         self.checksums: list[float] = []
 
-    def __call__(self, ctx, data_iterator, model):
+    def __call__(self, ctx, data_iterator, model, stage):
         iteration, index = divmod(self.calls, self.micro)
         self.calls += 1
         if index == 0:
             self.checksums.append(sum(p.detach().double().sum().item()
                                       for p in model.parameters()))
         self.dtypes.update(p.dtype for p in model.parameters())
-        output, loss_func = pretrain_gpt.forward_step(ctx, data_iterator, model)
+        output, loss_func = pretrain_gpt.forward_step(ctx, data_iterator, model, stage)
         if index == 0 and iteration + 1 in self.poison:
             def poisoned(out):
                 loss, reported = loss_func(out)

@@ -49,9 +49,9 @@ class Recorder:
     def __init__(self) -> None:
         self.samples: list[str] = []
 
-    def __call__(self, ctx, data_iterator, model):
+    def __call__(self, ctx, data_iterator, model, stage):
         return pretrain_gpt.forward_step(ctx, RecordingIterator(data_iterator, self.samples),
-                                         model)
+                                         model, stage)
 
 
 def _run(argv: list[str]) -> dict:
@@ -91,11 +91,11 @@ def _duration_exit(argv):
         def time():
             return time.time() + Clock.offset
 
-    def forward_step(ctx, data_iterator, model):
+    def forward_step(ctx, data_iterator, model, stage):
         calls.append(1)
         if len(calls) == 3 * 2:  # the last micro-batch of iteration 3
             Clock.offset = 61.0
-        return pretrain_gpt.forward_step(ctx, data_iterator, model)
+        return pretrain_gpt.forward_step(ctx, data_iterator, model, stage)
 
     calls: list = []
     real_time, training.time = training.time, Clock

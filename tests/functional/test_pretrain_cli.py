@@ -94,7 +94,8 @@ def two_runs(dataset, tmp_path_factory):
     """Run 1 trains 4 of 6 iterations (--exit-interval 4), run 2 loads and finishes."""
     folder = tmp_path_factory.mktemp("run")
     save, tb = str(folder / "ckpt"), str(folder / "tb")
-    common = ["--save", save, "--save-interval", "3", "--tensorboard-dir", tb]
+    common = ["--save", save, "--save-interval", "3", "--tensorboard-dir", tb,
+              "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard"]
     first = _torchrun(_flags(dataset) + common + ["--exit-interval", "4"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     tracker_after_first = read_tracker(save)
@@ -145,7 +146,7 @@ def test_checkpoint_and_resume(two_runs):
     assert read_tracker(save).iteration == 6
     for it in (3, 4, 6):  # one folder per tensor-parallel rank, written by data rank 0
         folder = os.path.join(save, f"iter_{it:07d}")
-        assert sorted(os.listdir(folder)) == ["mp_rank_00", "mp_rank_01"]
+        assert sorted(os.listdir(folder)) == ["manifest.json", "mp_rank_00", "mp_rank_01"]
 
 
 def test_tensorboard_scalars(two_runs):
@@ -165,6 +166,74 @@ def test_tensorboard_scalars(two_runs):
     logged = [line["lm loss"] for line in parse_log_lines(two_runs["first"])]
     written = [e.value for e in acc.Scalars("lm loss")][:4]
     assert written == pytest.approx(logged, rel=1e-5)
+
+
+def test_resume_says_what_was_loaded(two_runs):
+    save = two_runs["save"]
+    assert (f"successfully loaded checkpoint from {save} at iteration 4 "
+            f"({save}/iter_0000004, {4 * GBS} samples consumed); restored: model, "
+            "optimizer state, LR schedule, RNG state\n") in two_runs["second"]
+    assert "successfully loaded" not in two_runs["first"]
+
+
+def _summary(text: str) -> dict:
+    """The fields of the run's summary line, which must be its last line."""
+    last = text.rstrip("\n").splitlines()[-1]
+    assert last.startswith(" run summary | "), last
+    fields = dict(part.strip().split(": ", 1) for part in last.split("|")[1:-1]
+                  if ": " in part)
+    fields["no checkpoint"] = "no checkpoint saved" in last
+    return fields
+
+
+def test_run_ends_with_a_summary(two_runs):
+    save = two_runs["save"]
+    for text, iterations, valid_at, checkpoint in ((two_runs["first"], 4, 3, 4),
+                                                   (two_runs["second"], 2, 6, 6)):
+        summary = _summary(text)
+        assert int(summary["iterations"]) == iterations
+        assert int(summary["tokens"]) == iterations * GBS * 64
+        assert float(summary["wall time (s)"]) > 0
+        assert float(summary["mean tokens per GPU per second (TGS)"]) > 0
+        assert float(summary["mean TFLOP/s per GPU"]) >= 0
+        logged = parse_log_lines(text)[-1]["lm loss"]  # --log-interval 1: the last iteration
+        assert float(summary["last train lm loss"]) == pytest.approx(logged, rel=1e-6)
+        valid = re.findall(rf"validation loss at iteration {valid_at} \| lm loss value: (\S+)",
+                           text)
+        assert summary["last validation lm loss"] == valid[0]
+        assert summary["last checkpoint"] == os.path.join(save, f"iter_{checkpoint:07d}")
+
+
+def test_tensorboard_has_megatron_deepspeed_series(two_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(two_runs["tb"], size_guidance={"scalars": 0})
+    acc.Reload()
+    iterations = [1, 2, 3, 4, 5, 6]
+    samples = [GBS * i for i in iterations]
+    tokens = [64 * n for n in samples]
+
+    def steps(tag):
+        return [e.step for e in acc.Scalars(tag)]
+
+    for tag in ("lm-loss-training/lm loss", "learning-rate/learning-rate",
+                "batch-size/batch-size", "grad-norm/grad-norm"):
+        assert steps(tag) == iterations, tag
+        assert steps(f"{tag} vs samples") == samples, tag
+        assert steps(f"{tag} vs tokens") == tokens, tag
+    loss = [e.value for e in acc.Scalars("lm loss")]
+    assert [e.value for e in acc.Scalars("lm-loss-training/lm loss vs tokens")] == loss
+    assert {e.value for e in acc.Scalars("batch-size/batch-size vs samples")} == {GBS}
+    for tag in ("lm-loss-validation/lm loss validation",
+                "lm-loss-validation/lm loss validation ppl"):
+        assert steps(tag) == [3, 6]
+        assert steps(f"{tag} vs samples") == [3 * GBS, 6 * GBS]
+        assert steps(f"{tag} vs tokens") == [3 * GBS * 64, 6 * GBS * 64]
+    assert steps("lm-loss-validation/lm loss test") == [6]
+    assert [e.value for e in acc.Scalars("steps-vs-samples/y=steps,x=samples")] == iterations
+    assert steps("steps-vs-samples/y=steps,x=samples") == samples
+    assert [e.value for e in acc.Scalars("steps-vs-tokens/y=tokens,x=steps")] == tokens
+    assert steps("steps-vs-tokens/y=steps,x=tokens") == tokens
 
 
 # User errors: exit 2 with the flag named, before any process group -----------------------
@@ -233,7 +302,7 @@ def _launcher_option(argv: list[str], name: str, default: str) -> str:
 
 
 def _pretrain_config(call: dict, world_size: int):
-    from megatron.arguments import parse_args
+    from megatron.config import parse_args
 
     argv = call["argv"]
     script = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
@@ -296,6 +365,73 @@ def test_distributed_and_slurm_scripts_launch_valid_runs(fake_launchers):
     assert srun["WORLD_SIZE"] == "16"
     cfg = _pretrain_config(srun, int(srun["WORLD_SIZE"]))
     assert cfg.parallel.data_parallel_size == 8 and cfg.optimizer.fp16
+
+
+# The same scripts at toy size, really launched: torchrun itself, and an srun stand-in that
+# runs its one task here. Later flags override the script's 345M model.
+
+ONE_TASK_SRUN = """#!/bin/bash
+# srun for a one-task job on this machine: drop srun's options, set what it sets, run.
+while [ "${1#-}" != "$1" ]; do shift; done
+SLURM_PROCID=0 SLURM_LOCALID=0 exec "$@"
+"""
+PRINTED_PRECISION = {"fp32": ("False", "False", "torch.float32"),
+                     "bf16": ("False", "True", "torch.bfloat16"),
+                     "fp16": ("True", "False", "torch.float16")}
+
+
+@pytest.fixture
+def one_task_srun(tmp_path):
+    """PATH with an srun that runs its task here and a python that is this interpreter."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(ONE_TASK_SRUN)
+    (bin_dir / "python").write_text(f'#!/bin/bash\nexec {sys.executable} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NTASKS="1",
+                SLURM_SUBMIT_DIR=REPO, MASTER_ADDR="127.0.0.1", GPUS_PER_NODE="1", TP="1")
+
+
+def _printed_argument(stdout: str, name: str) -> str:
+    """The value of ``name`` in the run's printed arguments block."""
+    [value] = re.findall(rf"^  {name} \.+ (.*)$", stdout, flags=re.MULTILINE)
+    return value
+
+
+TOY_FLAGS = ["--use-cpu", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads",
+             "2", "--seq-length", "16", "--max-position-embeddings", "16",
+             "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "2",
+             "--lr-decay-iters", "2", "--log-interval", "1", "--eval-interval", "2",
+             "--eval-iters", "1", "--split", "90,5,5", "--num-workers", "0"]
+
+
+@pytest.mark.parametrize("script", ["examples/pretrain_gpt_distributed.sh",
+                                    "examples/slurm/pretrain_gpt_slurm.sh"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_example_scripts_train_in_the_named_precision(dataset, one_task_srun, tmp_path,
+                                                      script, precision):
+    tok = dataset["tokenizer"]
+    vocab, merges = tok[tok.index("--vocab-file") + 1], tok[tok.index("--merge-file") + 1]
+    done = _run(["bash", script, tmp_path / "ckpt", vocab, merges, dataset["prefix"],
+                 *TOY_FLAGS], timeout=180, PRECISION=precision, MASTER_PORT=str(free_port()),
+                **one_task_srun)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    printed = tuple(_printed_argument(done.stdout, name)
+                    for name in ("fp16", "bf16", "params_dtype"))
+    assert printed == PRINTED_PRECISION[precision]
+    assert [line["iteration"] for line in parse_log_lines(done.stdout)] == [1, 2]
+
+
+@pytest.mark.parametrize("value", ["", "fp8", "float32"])
+def test_example_scripts_refuse_an_unknown_precision(value):
+    for script in ("examples/pretrain_gpt_distributed.sh", "examples/slurm/pretrain_gpt_slurm.sh",
+                   "examples/gpt3/train_gpt3_175b_distributed.sh"):
+        done = _run(["bash", script, "/ck", "/v.json", "/m.txt", "/d"], timeout=60,
+                    PRECISION=value)
+        assert done.returncode == 2, (script, done.stdout, done.stderr)
+        assert done.stderr.strip() == \
+            f"error: PRECISION='{value}' is not one of fp32, bf16, fp16", script
 
 
 def test_quickstart_builds_everything_and_launches_tp2(fake_launchers, tmp_path):

@@ -1,4 +1,4 @@
-"""megatron.arguments: Megatron flag sets -> RunConfig, and every cross check names its flags."""
+"""megatron.config: Megatron flag sets -> RunConfig, and every cross check names its flags."""
 
 import pickle
 import re
@@ -6,16 +6,18 @@ import re
 import pytest
 import torch
 
-from megatron.arguments import (
+from megatron.config import (
+    ConfigError,
+    DeepSpeedConfig,
+    RunConfig,
     build_parser,
     flatten_config,
     parse_args,
     parse_args_or_exit,
     print_config,
+    split_pipeline_layers,
     unmapped_flags,
 )
-from megatron.config import ConfigError
-from megatron.run_config import RunConfig, split_pipeline_layers
 
 # A tiny valid run; tests append flags (argparse keeps the last value of a repeated flag).
 BASE = (
@@ -112,7 +114,8 @@ def test_gpt3_175b_on_64_ranks():
     c = parse_args(GPT3_175B, world_size=64)
     p = c.parallel
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (8, 8)
-    assert p.data_parallel_size == 1 and p.sequence_parallel and p.use_distributed_optimizer
+    assert p.data_parallel_size == 1 and p.sequence_parallel
+    assert c.optimizer.use_distributed_optimizer
     assert c.model.tensor_model_parallel_size == 8 and c.model.sequence_parallel
     assert c.pipeline_stage_num_layers == (12,) * 8
     assert c.model.padded_vocab_size == 51200  # 50257 up to a multiple of 128 x 8
@@ -133,15 +136,14 @@ def test_gpt3_175b_interleaved_virtual_pipeline():
     assert c.parallel.virtual_pipeline_model_parallel_size == 3  # 96 / 8 stages / 4 per chunk
 
 
-def test_megatron_deepspeed_flags_are_stored():
-    c = parse(
-        "--deepspeed", "--deepspeed_config", "ds_config.json", "--zero-stage", "1",
-        "--deepspeed-activation-checkpointing", "--no-pipeline-parallel",
-    )
-    ds = c.deepspeed
-    assert ds.deepspeed and ds.deepspeed_config == "ds_config.json" and ds.zero_stage == 1
-    assert ds.deepspeed_activation_checkpointing and not ds.ds_pipeline_enabled
-    assert parse("--deepspeed-config", "x.json").deepspeed.deepspeed_config == "x.json"
+def test_megatron_deepspeed_flags_are_refused_until_the_engine_is_wired():
+    # Accepted and ignored, they trained with another engine than asked: each is refused.
+    for flags in (["--deepspeed"], ["--deepspeed_config", "ds.json"],
+                  ["--deepspeed-config", "ds.json"], ["--zero-stage", "1"],
+                  ["--deepspeed-activation-checkpointing"], ["--no-pipeline-parallel"]):
+        assert_names(error_of([*BASE, *flags]), flags[0].replace("-config", "_config"),
+                     "not wired", "--use-distributed-optimizer")
+    assert parse().deepspeed == DeepSpeedConfig()
 
 
 # ----------------------------------------------------------------------------- defaults, aliases
@@ -153,15 +155,16 @@ def test_defaults_follow_megatron():
     assert c.training.global_batch_size == 2  # = micro x data-parallel
     assert (c.training.eval_interval, c.training.eval_iters, c.logging.log_interval) == (
         1000, 100, 100)
-    assert (c.training.seed, c.model.seed, c.data.seed) == (1234, 1234, 1234)
-    assert (c.data.split, c.data.num_workers, c.data.data_impl) == ("969,30,1", 2, "mmap")
+    assert (c.training.seed, c.model.seed) == (1234, 1234)  # the model receives the seed
+    # Megatron-DeepSpeed's spelling: index-cache names hash the string.
+    assert (c.data.split, c.data.num_workers, c.data.data_impl) == ("969, 30, 1", 2, "mmap")
     assert c.model.recompute_granularity is None and c.model.recompute_num_layers is None
     o = c.optimizer
     assert (o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad) == (
         0.9, 0.999, 1e-8, 0.01, 1.0)
     assert (o.min_loss_scale, o.loss_scale_window, o.hysteresis) == (1.0, 1000, 2)
     assert c.scheduler.lr_decay_style == "linear"
-    assert c.model.vocab_size == 100  # NullTokenizer's --vocab-size
+    assert c.data.vocab_size == 100  # NullTokenizer's --vocab-size (the model's, once built)
 
 
 def test_world_size_from_argument_then_env_then_one(monkeypatch):
@@ -214,9 +217,12 @@ def test_launcher_local_rank_and_no_op_flags_are_tolerated():
         assert parse(*flags).training.micro_batch_size == 2
     c = parse("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
               "--no-gradient-accumulation-fusion", "--use-mcore-models",
-              "--fp32-residual-connection", "--wandb-project", "p", "--use-checkpoint-args",
-              "--distribute-checkpointed-activations", "--checkpoint-activations")
-    assert c.logging.wandb_project == "p" and c.checkpoint.use_checkpoint_args
+              "--fp32-residual-connection", "--distribute-checkpointed-activations",
+              "--checkpoint-activations")
+    assert c.model.recompute_granularity == "full"
+    assert_names(error_of([*BASE, "--use-checkpoint-args"]), "--use-checkpoint-args",
+                 "needs --load")
+    assert_names(error_of([*BASE, "--wandb-project", "p"]), "--wandb-project", "not available")
 
 
 def test_run_management_and_compatibility_flags():
@@ -252,8 +258,8 @@ def test_sequence_parallel_is_silently_off_at_tp1():
 
 
 def test_weight_decay_increment():
-    c = parse("--weight-decay", "0.1")
-    assert (c.scheduler.start_weight_decay, c.scheduler.end_weight_decay) == (0.1, 0.1)
+    c = parse("--weight-decay", "0.1")  # constant: the schedule uses --weight-decay itself
+    assert (c.scheduler.start_weight_decay, c.scheduler.end_weight_decay) == (None, None)
     c = parse("--weight-decay-incr-style", "linear", "--start-weight-decay", "0.0",
               "--end-weight-decay", "0.1")
     assert (c.scheduler.start_weight_decay, c.scheduler.end_weight_decay) == (0.0, 0.1)
@@ -313,6 +319,8 @@ def test_nonfinite_guard_flags():
     assert parse("--check-for-nan-in-loss-and-grad").optimizer.check_for_nan_in_loss_and_grad
     assert parse("--max-consecutive-nonfinite-iterations", "1").training \
         .max_consecutive_nonfinite_iterations == 1
+    assert "--max-consecutive-nonfinite-iterations" in error_of(
+        [*BASE, "--max-consecutive-nonfinite-iterations", "0"])
 
 
 def test_every_flag_lands_in_a_config_field():
@@ -323,7 +331,8 @@ def test_config_pickles_for_spawned_ranks():
     c = parse_args(GPT3_175B, world_size=64)
     assert pickle.loads(pickle.dumps(c)) == c
     d = c.to_dict()
-    assert d["model"]["params_dtype"] == "float16" and d["training"]["global_batch_size"] == 1536
+    assert d["model"]["fp16"] and d["training"]["global_batch_size"] == 1536
+    assert c.model.params_dtype == torch.float16
 
 
 # ----------------------------------------------------------------------------- printing
@@ -513,9 +522,6 @@ def test_recompute_checks():
 
 def test_checkpoint_and_deepspeed_checks():
     assert_names(error_of([*BASE, "--save", "/ckpt"]), "--save (/ckpt)", "--save-interval")
-    message = error_of([*BASE, "--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"],
-                       world_size=2)
-    assert_names(message, "--no-pipeline-parallel", "--pipeline-model-parallel-size 1", "got 2")
     assert_names(error_of([*BASE, "--zero-stage", "4"]), "--zero-stage", "4")
 
 
@@ -528,13 +534,21 @@ def test_scheduler_and_optimizer_checks_name_flags():
                  "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
 
 
-def test_run_config_rejects_slices_that_disagree():
+def test_received_values_come_from_their_owner():
     from megatron.config import ModelConfig, ParallelConfig
 
-    with pytest.raises(ConfigError) as info:
-        RunConfig(model=ModelConfig(tensor_model_parallel_size=2),
+    # Each value has one owner: the model's tensor-parallel size is the parallel slice's.
+    c = RunConfig(model=ModelConfig(tensor_model_parallel_size=2),
                   parallel=ParallelConfig(world_size=2))
-    assert_names(str(info.value), "--tensor-model-parallel-size", "model", "parallel")
+    assert c.model.tensor_model_parallel_size == 1
+    c = RunConfig(parallel=ParallelConfig(world_size=2, tensor_model_parallel_size=2,
+                                          sequence_parallel=True))
+    assert c.model.tensor_model_parallel_size == 2 and c.model.sequence_parallel
+    # Checks on a received value run with the owner's value and name the owner's flag.
+    with pytest.raises(ConfigError) as info:
+        RunConfig(model=ModelConfig(num_attention_heads=4),
+                  parallel=ParallelConfig(world_size=8, tensor_model_parallel_size=8))
+    assert_names(str(info.value), "--num-attention-heads (4)", "--tensor-model-parallel-size (8)")
 
 
 def test_parser_help_lists_megatron_spellings():

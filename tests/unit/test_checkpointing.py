@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import time
 
 import numpy as np
@@ -12,13 +13,19 @@ import pytest
 import torch
 
 from megatron import checkpointing as ckpt
-from megatron.config import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron.config import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RunConfig,
+)
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_seed
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.gpt_model import GPTModel
 from megatron.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.run_config import CheckpointConfig, DataConfig, RunConfig
 
 MICRO_BATCH = 2
 
@@ -33,20 +40,17 @@ def run_config(save_dir=None, *, tp: int = 1, pp: int = 1, world_size: int = 1,
     fp16, bf16 = precision == "fp16", precision == "bf16"
     model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                         vocab_size=500, hidden_dropout=dropout, attention_dropout=dropout,
-                        tensor_model_parallel_size=tp, fp16=fp16, bf16=bf16,
-                        params_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(
-                            precision, torch.float32))
+                        tensor_model_parallel_size=tp, fp16=fp16, bf16=bf16)
     checkpoint.setdefault("save", None if save_dir is None else str(save_dir))
     checkpoint.setdefault("load", checkpoint["save"])
     checkpoint.setdefault("save_interval", 1)
     return RunConfig(
         model=model,
         parallel=ParallelConfig(world_size=world_size, tensor_model_parallel_size=tp,
-                                pipeline_model_parallel_size=pp,
-                                use_distributed_optimizer=distributed_optimizer),
+                                pipeline_model_parallel_size=pp),
         optimizer=OptimizerConfig(lr=1e-3, fp16=fp16, bf16=bf16, initial_loss_scale=2.0**20,
                                   use_distributed_optimizer=distributed_optimizer),
-        data=DataConfig(seq_length=16, tokenizer_type="NullTokenizer", vocab_size=500),
+        data=DataConfig(tokenizer_type="NullTokenizer", vocab_size=500),
         checkpoint=CheckpointConfig(**checkpoint),
     )
 
@@ -179,7 +183,7 @@ def test_folder_and_tracker_names(tmp_path):
     assert folder == str(tmp_path / "iter_0000100")
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "100"
     assert sorted(os.listdir(tmp_path)) == ["iter_0000100", "latest_checkpointed_iteration.txt"]
-    assert os.listdir(tmp_path / "iter_0000100") == ["mp_rank_00"]
+    assert sorted(os.listdir(tmp_path / "iter_0000100")) == ["manifest.json", "mp_rank_00"]
     assert os.listdir(tmp_path / "iter_0000100" / "mp_rank_00") == ["model_optim_rng.pt"]
     assert ckpt.read_tracker(str(tmp_path)) == (100, False)
     assert ckpt.checkpoint_path("S", 100, 1, 0, 1) == "S/iter_0000100/mp_rank_01/model_optim_rng.pt"
@@ -315,17 +319,17 @@ def test_crash_before_tracker_update_keeps_previous(tmp_path, monkeypatch):
     config = run_config(tmp_path)
     saved, _, _, _ = trained_run(config, steps_after=1)
     model, optimizer, scheduler = build(config, seed=31)
-    real_write = ckpt._write_text_atomic
+    real_write = ckpt.save.write_text_atomic
 
     def no_tracker(path, text):
         if path.endswith(ckpt.TRACKER_FILENAME):
             raise KeyboardInterrupt("killed")
         real_write(path, text)
 
-    monkeypatch.setattr(ckpt, "_write_text_atomic", no_tracker)
+    monkeypatch.setattr(ckpt.save, "write_text_atomic", no_tracker)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save_checkpoint(4, model, optimizer, scheduler, config, consumed_train_samples=8)
-    monkeypatch.setattr(ckpt.shutil, "rmtree", lambda *a, **k: None)  # a kill leaves the tmp
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # a kill leaves the tmp
     monkeypatch.setattr(torch, "save", _failing_torch_save(torch.save, 1))
     with pytest.raises(ckpt.CheckpointError):
         ckpt.save_checkpoint(6, model, optimizer, scheduler, config, consumed_train_samples=12)
@@ -352,7 +356,7 @@ def test_next_save_removes_folders_of_killed_saves(tmp_path, monkeypatch):
     start = time.time()
     for folder in (old_tmp, old_backup):
         os.utime(folder, (start - 60, start - 60))
-    monkeypatch.setattr(ckpt, "_PROCESS_START", start - 30)
+    monkeypatch.setattr(ckpt.retention, "_PROCESS_START", start - 30)
     ckpt.save_checkpoint(8, model, optimizer, scheduler, config, consumed_train_samples=16)
     assert sorted(os.listdir(tmp_path)) == [
         "iter_0000004.tmp-notes.txt", "iter_0000006.tmp-99999999", "iter_0000008",
@@ -373,9 +377,12 @@ def test_saving_an_iteration_again_replaces_it(tmp_path):
 
 
 def test_corrupt_file_error_names_the_file(tmp_path):
+    """A damaged file of a checkpoint without a manifest (an older save) is named by the read
+    (with one, verification names it first: tests/unit/test_checkpoint_manifest.py)."""
     config = run_config(tmp_path)
     model, optimizer, scheduler = build(config)
     ckpt.save_checkpoint(5, model, optimizer, scheduler, config, consumed_train_samples=10)
+    os.remove(tmp_path / "iter_0000005" / "manifest.json")
     path = ckpt.checkpoint_path(str(tmp_path), 5, 0, 0, 1)
     data = open(path, "rb").read()
     for damaged in (data[: len(data) // 2], b"\x00garbage" * 10):
@@ -417,7 +424,7 @@ def test_layout_mismatch_names_both_layouts(tmp_path):
         ckpt.load_checkpoint(model, optimizer, scheduler, config)
     message = str(info.value)
     assert "tp=2, pp=2" in message and "tp=1, pp=1" in message
-    assert "tools/checkpoint_util.py" in message
+    assert "saved with" in message and "tools/" not in message  # no tool that does not exist
 
 
 def test_virtual_pipeline_chunks(tmp_path):

@@ -1,8 +1,12 @@
 import pytest
 
-from megatron.config import ConfigError, ModelConfig, ParallelConfig
-from megatron.model.stages import layer_range
-from megatron.run_config import split_pipeline_layers
+from megatron.config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    layer_range,
+    split_pipeline_layers,
+)
 
 
 @pytest.mark.parametrize("kwargs,pattern", [

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from megatron import checkpointing
+from megatron.checkpointing import rng as checkpoint_rng
 from megatron.core.tensor_parallel import get_rng_tracker, model_parallel_seed
 from megatron.model import transformer
 from megatron.model.gpt_model import GPTModel
@@ -45,11 +45,11 @@ def test_rng_states_from_a_gpu_do_not_fit_a_cpu_tracker(caplog):
     from_gpu = {name: torch.zeros(16, dtype=torch.uint8) for name in own}
     assert not tracker.fits(from_gpu)
 
-    saved = checkpointing._capture_rng_state()
+    saved = checkpoint_rng.capture_rng_state()
     saved["rng_tracker_states"] = from_gpu
     saved["cuda_rng_state"] = torch.zeros(16, dtype=torch.uint8)
     with caplog.at_level(logging.WARNING, logger="megatron.checkpointing"):
-        checkpointing._restore_rng_state(saved)  # neither state is applied to the CPU
+        checkpoint_rng.restore_rng_state(saved)  # neither state is applied to the CPU
     assert "another device type" in caplog.text
     for name, state in tracker.get_states().items():
         assert torch.equal(state, own[name])

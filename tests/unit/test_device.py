@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from megatron import device as device_mod
-from megatron.arguments import parse_args
-from megatron.config import ConfigError
+from megatron.config import ConfigError, parse_args
 from megatron.core import parallel_state
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.arguments import parse_args
-from megatron.config import ConfigError
+from megatron.config import ConfigError, parse_args
 from megatron.core.pipeline_parallel import bubble
 from megatron.core.pipeline_parallel.schedules import (
     BACKWARD_TIMER,

@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.arguments import parse_args
+from megatron.config import layer_range, parse_args
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
 from megatron.model.gpt_model import GPTModel
-from megatron.model.stages import layer_range
 
 TP, PP, WORLD = 8, 8, 64
 L, H, HEADS, SEQ, GPT2_VOCAB = 96, 12288, 96, 2048, 50257

@@ -11,7 +11,7 @@ optimizer state for, only the pieces of parameters inside its slices. A step is:
 3. write the shards into the wrapper's flat parameter buffer and all-gather it per bucket,
    which updates every model parameter (they are views into that buffer).
 
-Checkpoints (what ``megatron/checkpointing.py`` calls):
+Checkpoints (what ``megatron/checkpointing/`` calls):
 
 - ``state_dict()`` / ``gathered_state_dict()``: a **collective over the data-parallel group**
   (every dp rank must call it). Returns the same, data-parallel-independent dict on every rank:

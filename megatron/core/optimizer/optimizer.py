@@ -40,6 +40,7 @@ from megatron.core.optimizer.clip_grads import (
     grads_for_norm,
 )
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
+from megatron.core.utils import param_is_not_shared, param_is_not_tensor_parallel_duplicate
 
 # Builds the torch optimizer from param groups (dicts with "params", "lr", "weight_decay", ...).
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -141,6 +142,13 @@ class MegatronOptimizer(ABC):
 
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_main_params(), self.norm_groups())
+
+    def params_norm(self) -> float:
+        """L2 norm of the whole model's (main) parameters, each counted once across ranks, as
+        the gradient norm counts them (``--log-params-norm``)."""
+        params = [p.detach() for p in self.get_main_params()
+                  if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        return get_grad_norm_fp32(params, self.norm_groups())
 
     def _unscale_main_grads_and_check_for_nan(self) -> bool:
         grads = [p.grad for p in self.get_main_params() if p.grad is not None]

@@ -30,6 +30,11 @@ with ``hidden_size``, ``params_dtype``, ``sequence_parallel`` and
 derived; ``tensor_shape``/``dtype`` override it, and ``communicator`` replaces the
 point-to-point layer (tests pass a recording one).
 
+The schedule tells ``forward_step_func`` where it runs: a callback that takes a ``stage``
+argument, ``forward_step_func(data_iterator, model, stage)``, receives a ``StageInfo`` (first
+and last stage of the whole pipeline, virtual chunk index); Megatron's two-argument form
+``forward_step_func(data_iterator, model)`` keeps working. No global stage state is written.
+
 Once a stage's output activation has been sent to the next stage, only its autograd graph is
 needed for the backward, not its values: the schedules free its data
 (``deallocate_output_tensor``, as Megatron does) and run that backward through the autograd
@@ -44,8 +49,10 @@ waiting for a neighbour, i.e. the bubble, plus the transfer itself).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -65,24 +72,44 @@ def _as_list(model: Union[nn.Module, Sequence[nn.Module]]) -> list[nn.Module]:
     return [model] if isinstance(model, nn.Module) else list(model)
 
 
+@dataclass(frozen=True)
+class StageInfo:
+    """Where one forward step runs: ``is_first`` reads the tokens (first virtual stage of the
+    whole pipeline), ``is_last`` computes the loss, ``chunk`` is the virtual chunk on this
+    rank (0 without interleaving)."""
+
+    is_first: bool = True
+    is_last: bool = True
+    chunk: int = 0
+
+
+def takes_stage(forward_step_func: Callable) -> bool:
+    """Whether the callback accepts the ``stage`` argument."""
+    try:
+        return "stage" in inspect.signature(forward_step_func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def forward_step(forward_step_func: Callable, data_iterator: Iterator, model: nn.Module,
                  num_microbatches: int, losses: list[LossDict], *,
                  input_tensor: Optional[torch.Tensor] = None,
-                 is_last_stage: Optional[bool] = None) -> torch.Tensor:
+                 stage: StageInfo = StageInfo()) -> torch.Tensor:
     """One micro-batch forward. On the last stage returns the scaled loss and records the
     reported values; elsewhere returns the activation for the next stage.
 
     ``input_tensor`` (the previous stage's activation) is handed to the model through
-    ``set_input_tensor`` when the model has it. ``is_last_stage`` defaults to parallel_state's
-    (virtual-stage aware) answer.
+    ``set_input_tensor`` when the model has it; ``stage`` says where this step runs and is
+    passed on to callbacks that take it.
     """
     set_input = getattr(model, "set_input_tensor", None)
     if callable(set_input):
         set_input(input_tensor)
-    output, loss_func = forward_step_func(data_iterator, model)
-    if is_last_stage is None:
-        is_last_stage = parallel_state.is_pipeline_last_stage()
-    if not is_last_stage:
+    if takes_stage(forward_step_func):
+        output, loss_func = forward_step_func(data_iterator, model, stage=stage)
+    else:
+        output, loss_func = forward_step_func(data_iterator, model)
+    if not stage.is_last:
         return output
     loss, reported = loss_func(output)
     losses.append(reported)
@@ -266,23 +293,18 @@ class _Stage:
         """The last virtual stage of the whole pipeline: computes the loss."""
         return self.comm.is_last_stage and chunk_id == self.num_chunks - 1
 
-    def _select(self, chunk_id: int) -> None:
-        # forward_step callbacks (pretrain_gpt.forward_step) ask parallel_state which stage
-        # they run on; under interleaving that depends on the chunk.
-        if self.num_chunks > 1:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(chunk_id)
+    def stage_info(self, chunk_id: int) -> StageInfo:
+        return StageInfo(self.is_first(chunk_id), self.is_last(chunk_id), chunk_id)
 
     def forward(self, chunk_id: int, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
-        self._select(chunk_id)
         with self.phase(FORWARD_TIMER):
             return forward_step(self.forward_step_func, self.data[chunk_id],
                                 self.chunks[chunk_id], self.num_microbatches, self.losses,
-                                input_tensor=input_tensor, is_last_stage=self.is_last(chunk_id))
+                                input_tensor=input_tensor, stage=self.stage_info(chunk_id))
 
     def backward(self, chunk_id: int, input_tensor: Optional[torch.Tensor],
                  output_tensor: torch.Tensor,
                  output_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        self._select(chunk_id)
         self.grad_sync.before_backward(chunk_id)
         with self.phase(BACKWARD_TIMER):
             return backward_step(input_tensor, output_tensor, output_grad,
@@ -297,8 +319,6 @@ class _Stage:
 
     def finish(self) -> list[LossDict]:
         self.grad_sync.close()
-        if self.num_chunks > 1:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(0)
         return self.losses
 
 

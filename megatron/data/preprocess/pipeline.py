@@ -22,7 +22,7 @@ from megatron.data.preprocess.config import (
     config_from_args,
 )
 from megatron.data.preprocess.encoding import ChunkEncoder
-from megatron.data.preprocess.reading import Span, iter_chunks, plan_partitions
+from megatron.data.preprocess.reading import Span, input_size, iter_chunks, plan_partitions
 from megatron.data.preprocess.sentences import build_splitter
 from megatron.data.preprocess.workers import encode_stream, mp_context, prepare_child, receive, stop
 from megatron.data.preprocess.writing import DatasetWriter, ProgressLog, Stats
@@ -51,7 +51,7 @@ def run_stream(config: PreprocessConfig, encoder: ChunkEncoder, spans: Sequence[
     ``whole_run`` is False for one partition, which may legitimately hold no documents.
     """
     writer = DatasetWriter(config, prefix, vocab_size)
-    progress = ProgressLog(config.log_interval, label)
+    progress = ProgressLog(config.log_interval, label, input_size(spans))
     stream = encode_stream(encoder, iter_chunks(spans, config.chunk_size), workers)
     try:
         for result in stream:

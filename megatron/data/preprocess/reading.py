@@ -54,6 +54,18 @@ def _count_newlines(path: str, end: int) -> int:
     return count
 
 
+def input_size(spans: Sequence[Span]) -> Optional[int]:
+    """Bytes the spans hold, which is what the encoder counts as read; None when unknown
+    (a gzip file's decompressed size is not known before it has been read)."""
+    total = 0
+    for span in spans:
+        if span.path.endswith(".gz"):
+            return None
+        end = os.path.getsize(span.path) if span.end is None else span.end
+        total += end - span.start
+    return total
+
+
 def iter_chunks(spans: Sequence[Span], chunk_lines: int) -> Iterator[Chunk]:
     """Whole lines of each span in order, at most ``chunk_lines`` lines / ~1 MiB per chunk."""
     for span_index, span in enumerate(spans):

@@ -65,8 +65,8 @@ def receive(conn: Connection, proc: Any, what: str) -> Any:
     if conn.poll():
         try:
             return conn.recv()
-        except EOFError:
-            pass  # it died while sending
+        except (EOFError, OSError):
+            pass  # it died while sending: nothing, or half a message, came through
     proc.join(JOIN_SECONDS)
     raise WorkerDied(f"{what} (pid {proc.pid}) died before returning its work: "
                      f"{describe_exit(proc.exitcode)}")

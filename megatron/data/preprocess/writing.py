@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -117,11 +119,14 @@ class Stats:
 
 
 class ProgressLog:
-    """Counts results and prints a line each time another --log-interval documents are done."""
+    """Counts results and prints a line each time another --log-interval documents are done;
+    with the input's size known (``total_bytes``), the line says how far the run is and when
+    it should end (from the bytes read so far)."""
 
-    def __init__(self, interval: int, label: str = ""):
+    def __init__(self, interval: int, label: str = "", total_bytes: Optional[int] = None):
         self.interval = interval
         self.label = label
+        self.total_bytes = total_bytes
         self.start = time.time()
         self.stats = Stats()
 
@@ -138,5 +143,17 @@ class ProgressLog:
             stats.skip_examples.append(f"{span.path}:{span.line_number(line)}: {reason}")
         stats.seconds = time.time() - self.start
         if stats.documents // self.interval > before // self.interval:
-            print(f"{self.label}Processed {stats.documents} documents ({stats.rates()}).",
-                  file=sys.stderr, flush=True)
+            # One write per line: partitions share stderr, and print() writes the line and
+            # its newline apart, so two partitions' lines could run together.
+            sys.stderr.write(f"{self.label}Processed {stats.documents} documents"
+                             f"{self._progress()} ({stats.rates()}).\n")
+            sys.stderr.flush()
+
+    def _progress(self) -> str:
+        """", 42.0% done, ETA 0:01:23" when the input's size is known, else ""."""
+        done, total = self.stats.input_bytes, self.total_bytes
+        if not total or not done:
+            return ""
+        fraction = min(done / total, 1.0)
+        eta = self.stats.seconds * (1.0 - fraction) / fraction
+        return f", {100.0 * fraction:.1f}% done, ETA {datetime.timedelta(seconds=round(eta))}"

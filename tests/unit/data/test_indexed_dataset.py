@@ -225,3 +225,101 @@ def test_abort_on_a_full_disk_still_removes_the_partial_file(tmp_path):
     builder._file = FullDisk()
     builder.abort()
     assert os.listdir(tmp_path) == []
+
+
+# Structural checks at open (issue 13, case 3): what inspect_dataset --check finds, the loader
+# refuses, naming the file.
+
+
+def _patch(path, offset, value):
+    raw = bytearray(open(path, "rb").read())
+    raw[offset:offset + len(value)] = value
+    open(path, "wb").write(bytes(raw))
+
+
+def _uint16_docs(prefix, n=4):
+    _build(prefix, [np.arange(10 * i, 10 * i + 5 + i) for i in range(n)], np.uint16)
+
+
+@pytest.mark.parametrize("code,name", [(1, "uint8"), (4, "int32"), (5, "int64")])
+def test_another_dtype_code_is_refused_naming_the_idx(tmp_path, code, name):
+    prefix = str(tmp_path / "d")
+    _uint16_docs(prefix)
+    _patch(prefix + ".idx", 17, bytes([code]))
+    with pytest.raises(IndexedDatasetError) as err:
+        MMapIndexedDataset(prefix)
+    text = str(err.value)
+    assert prefix + ".idx" in text and f"dtype code {code} ({name})" in text
+    assert "2-byte tokens" in text
+
+
+def test_another_dtype_code_of_a_one_sequence_dataset_names_the_bin(tmp_path):
+    prefix = str(tmp_path / "one")
+    _build(prefix, [np.arange(100)], np.uint16)
+    _patch(prefix + ".idx", 17, bytes([1]))  # uint8: the .bin now looks twice too long
+    with pytest.raises(IndexedDatasetError) as err:
+        MMapIndexedDataset(prefix)
+    assert prefix + ".bin" in str(err.value) and "100 tokens of 2 bytes" in str(err.value)
+
+
+def test_another_datasets_larger_bin_is_refused(tmp_path):
+    small, large = str(tmp_path / "small"), str(tmp_path / "large")
+    _uint16_docs(small, 3)
+    _uint16_docs(large, 9)
+    os.replace(large + ".bin", small + ".bin")
+    with pytest.raises(IndexedDatasetError) as err:
+        MMapIndexedDataset(small)
+    assert small + ".bin" in str(err.value) and "longer than the index" in str(err.value)
+
+
+def _hand_index(prefix, sizes, doc_idx, pointers=None, dtype=np.uint16):
+    """An .idx with any arrays (write_index computes consistent pointers), and its .bin."""
+    ix.write_index(prefix + ".idx", dtype, np.asarray(sizes), np.asarray(doc_idx))
+    if pointers is not None:
+        _patch(prefix + ".idx", ix.HEADER_SIZE + 4 * len(sizes),
+               np.asarray(pointers, dtype="<i8").tobytes())
+    with open(prefix + ".bin", "wb") as f:
+        f.write(b"\0" * (int(np.sum(sizes)) * np.dtype(dtype).itemsize))
+
+
+@pytest.mark.parametrize("sizes,doc_idx,pointers,words", [
+    ([3, 2, 4], [0, 2, 1, 3], None, "decreases at entry 2"),
+    ([3, 2, 4], [1, 3], None, "must start with 0"),
+    ([3, 2, 4], [0, 5], None, "ends at sequence 5"),
+    ([3, 2, 4], [0, 3], [0, 6, 8], "sequence 2 starts 2 bytes after sequence 1"),
+    ([3, 2, 4], [0, 3], [2, 8, 12], "first sequence starts at byte 2"),
+])
+def test_inconsistent_index_arrays_are_refused(tmp_path, sizes, doc_idx, pointers, words):
+    prefix = str(tmp_path / "h")
+    _hand_index(prefix, sizes, doc_idx, pointers)
+    with pytest.raises(IndexedDatasetError) as err:
+        MMapIndexedDataset(prefix)
+    assert prefix + ".idx" in str(err.value) and words in str(err.value)
+
+
+def test_loader_and_inspect_share_one_check(tmp_path, monkeypatch):
+    """tools/inspect_dataset.py --check reports exactly what the loader refuses with."""
+    from tools import inspect_dataset
+
+    prefix = str(tmp_path / "d")
+    _uint16_docs(prefix)
+    _patch(prefix + ".idx", 17, bytes([1]))
+    with pytest.raises(IndexedDatasetError) as err:
+        MMapIndexedDataset(prefix)
+    problems = inspect_dataset.check(MMapIndexedDataset(prefix, verify=False), eod=None)
+    assert len(problems) == 1 and problems[0] in str(err.value)
+    calls = []
+    monkeypatch.setattr(ix, "index_problems", lambda *a: calls.append(a) or [])
+    MMapIndexedDataset(prefix)  # the loader goes through the shared function
+    inspect_dataset.check(MMapIndexedDataset(prefix, verify=False), eod=None)
+    assert len(calls) == 2
+
+
+def test_checks_read_the_index_in_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(ix, "_CHECK_CHUNK", 3)
+    prefix = str(tmp_path / "c")
+    _build(prefix, [np.arange(i % 5) for i in range(20)], np.uint16)
+    assert MMapIndexedDataset(prefix).problems() == []
+    _hand_index(prefix, [1] * 20, [0, 20], pointers=[2 * i for i in range(19)] + [40])
+    with pytest.raises(IndexedDatasetError, match="sequence 19 starts 4 bytes after"):
+        MMapIndexedDataset(prefix)

@@ -283,3 +283,10 @@ def test_builder_errors_name_the_flag():
     with pytest.raises(ConfigError, match="--use-distributed-optimizer"):
         get_megatron_optimizer(OptimizerConfig(lr=0.1, use_distributed_optimizer=True),
                                build_model())
+
+
+def test_params_norm_counts_every_parameter_once():
+    model = build_model()
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1), model)
+    expected = torch.sqrt(sum((p.detach().double() ** 2).sum() for p in model.parameters()))
+    assert abs(optimizer.params_norm() - float(expected)) < 1e-5 * float(expected)

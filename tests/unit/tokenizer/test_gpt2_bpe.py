@@ -161,3 +161,46 @@ def test_numpy_dtype(tokenizer):
     arr = tokenizer.tokenize_to_numpy("Hello world")
     assert arr.dtype == np.uint32
     assert arr.tolist() == [15496, 995]
+
+
+# Issue 13, case 8: a damaged merges file is named, with its line, not left to tokenizers.
+
+
+def _cut_merges(gpt2_files, tmp_path, cut):
+    """GPT-2's merges.txt cut by ``cut(raw) -> bytes``; returns (vocab, cut file)."""
+    vocab, merges = gpt2_files
+    raw = open(merges, "rb").read()
+    path = tmp_path / "merges.txt"
+    path.write_bytes(cut(raw))
+    return vocab, str(path)
+
+
+@pytest.mark.parametrize("cut,words", [
+    # Inside a word of a merge: "Ġha v" instead of "Ġha ve" makes 'Ġhav', not in the vocab.
+    (lambda raw: raw[:raw.index("Ġha ve\n".encode()) + len("Ġha v".encode())],
+     ["line 169", "'Ġhav'", "ends mid-line"]),
+    # After the first word of a line.
+    (lambda raw: raw[:raw.index("Ġha ve\n".encode()) + len("Ġha".encode())],
+     ["line 169", "expected two tokens", "ends mid-line"]),
+    # Inside a UTF-8 character ("Ġ" is two bytes).
+    (lambda raw: raw[:raw.index("Ġha ve\n".encode()) + 1],
+     ["line 169", "not UTF-8"]),
+    # Not a merges file at all.
+    (lambda raw: b"\x89PNG\r\n\x1a\n" + bytes(range(128, 256)), ["line 1", "not UTF-8"]),
+])
+def test_damaged_merges_file_names_file_and_line(gpt2_files, tmp_path, cut, words):
+    vocab, merges = _cut_merges(gpt2_files, tmp_path, cut)
+    for backend in ("auto", "tokenizers"):
+        with pytest.raises(TokenizerFileError) as err:
+            GPT2BPETokenizer(vocab, merges, backend=backend)
+        assert f"--merge-file {merges!r}" in str(err.value)
+        for word in words:
+            assert word in str(err.value)
+
+
+def test_merges_of_another_vocabulary(tmp_path):
+    vocab, merges = _write_toy_files(tmp_path, [("h", "e"), ("l", "l")], [256, 257])
+    with open(merges, "a", encoding="utf-8") as f:
+        f.write("he ll\n")  # complete line, but 'hell' is no token of this vocabulary
+    with pytest.raises(TokenizerFileError, match="line 4.*'hell'.*another vocabulary"):
+        GPT2BPETokenizer(vocab, merges)

@@ -1,0 +1,104 @@
+"""Save and load training checkpoints in Megatron's layout, atomically and verified.
+
+On disk (as Megatron-LM / Megatron-DeepSpeed)::
+
+    SAVE/latest_checkpointed_iteration.txt     "100" (or "release": the folder release/)
+    SAVE/iter_0000100/mp_rank_{tp:02d}/model_optim_rng.pt              pipeline size 1
+    SAVE/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt     pipeline size > 1
+    SAVE/iter_0000100/mp_rank_.../distrib_optim.pt   with --use-distributed-optimizer
+    SAVE/iter_0000100/manifest.json            ours: every file's size and CRC-32, the config
+    SAVE/best_checkpointed_iteration.txt       with --save-best: iteration and its valid loss
+
+``model_optim_rng.pt`` is written by data-parallel rank 0 of each (tensor, pipeline) rank and
+holds ``checkpoint_version`` (3.0), ``iteration``, ``config`` (the resolved RunConfig as plain
+dicts), ``parallel_layout``, ``consumed_train_samples``/``consumed_valid_samples``, ``model``
+(``model0``, ``model1``, ... for virtual-pipeline chunks), ``optimizer``,
+``opt_param_scheduler``, ``rng_state`` (one entry per data-parallel rank: python, numpy, torch
+CPU/CUDA generators and the tensor-parallel tracker) and whatever the caller passed as
+``extra`` (e.g. ``num_floating_point_operations_so_far``) as further top-level keys.
+The distributed optimizer's state is gathered over data parallel into ``distrib_optim.pt``
+(full, unsharded tensors keyed by parameter name), so it loads at any data-parallel size.
+``manifest.json`` (see ``manifest.py``) records what an intact folder is; loading checks each
+file it reads against it, and compares the model flags with the config stored there. Folders
+without one (older saves, Megatron-LM's) load with a warning that they were not verified.
+
+A save writes everything into ``SAVE/iter_XXXXXXX.tmp-<unique>``; when every rank has
+succeeded, global rank 0 writes the manifest, renames that folder to ``iter_XXXXXXX`` and only
+then replaces the tracker file. A crash at any point leaves the previous checkpoint the one the
+tracker names; the next save removes the temporary folder such a crash left behind.
+Files are read with ``torch.load(weights_only=True)``: everything stored is tensors and plain
+Python values.
+
+Modules: ``paths`` (names, tracker files, --save/--load checks), ``files`` (atomic writes,
+checksums, safe reads), ``ranks`` (this rank's place, collectives), ``contents`` (what a file
+holds), ``rng``, ``manifest`` (verification), ``model_shape``, ``save``, ``load``,
+``retention`` (leftovers, pruning, best).
+"""
+
+from megatron.checkpointing.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointLayoutError,
+)
+from megatron.checkpointing.load import (
+    LoadedCheckpoint,
+    LoadReport,
+    load_checkpoint,
+    load_checkpoint_config,
+)
+from megatron.checkpointing.manifest import read_manifest
+from megatron.checkpointing.paths import (
+    BEST_FILENAME,
+    CHECKPOINT_VERSION,
+    DISTRIB_OPTIM_FILENAME,
+    MANIFEST_FILENAME,
+    MODEL_FILENAME,
+    TRACKER_FILENAME,
+    BestCheckpoint,
+    Tracker,
+    check_load_dir,
+    check_save_dir,
+    checkpoint_path,
+    iteration_dir_name,
+    list_iterations,
+    mp_rank_dir_name,
+    read_best,
+    read_tracker,
+)
+from megatron.checkpointing.retention import (
+    prune_checkpoints,
+    remove_leftover_folders,
+    update_best_checkpoint,
+)
+from megatron.checkpointing.save import save_checkpoint
+
+__all__ = [
+    "BEST_FILENAME",
+    "CHECKPOINT_VERSION",
+    "DISTRIB_OPTIM_FILENAME",
+    "MANIFEST_FILENAME",
+    "MODEL_FILENAME",
+    "TRACKER_FILENAME",
+    "BestCheckpoint",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointLayoutError",
+    "LoadReport",
+    "LoadedCheckpoint",
+    "Tracker",
+    "check_load_dir",
+    "check_save_dir",
+    "checkpoint_path",
+    "iteration_dir_name",
+    "list_iterations",
+    "load_checkpoint",
+    "load_checkpoint_config",
+    "mp_rank_dir_name",
+    "prune_checkpoints",
+    "read_best",
+    "read_manifest",
+    "read_tracker",
+    "remove_leftover_folders",
+    "save_checkpoint",
+    "update_best_checkpoint",
+]

@@ -1,0 +1,51 @@
+"""The checkpoint slice: where checkpoints are saved to and loaded from, and what they hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.config.base import Slice, check_refused, option, optional_positive, require
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(Slice):
+    """Where checkpoints are saved to and loaded from, and what they hold."""
+
+    save: Optional[str] = option(default=None, help="Folder to save checkpoints in (needs "
+                                 "--save-interval); nothing is saved when unset.")
+    load: Optional[str] = option(default=None, help="Folder to resume from (its latest "
+                                 "checkpoint); a fresh start when unset.")
+    save_interval: Optional[int] = option(default=None, help="Iterations between saves.")
+    no_save_optim: bool = option(default=False, help="Save weights without optimizer state.")
+    no_save_rng: bool = option(default=False, help="Save without the random-number states.")
+    no_load_optim: bool = option(default=False, help="Load weights; start the optimizer "
+                                 "afresh.")
+    no_load_rng: bool = option(default=False, help="Do not restore the random-number states.")
+    no_load_lr_state: bool = option(
+        default=False, help="Load the optimizer but not the learning-rate schedule's state "
+        "(Megatron-DeepSpeed): the schedule starts again from these flags.")
+    finetune: bool = option(default=False, help="Load weights only and start at iteration 0 "
+                            "(no optimizer, schedule or RNG state).")
+    keep_last_n_checkpoints: Optional[int] = option(
+        default=None, help="Delete older checkpoints, keeping this many (all when unset).")
+    save_best: bool = option(default=False, help="Also keep the checkpoint with the lowest "
+                             "validation loss (best_checkpointed_iteration.txt).")
+    use_checkpoint_args: bool = option(
+        default=False, settings_source=True, help="Take the model's shape (--num-layers, "
+        "--hidden-size, ...) from the checkpoint in --load; flags given still win.")
+    exit_on_missing_checkpoint: bool = option(
+        default=False, help="Stop with an error when --load holds no checkpoint.")
+    no_verify_checkpoint: bool = option(
+        default=False, help="Load without checksumming the files against the checkpoint's "
+        "manifest.json (sizes are still checked): for checkpoints too large to read twice.")
+    ckpt_format: str = option(
+        default="torch", help="Only torch (Megatron's iter_XXXXXXX/mp_rank_XX layout).",
+        refused="only the torch format (the iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt "
+        "layout) is written and read; torch_dist and zarr are not supported")
+
+    def __post_init__(self) -> None:
+        check_refused(self)
+        optional_positive(self, "save_interval", "keep_last_n_checkpoints")
+        require(self.save is None or self.save_interval is not None,
+                f"--save ({self.save}) needs --save-interval")

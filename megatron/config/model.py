@@ -1,0 +1,157 @@
+"""The model slice: shape, numerics and activation recomputation of a GPT (GPT-2/GPT-3)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.config.base import (
+    Slice,
+    internal,
+    one_of,
+    option,
+    positive,
+    probability,
+    received,
+    require,
+    set_field,
+)
+
+_EXACT = "GeLU with the tanh approximation (OpenAI's GPT-2 code); exact erf GeLU otherwise."
+
+
+@dataclass(frozen=True)
+class ModelConfig(Slice):
+    """The shape and numerics of a GPT model. Mixed precision (--fp16/--bf16) is owned here:
+    it is the dtype of the model's parameters and activations."""
+
+    num_layers: int = option(default=2, required=True, help="Transformer layers.")
+    hidden_size: int = option(default=64, required=True, help="Hidden size.")
+    num_attention_heads: int = option(default=4, required=True, help="Attention heads.")
+    ffn_hidden_size: Optional[int] = option(
+        default=None, help="Width of the MLP (4 x --hidden-size when unset).")
+    kv_channels: Optional[int] = option(
+        default=None, help="Size of each attention head (--hidden-size / "
+        "--num-attention-heads when unset).")
+    seq_length: int = option(default=128, required=True, help="Tokens per training sample.")
+    max_position_embeddings: Optional[int] = option(
+        default=None, help="Rows of the learned position table (--seq-length when unset).")
+    make_vocab_size_divisible_by: int = option(
+        default=128, help="Pad the vocabulary to a multiple of this times the tensor-parallel "
+        "size (Megatron's rule: padding differs between tensor-parallel sizes).")
+    layernorm_epsilon: float = option(default=1e-5, help="Epsilon of the layer norms.")
+    hidden_dropout: float = option(default=0.1, help="Dropout after attention and MLP.")
+    attention_dropout: float = option(default=0.1, help="Dropout of the attention weights.")
+    init_method_std: float = option(
+        default=0.02, help="Standard deviation of the normal weight initialization.")
+    untie_embeddings_and_output_weights: bool = option(
+        default=False, help="Give the output layer its own weights instead of the word "
+        "embeddings'.")
+    position_embedding_type: str = option(
+        default="learned_absolute", choices=("learned_absolute", "rope"),
+        help="Learned absolute positions (GPT-2) or rotary embeddings.")
+    rotary_percent: float = option(default=1.0, help="Share of each head rotated by RoPE.")
+    rotary_base: int = option(default=10000, help="Base of RoPE's frequencies.")
+    add_bias_linear: bool = option(
+        "--disable-bias-linear", default=True, action="store_false",
+        help="No biases in the linear layers.")
+    activation: str = option(
+        "--openai-gelu", "--gelu-tanh", default="gelu", action="store_const",
+        const="gelu_tanh", help=_EXACT)
+    fp16: bool = option(default=False, help="Train in fp16 with fp32 main weights and loss "
+                        "scaling.")
+    bf16: bool = option(default=False, help="Train in bf16 with fp32 main weights and fp32 "
+                        "gradient reduction.")
+    attention_softmax_in_fp32: bool = option(
+        default=True, action="store_true", help="Softmax in fp32 (always on here; Megatron "
+        "forces it under fp16 with query-key layer scaling, its default).")
+    use_flash_attn: bool = option(
+        "--use-flash-attn", "--use-flash-attn-v2", default=False,
+        help="Use flash-attn where it is installed (PyTorch's SDPA otherwise, with a notice).")
+    recompute_granularity: Optional[str] = option(
+        default=None, choices=("full", "selective"), help="Recompute activations in the "
+        "backward pass: whole layers (full) or only the attention core (selective). Off when "
+        "unset.")
+    recompute_method: Optional[str] = option(
+        "--recompute-method", "--activations-checkpoint-method", default=None,
+        choices=("uniform", "block"), help="With full recomputation: recompute every "
+        "--recompute-num-layers layers as a block (uniform), or the first N layers of each "
+        "stage (block).")
+    recompute_num_layers: Optional[int] = option(
+        "--recompute-num-layers", "--checkpoint-num-layers", "--activations-checkpoint-num-layers",
+        default=1, help="Layers per recomputed block (full recomputation only).")
+
+    vocab_size: int = internal("the tokenizer's vocabulary size (before padding)", 50257)
+    apex_layernorm: bool = internal("programmatic: apex's fused LayerNorm where installed", True)
+    perform_initialization: bool = internal("programmatic: converters skip random init", True)
+    tensor_model_parallel_size: int = received("parallel.tensor_model_parallel_size", 1)
+    sequence_parallel: bool = received("parallel.sequence_parallel", False)
+    seed: int = received("training.seed", 1234)
+
+    def __post_init__(self) -> None:
+        positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "vocab_size", "make_vocab_size_divisible_by", "tensor_model_parallel_size")
+        require(self.hidden_size % self.num_attention_heads == 0 or self.kv_channels is not None,
+                f"--hidden-size ({self.hidden_size}) is not divisible by "
+                f"--num-attention-heads ({self.num_attention_heads})")
+        tp = self.tensor_model_parallel_size
+        require(self.num_attention_heads % tp == 0,
+                f"--num-attention-heads ({self.num_attention_heads}) is not divisible by "
+                f"--tensor-model-parallel-size ({tp})")
+        probability(self, "hidden_dropout", "attention_dropout")
+        positive(self, "init_method_std")
+        one_of(self, "position_embedding_type", ("learned_absolute", "rope"))
+        one_of(self, "activation", ("gelu", "gelu_tanh"))
+        require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive")
+        self._resolve_recompute()
+        if self.ffn_hidden_size is None:
+            set_field(self, "ffn_hidden_size", 4 * self.hidden_size)
+        if self.kv_channels is None:
+            set_field(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        if self.max_position_embeddings is None:
+            set_field(self, "max_position_embeddings", self.seq_length)
+        positive(self, "ffn_hidden_size", "kv_channels")
+        require(self.ffn_hidden_size % tp == 0,
+                f"--ffn-hidden-size ({self.ffn_hidden_size}) is not divisible by "
+                f"--tensor-model-parallel-size ({tp})")
+        require(self.position_embedding_type == "rope"
+                or self.max_position_embeddings >= self.seq_length,
+                f"--max-position-embeddings ({self.max_position_embeddings}) is smaller than "
+                f"--seq-length ({self.seq_length})")
+        require(not self.sequence_parallel or self.seq_length % tp == 0,
+                f"--sequence-parallel needs --seq-length ({self.seq_length}) divisible by "
+                f"--tensor-model-parallel-size ({tp})")
+
+    def _resolve_recompute(self) -> None:
+        one_of(self, "recompute_granularity", (None, "full", "selective"))
+        if self.recompute_granularity == "full":
+            require(self.recompute_method in ("uniform", "block"),
+                    "--recompute-granularity full needs --recompute-method uniform or block, "
+                    f"got {self.recompute_method!r}")
+        else:
+            require(self.recompute_method is None,
+                    f"--recompute-method ({self.recompute_method}) applies only to "
+                    "--recompute-granularity full, not "
+                    f"{self.recompute_granularity or 'unset'}")
+            set_field(self, "recompute_num_layers", None)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary padded to a multiple of make_vocab_size_divisible_by x tp (Megatron)."""
+        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    @property
+    def projection_size(self) -> int:
+        """Width of the attention's query/key/value projection: kv_channels x heads."""
+        return self.kv_channels * self.num_attention_heads
+
+    @property
+    def params_dtype(self):
+        """The dtype of the model's parameters: fp16, bf16 or fp32."""
+        import torch
+
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
+    compute_dtype = params_dtype

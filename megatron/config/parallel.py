@@ -1,0 +1,146 @@
+"""How the model is cut over ranks: tensor, pipeline (with virtual chunks) and data parallel.
+
+Also where the layers of each pipeline stage come from (``split_pipeline_layers``, and
+``layer_range`` for one stage or virtual chunk): the model builder and the checkpoint code
+both need the same answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.config.base import (
+    ConfigError,
+    Slice,
+    internal,
+    option,
+    optional_positive,
+    positive,
+    require,
+    set_field,
+)
+
+
+@dataclass(frozen=True)
+class ParallelConfig(Slice):
+    """Parallel degrees. The data-parallel size is what the world size leaves."""
+
+    world_size: int = internal("the launcher: WORLD_SIZE, else SLURM_NTASKS, else 1", 1)
+    tensor_model_parallel_size: int = option(
+        default=1, help="Ranks that split each layer's weights (Megatron's tensor parallelism).")
+    pipeline_model_parallel_size: int = option(
+        default=1, help="Ranks that split the layers into consecutive pipeline stages.")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
+        default=None, help="Interleaved 1F1B: transformer layers per model chunk; each stage "
+        "then holds several chunks (needs --pipeline-model-parallel-size > 2). Off when unset.",
+        feeds=("virtual_pipeline_model_parallel_size",))
+    # Chunks per stage, from the flag above and --num-layers (RunConfig resolves it).
+    virtual_pipeline_model_parallel_size: Optional[int] = internal(
+        "--num-layers-per-virtual-pipeline-stage and --num-layers", None)
+    decoder_first_pipeline_num_layers: Optional[int] = option(
+        default=None, help="Uneven pipeline split: transformer layers on the first stage "
+        "(the other stages share the rest evenly). Even split when unset.",
+        feeds=("pipeline_stage_num_layers",))
+    decoder_last_pipeline_num_layers: Optional[int] = option(
+        default=None, help="Uneven pipeline split: transformer layers on the last stage. "
+        "Even split when unset.", feeds=("pipeline_stage_num_layers",))
+    sequence_parallel: bool = option(
+        default=False, help="Shard layer-norm and dropout activations over the tensor-parallel "
+        "ranks along the sequence (turned off at tensor-parallel size 1, as in Megatron).")
+
+    def __post_init__(self) -> None:
+        positive(self, "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        optional_positive(self, "num_layers_per_virtual_pipeline_stage",
+                          "virtual_pipeline_model_parallel_size",
+                          "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        require(self.world_size % (tp * pp) == 0,
+                f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size "
+                f"({tp}) x --pipeline-model-parallel-size ({pp})")
+        if self.sequence_parallel and tp == 1:
+            set_field(self, "sequence_parallel", False)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size
+                                   * self.pipeline_model_parallel_size)
+
+    def stage_num_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Transformer layers held by each pipeline stage (all its virtual chunks together)."""
+        return split_pipeline_layers(num_layers, self.pipeline_model_parallel_size,
+                                     self.decoder_first_pipeline_num_layers,
+                                     self.decoder_last_pipeline_num_layers)
+
+    def check_virtual_pipeline(self, num_layers: int) -> Optional[int]:
+        """Chunks per stage for ``--num-layers-per-virtual-pipeline-stage`` (None: off)."""
+        per_chunk, pp = self.num_layers_per_virtual_pipeline_stage, \
+            self.pipeline_model_parallel_size
+        if per_chunk is None:
+            return None
+        name = "--num-layers-per-virtual-pipeline-stage"
+        # Megatron-DeepSpeed requires pp > 2: with two stages the interleaved schedule would
+        # batch several sends and receives between the same two ranks.
+        require(pp > 2, f"{name} ({per_chunk}) needs --pipeline-model-parallel-size > 2, "
+                f"got {pp}")
+        require(self.decoder_first_pipeline_num_layers is None
+                and self.decoder_last_pipeline_num_layers is None,
+                f"{name} cannot be combined with --decoder-first-pipeline-num-layers/"
+                "--decoder-last-pipeline-num-layers")
+        per_stage = self.stage_num_layers(num_layers)[0]
+        require(per_stage % per_chunk == 0,
+                f"{name} ({per_chunk}) does not divide the layers per pipeline stage: "
+                f"--num-layers ({num_layers}) / --pipeline-model-parallel-size ({pp}) = "
+                f"{per_stage}")
+        vp = per_stage // per_chunk
+        return vp if vp > 1 else None
+
+
+def split_pipeline_layers(num_layers: int, pp: int, first: Optional[int] = None,
+                          last: Optional[int] = None) -> tuple[int, ...]:
+    """Transformer layers on each pipeline stage: even, or with a given first/last stage."""
+    if first is None and last is None:
+        require(num_layers % pp == 0, f"--num-layers ({num_layers}) is not divisible by "
+                f"--pipeline-model-parallel-size ({pp})")
+        return (num_layers // pp,) * pp
+    require(pp > 1, "--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers "
+            f"need --pipeline-model-parallel-size > 1 (got {pp})")
+    given = [n for n in (first, last) if n is not None]
+    middle_stages = pp - len(given)
+    rest = num_layers - sum(given)
+    names = (f"--decoder-first-pipeline-num-layers ({first}) and "
+             f"--decoder-last-pipeline-num-layers ({last})")
+    if middle_stages == 0:
+        require(rest == 0, f"{names} must add up to --num-layers ({num_layers}) with 2 stages")
+        return (first, last)
+    require(rest >= middle_stages and rest % middle_stages == 0,
+            f"uneven pipeline split: --num-layers ({num_layers}) minus {names} leaves {rest} "
+            f"layers, which do not split evenly over the other {middle_stages} stage(s) of "
+            f"--pipeline-model-parallel-size ({pp})")
+    stages = [rest // middle_stages] * middle_stages
+    if first is not None:
+        stages.insert(0, first)
+    if last is not None:
+        stages.append(last)
+    return tuple(stages)
+
+
+def layer_range(stage_layers: Sequence[int], pipeline_rank: int = 0,
+                virtual_size: Optional[int] = None, virtual_rank: int = 0) -> tuple[int, int]:
+    """``(first_global_layer, count)`` for one stage, or one virtual chunk of a stage.
+
+    With interleaving (``virtual_size`` v > 1) the model is cut into ``p * v`` equal chunks and
+    stage i holds chunks ``i, i + p, i + 2p, ...`` (Megatron's layout), which needs a uniform
+    split.
+    """
+    if not virtual_size or virtual_size == 1:
+        return sum(stage_layers[:pipeline_rank]), stage_layers[pipeline_rank]
+    p, num_layers = len(stage_layers), sum(stage_layers)
+    if len(set(stage_layers)) != 1 or num_layers % (p * virtual_size) != 0:
+        raise ConfigError(
+            f"interleaving needs --num-layers ({num_layers}) split evenly over "
+            f"--pipeline-model-parallel-size ({p}) x virtual stages ({virtual_size}); "
+            f"stages hold {list(stage_layers)}")
+    per_chunk = num_layers // (p * virtual_size)
+    return (virtual_rank * p + pipeline_rank) * per_chunk, per_chunk

@@ -1,0 +1,202 @@
+"""``RunConfig``: every slice of one run, the values one slice receives from another, and the
+rules that involve more than one slice."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.config.base import flag, require, to_dict
+from megatron.config.checkpoint import CheckpointConfig
+from megatron.config.data import DataConfig
+from megatron.config.deepspeed import DeepSpeedConfig
+from megatron.config.logs import LoggingConfig
+from megatron.config.model import ModelConfig
+from megatron.config.optim import OptimizerConfig, SchedulerConfig
+from megatron.config.parallel import ParallelConfig
+from megatron.config.training import TrainingConfig
+
+# The slices, in the order of --help and of the TOML file, with their table names.
+SLICE_CLASSES = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "deepspeed": DeepSpeedConfig,
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every slice of one run's configuration, each value owned by one slice.
+
+    Built by ``megatron.config.parse_args`` (flags and TOML). Fields declared ``received``
+    are copied here from their owner, so the model's tensor-parallel size is always the
+    parallel slice's. The tokenizer's vocabulary size is known only once the tokenizer is
+    built: call ``config.with_vocab_size(tokenizer.vocab_size)``.
+    """
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    deepspeed: DeepSpeedConfig = dataclasses.field(default_factory=DeepSpeedConfig)
+    extra: dict = dataclasses.field(default_factory=dict)  # flags of an extra_args_provider
+
+    SLICES = tuple(SLICE_CLASSES)
+
+    def __post_init__(self) -> None:
+        self._resolve_virtual_pipeline()
+        self._hand_over_received()
+        self._check_pipeline()
+        self._resolve_batch_sizes()
+        self._check_interleaved_batch_sizes()
+        self._check_schedule_units()
+        self._check_warmup_fits_decay()
+
+    def _set(self, slice_name: str, **changes: Any) -> None:
+        current = getattr(self, slice_name)
+        if any(getattr(current, k) != v for k, v in changes.items()):
+            object.__setattr__(self, slice_name, dataclasses.replace(current, **changes))
+
+    def _resolve_virtual_pipeline(self) -> None:
+        vp = self.parallel.check_virtual_pipeline(self.model.num_layers)
+        self._set("parallel", virtual_pipeline_model_parallel_size=vp)
+
+    def _hand_over_received(self) -> None:
+        """Copy each received field from the slice that owns it."""
+        for slice_name in self.SLICES:
+            sub = getattr(self, slice_name)
+            changes = {}
+            for f in dataclasses.fields(sub):
+                source = f.metadata.get("received")
+                if source is not None:
+                    owner, name = source.split(".")
+                    changes[f.name] = getattr(getattr(self, owner), name)
+            if changes:
+                self._set(slice_name, **changes)
+
+    def _check_pipeline(self) -> None:
+        stages = self.pipeline_stage_num_layers
+        if self.model.recompute_granularity == "full":
+            n = self.model.recompute_num_layers
+            require(n is not None and 1 <= n <= max(stages),
+                    f"--recompute-num-layers ({n}) must be between 1 and the layers per "
+                    f"pipeline stage ({max(stages)})")
+
+    def _resolve_batch_sizes(self) -> None:
+        t, dp = self.training, self.parallel.data_parallel_size
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size is None:
+            self._set("training", global_batch_size=per_step)
+            t = self.training
+        require(t.global_batch_size % per_step == 0,
+                f"--global-batch-size ({t.global_batch_size}) is not divisible by "
+                f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})")
+        if t.rampup_batch_size is not None:
+            start, increment, _ = t.rampup_batch_size
+            require(start <= t.global_batch_size
+                    and (t.global_batch_size - start) % increment == 0,
+                    f"--rampup-batch-size: --global-batch-size ({t.global_batch_size}) minus "
+                    f"START ({start}) must be a non-negative multiple of INCREMENT ({increment})")
+            require(start % per_step == 0 and increment % per_step == 0,
+                    f"--rampup-batch-size START ({start}) and INCREMENT ({increment}) must be "
+                    f"multiples of --micro-batch-size ({t.micro_batch_size}) x data-parallel "
+                    f"size ({dp})")
+
+    def _check_interleaved_batch_sizes(self) -> None:
+        """Every global batch size of the run (ramp-up included) must split into a multiple of
+        --pipeline-model-parallel-size micro-batches for the interleaved schedule."""
+        if self.parallel.virtual_pipeline_model_parallel_size is None:
+            return
+        t, pp = self.training, self.parallel.pipeline_model_parallel_size
+        dp = self.data_parallel_size
+        sizes = [t.global_batch_size]
+        if t.rampup_batch_size is not None:
+            start, increment, _ = t.rampup_batch_size
+            sizes = list(range(start, t.global_batch_size, increment)) + sizes
+        for gbs in sizes:
+            m = gbs // (t.micro_batch_size * dp)
+            require(m % pp == 0,
+                    "the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage) "
+                    "needs the micro-batches per iteration to be a multiple of "
+                    f"--pipeline-model-parallel-size ({pp}): global batch size {gbs} / "
+                    f"(--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})) "
+                    f"= {m}")
+
+    def _check_schedule_units(self) -> None:
+        """A run measured in iterations takes iteration-based schedule flags, and likewise
+        samples (Megatron's rule)."""
+        for unit, other in (("samples", "iters"), ("iters", "samples")):
+            if getattr(self.training, f"train_{unit}") is None:
+                continue
+            for name in (f"lr_decay_{other}", f"lr_warmup_{other}"):
+                value = getattr(self.scheduler, name)
+                require(not value, f"{flag(name)} ({value}) cannot be used with "
+                        f"--train-{unit}; use {flag(name.replace(other, unit))}")
+
+    def _check_warmup_fits_decay(self) -> None:
+        """The warm-up must end before the decay does (in the run's unit; token-based
+        schedules are checked by the scheduler, which counts tokens)."""
+        t, sc = self.training, self.scheduler
+        unit = "iters" if t.train_iters is not None else "samples"
+        length = t.train_iters if unit == "iters" else t.train_samples
+        if length is None or sc.lr_decay_tokens is not None or sc.lr_warmup_tokens is not None:
+            return
+        decay_flag = f"lr_decay_{unit}"
+        decay = getattr(sc, decay_flag) or length
+        decay_text = (f"{flag(decay_flag)} ({decay})" if getattr(sc, decay_flag)
+                      else f"--train-{unit} ({decay}; no {flag(decay_flag)} given)")
+        if sc.lr_warmup_fraction is not None:
+            require(sc.lr_warmup_fraction < 1.0,
+                    f"--lr-warmup-fraction ({sc.lr_warmup_fraction}) leaves no decay: it must "
+                    f"be below 1")
+            return
+        warmup = getattr(sc, f"lr_warmup_{unit}")
+        require(not warmup or warmup < decay,
+                f"{flag('lr_warmup_' + unit)} ({warmup}) must be shorter than the learning-rate "
+                f"decay, {decay_text}")
+
+    @property
+    def pipeline_stage_num_layers(self) -> tuple[int, ...]:
+        """Transformer layers held by each pipeline stage (all virtual chunks together)."""
+        return self.parallel.stage_num_layers(self.model.num_layers)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel.data_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per iteration at the full global batch size (after any ramp-up)."""
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.data_parallel_size)
+
+    def with_vocab_size(self, vocab_size: int) -> RunConfig:
+        """A copy whose model uses the built tokenizer's vocabulary size (before padding)."""
+        return dataclasses.replace(self, model=self.model.replace(vocab_size=vocab_size))
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Nested plain dicts of every field (for checkpoints and logs)."""
+        out = {name: to_dict(getattr(self, name)) for name in self.SLICES}
+        out["extra"] = dict(self.extra)
+        return out
+
+    def settings(self) -> dict:
+        """The user-settable values by table: what ``--dump-config`` writes."""
+        out = {name: getattr(self, name).settings() for name in self.SLICES}
+        if self.extra:
+            out["extra"] = dict(self.extra)
+        return out

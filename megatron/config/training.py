@@ -1,0 +1,106 @@
+"""The training slice: batch sizes, length of the run, evaluation, exits, devices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.config.base import (
+    ConfigError,
+    Slice,
+    as_tuples,
+    non_negative,
+    one_of,
+    option,
+    optional_positive,
+    positive,
+    require,
+    set_field,
+)
+from megatron.device import resolve_backend
+
+
+@dataclass(frozen=True)
+class TrainingConfig(Slice):
+    """The training loop: batch sizes, length of the run, evaluation, exits, devices."""
+
+    micro_batch_size: int = option(default=1, required=True,
+                                   help="Samples per forward/backward pass on each rank.")
+    global_batch_size: Optional[int] = option(
+        default=None, help="Samples per optimizer step over all ranks (--micro-batch-size x "
+        "data-parallel size when unset; the rest is gradient accumulation).")
+    rampup_batch_size: Optional[tuple[int, ...]] = option(
+        nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+        help="Grow the global batch from START by INCREMENT over SAMPLES samples; off when "
+        "unset.")
+    train_iters: Optional[int] = option(
+        default=None, help="Iterations to train (this or --train-samples is required).")
+    train_samples: Optional[int] = option(
+        default=None, help="Samples to train (this or --train-iters is required).")
+    train_tokens: Optional[int] = option(
+        default=None, help="Also stop once this many tokens (samples x --seq-length) are "
+        "consumed; no token limit when unset.")
+    eval_interval: int = option(default=1000, help="Iterations between evaluations.")
+    eval_iters: int = option(default=100, help="Iterations per evaluation (0: none).")
+    exit_interval: Optional[int] = option(
+        default=None, help="Save and stop at the first iteration divisible by this.")
+    exit_duration_in_mins: Optional[int] = option(
+        default=None, help="Save and stop after this many minutes of training.")
+    exit_signal_handler: bool = option(
+        default=False, help="On SIGTERM, save a checkpoint and exit cleanly.")
+    max_consecutive_nonfinite_iterations: int = option(
+        default=10, help="Stop with exit status 1 once this many iterations in a row had a "
+        "NaN/Inf loss or gradient norm (each one skipped).")
+    seed: int = option(default=1234, help="Seed of weights, dropout and data order.")
+    distributed_backend: str = option(
+        default="auto", choices=("auto", "nccl", "gloo"), help="Collectives library: nccl on "
+        "a GPU and gloo on the CPU when auto (the backend follows the device; see --use-cpu).")
+    use_cpu: bool = option(
+        default=False, help="Train on the CPU (gloo) even where a GPU is visible; otherwise "
+        "each process uses the GPU of its LOCAL_RANK whenever CUDA is available.")
+    deterministic_mode: bool = option(
+        default=False, help="Deterministic kernels only (torch.use_deterministic_algorithms; "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set): a GPU run repeats bit for bit, slower.")
+    distributed_timeout_minutes: int = option(
+        default=10, help="Timeout of collectives (NCCL and gloo) before a hung rank fails.")
+    empty_unused_memory_level: int = option(
+        default=0, choices=(0, 1, 2), help="1: empty the CUDA allocator's cache after each "
+        "step and evaluation; 2: also before the optimizer step (no effect on the CPU).")
+    manual_gc: bool = option(
+        default=False, help="Turn Python's garbage collector off; collect at set iterations.")
+    manual_gc_interval: int = option(
+        default=0, help="With --manual-gc: collect every N iterations (0: only around "
+        "evaluations).")
+    manual_gc_eval: bool = option(
+        "--no-manual-gc-eval", default=True, action="store_false",
+        help="With --manual-gc: do not collect around evaluations.")
+
+    def __post_init__(self) -> None:
+        as_tuples(self, "rampup_batch_size")
+        one_of(self, "empty_unused_memory_level", (0, 1, 2))
+        non_negative(self, "manual_gc_interval", "eval_iters")
+        positive(self, "micro_batch_size", "eval_interval", "distributed_timeout_minutes",
+                 "max_consecutive_nonfinite_iterations")
+        optional_positive(self, "global_batch_size", "train_iters", "train_samples",
+                          "train_tokens", "exit_interval", "exit_duration_in_mins")
+        require(self.train_iters is None or self.train_samples is None,
+                f"--train-iters ({self.train_iters}) and --train-samples ({self.train_samples}) "
+                "are mutually exclusive")
+        if self.rampup_batch_size is not None:
+            self._check_rampup()
+        try:
+            backend = resolve_backend(self.distributed_backend, self.use_cpu)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        set_field(self, "distributed_backend", backend)
+
+    def _check_rampup(self) -> None:
+        ramp = self.rampup_batch_size
+        require(len(ramp) == 3 and all(isinstance(v, int) for v in ramp),
+                f"--rampup-batch-size takes 3 integers START INCREMENT SAMPLES, got {ramp}")
+        require(ramp[0] > 0 and ramp[1] > 0 and ramp[2] >= 0,
+                "--rampup-batch-size START and INCREMENT must be positive, SAMPLES >= 0, "
+                f"got {ramp}")
+        require(self.train_iters is None,
+                "--rampup-batch-size needs sample-based training (--train-samples), "
+                f"not --train-iters ({self.train_iters})")

@@ -1,0 +1,38 @@
+"""File modes of what we write: those that open() and os.mkdir() give under the umask.
+
+``tempfile.mkstemp`` and ``tempfile.mkdtemp`` make 0600 files and 0700 folders, right for a
+temporary but wrong for a result: a checkpoint folder or dataset renamed into place from such a
+name would be unreadable to the user's group. ``chmod_as_created`` gives it the mode a plain
+``open()``/``os.mkdir()`` would have: 0666 or 0777 less the umask (0644 / 0755 under 022).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+
+_UMASK_LOCK = threading.Lock()
+
+
+@functools.cache
+def process_umask() -> int:
+    """The process umask, read once. Linux shows it in /proc/self/status; elsewhere the only
+    way to read it is to set it and put it back (under a lock, once per process)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def chmod_as_created(path: str) -> None:
+    """Set ``path`` (a file or a folder) to the mode open() / os.mkdir() would have given it."""
+    full = 0o777 if os.path.isdir(path) else 0o666
+    os.chmod(path, full & ~process_umask())
