@@ -39,7 +39,9 @@ from tests.distributed.training_utils import base_argv, build_small_corpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORDED = os.path.join(REPO, "tests", "distributed", "pretrain_recorded.py")
-ITERS = 12
+# Under torchrun and deepspeed the ranks hear of the signal from their launcher a moment
+# later; iterations of this tiny model take milliseconds, so leave room to stop mid-run.
+ITERS = 40
 FLAGS = {"--train-iters": ITERS, "--num-workers": 2, "--exit-signal-handler": True,
          "--hidden-dropout": 0.1, "--attention-dropout": 0.1, "--lr-decay-iters": ITERS}
 SIGNAL_AFTER = re.compile(r"^ iteration +3/", re.M)
@@ -189,7 +191,7 @@ def _check_interrupted_then_resume(corpus, folder: str, launch, log: str, straig
     found = EXITED.search(log)
     assert found, log[-3000:]
     stop = int(found.group(1))
-    assert 3 <= stop <= ITERS - 4, log[-3000:]
+    assert 3 <= stop <= ITERS - 5, log[-3000:]
     assert len(re.findall(r"saved checkpoint at iteration", log)) == 1  # saved once
     save = f"{folder}/ckpt"
     assert read_tracker(save).iteration == stop and list_iterations(save) == [stop]
