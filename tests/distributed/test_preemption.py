@@ -4,8 +4,10 @@ On preemption torchrun and SLURM signal every process, the DataLoader workers in
 process-group signal, or slurmstepd signalling each process of the job step). Two ranks with
 ``--num-workers 2`` and ``--exit-signal-handler``:
 
-- torchrun, and the per-node launcher of ``deepspeed``: SIGTERM to the whole process group
-  (the launcher then sends its ranks a second one);
+- torchrun, and the per-node launcher of ``deepspeed``: SIGTERM to the launcher's process
+  group, as a job supervisor sends it. torchrun starts each rank in a session of its own and
+  relays the signal to each rank's group (the rank and its workers); deepspeed's ranks share
+  its group, so they get it directly and then again from the launcher, workers included;
 - SLURM's pattern, without torchrun: two tasks started as ``srun`` starts them (SLURM_PROCID,
   SLURM_NTASKS), and SIGTERM sent to each process of each task, one at a time, the workers
   first, one task a moment before the other.
