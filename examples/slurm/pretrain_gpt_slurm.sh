@@ -39,7 +39,7 @@ if [ ! -f "$REPO/pretrain_gpt.py" ]; then
     echo "error: no pretrain_gpt.py in $REPO: submit from the repository root or set REPO" >&2
     exit 2
 fi
-MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)}  # sed reads all: no SIGPIPE (exit 141) under pipefail
 export MASTER_ADDR
 export MASTER_PORT=${MASTER_PORT:-6000}
 export WORLD_SIZE=${SLURM_NTASKS:-$((SLURM_JOB_NUM_NODES * SLURM_NTASKS_PER_NODE))}
