@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from megatron.core.pipeline_parallel.schedules import StageInfo
@@ -79,4 +81,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from megatron.checkpointing import CheckpointError
+
+    try:
+        main()
+    except CheckpointError as error:  # a damaged or mismatched checkpoint: its message is all
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
