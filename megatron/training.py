@@ -431,15 +431,19 @@ class Trainer:
         if warning:
             print_rank_0(warning)
 
+    def _current_readings(self) -> tuple[float, Optional[float], int]:
+        """The learning rate, the loss scale (fp16 only, else None) and the world size now."""
+        scale = self.optimizer.get_loss_scale()
+        scale = float(scale) if (self.cfg.optimizer.fp16 and scale is not None) else None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return self.optimizer.param_groups[0]["lr"], scale, world
+
     def _write_tensorboard(self, losses, gbs, grad_norm, num_zeros, params_norm,
                            iteration_seconds: float) -> None:
         """This iteration's values, every --tensorboard-log-interval iterations (as
         Megatron-DeepSpeed writes them), against iterations, samples and tokens."""
         cfg = self.cfg
-        lr = self.optimizer.param_groups[0]["lr"]
-        scale = self.optimizer.get_loss_scale()
-        scale = float(scale) if (cfg.optimizer.fp16 and scale is not None) else None
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        lr, scale, world = self._current_readings()
         scalars = dict(losses)
         if cfg.logging.log_loss_scale_to_tensorboard:
             scalars["loss-scale"] = scale
@@ -464,12 +468,9 @@ class Trainer:
         iters = max(self._interval_iters, 1)
         good = max(self._interval_iters - self._skipped - self._nan, 1)
         losses = {name: total / good for name, total in self._interval.items()}
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        lr, scale, world = self._current_readings()
         tgs = self._interval_tokens / max(elapsed, 1e-9) / world
         tflops = tgs * flops_per_token(cfg.model) / 1e12
-        lr = self.optimizer.param_groups[0]["lr"]
-        scale = self.optimizer.get_loss_scale()
-        scale = float(scale) if (cfg.optimizer.fp16 and scale is not None) else None
         print_rank_0(format_log_line(
             iteration=s.iteration, train_iters=self.train_iters,
             consumed_samples=s.consumed_train_samples, elapsed_ms=1000.0 * elapsed / iters,
@@ -651,8 +652,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
     """Parse flags, initialize, build, train, evaluate and save; returns the final state."""
     wall_start = time.perf_counter()
-    cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults,
-                             check_files=True)
+    cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     configure_output(cfg.logging.log_all_ranks)
     _check_checkpoint_folders_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)

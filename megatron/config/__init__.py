@@ -15,7 +15,6 @@ from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.cli import (
     ExtraArgsProvider,
     build_parser,
-    check_input_files,
     flatten_config,
     parse_args,
     parse_args_or_exit,
@@ -37,7 +36,7 @@ __all__ = [
     "DEFAULT_SPLIT", "NO_OP_FLAGS", "SLICE_CLASSES", "TRANSLATED_FLAGS", "CheckpointConfig",
     "ConfigError", "DataConfig", "DeepSpeedConfig", "ExtraArgsProvider", "LoggingConfig",
     "ModelConfig", "OptimizerConfig", "ParallelConfig", "RunConfig", "SchedulerConfig",
-    "TrainingConfig", "build_parser", "check_input_files", "canonical_tokenizer_type", "config_to_toml",
+    "TrainingConfig", "build_parser", "canonical_tokenizer_type", "config_to_toml",
     "dump_config", "flag", "flatten_config", "layer_range", "parse_args", "parse_args_or_exit",
     "parse_blend", "print_config", "split_pipeline_layers", "to_dict", "unmapped_flags",
 ]

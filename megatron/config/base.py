@@ -195,6 +195,13 @@ class Slice:
                 if not f.metadata.get("refused")}
 
 
+def precision_dtype(fp16: bool, bf16: bool) -> Any:
+    """The torch dtype the --fp16/--bf16 switches select (fp32 when neither is given)."""
+    import torch  # a leaf import: the config package itself does not need torch
+
+    return torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+
+
 def to_dict(config: Any) -> dict:
     """Every field of a slice as plain values (dtypes by name), for checkpoints and logs."""
     import torch  # a leaf import: the config package itself does not need torch

@@ -198,14 +198,10 @@ def checkpoint_model_settings(load_dir: Optional[str]) -> dict[str, Any]:
     return {k: model[k] for k in CHECKPOINT_MODEL_FIELDS if model.get(k) is not None}
 
 
-def parse_args_or_exit(*args: Any, check_files: bool = False, **kwargs: Any) -> RunConfig:
-    """``parse_args`` for entry scripts: on bad input print ``error: ...`` and exit with 2.
-    check_files: also check that the input files the flags name exist."""
+def parse_args_or_exit(*args: Any, **kwargs: Any) -> RunConfig:
+    """``parse_args`` for entry scripts: on bad input print ``error: ...`` and exit with 2."""
     try:
-        config = parse_args(*args, **kwargs)
-        if check_files:
-            check_input_files(config)
-        return config
+        return parse_args(*args, **kwargs)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -272,17 +268,6 @@ def _check_required(ns: argparse.Namespace, require_training: bool) -> None:
         raise ConfigError("missing required flags: " + "; ".join(missing))
 
 
-def check_input_files(config: RunConfig) -> None:
-    """The tokenizer files the flags name exist (``pretrain`` calls it before any process
-    group or model is made; ``parse_args`` itself reads no file but ``--config``)."""
-    data = config.data
-    for name in ("vocab_file", "merge_file"):
-        path = getattr(data, name)
-        if path is not None and not os.path.isfile(path):
-            what = "is a folder, not a file" if os.path.isdir(path) else "no such file"
-            raise ConfigError(f"{flag(name)} {path}: {what}")
-
-
 def _fill(cls: type, ns: argparse.Namespace, **internal: Any) -> Any:
     """An instance of slice ``cls`` from the namespace values of its option fields."""
     kwargs = {f.name: getattr(ns, f.name) for f in option_fields(cls)}
@@ -340,5 +325,5 @@ def print_config(config: RunConfig, print_fn: Optional[Callable[[str], None]] = 
     return text
 
 
-__all__ = ["ExtraArgsProvider", "build_parser", "check_input_files", "field_default", "flatten_config",
+__all__ = ["ExtraArgsProvider", "build_parser", "field_default", "flatten_config",
            "parse_args", "parse_args_or_exit", "print_config", "unmapped_flags"]

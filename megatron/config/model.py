@@ -12,6 +12,7 @@ from megatron.config.base import (
     one_of,
     option,
     positive,
+    precision_dtype,
     probability,
     received,
     require,
@@ -150,8 +151,4 @@ class ModelConfig(Slice):
     @property
     def params_dtype(self):
         """The dtype of the model's parameters: fp16, bf16 or fp32."""
-        import torch
-
-        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
-
-    compute_dtype = params_dtype
+        return precision_dtype(self.fp16, self.bf16)

@@ -16,6 +16,7 @@ from megatron.config.base import (
     option,
     optional_positive,
     positive,
+    precision_dtype,
     probability,
     received,
     require,
@@ -97,9 +98,8 @@ class OptimizerConfig(Slice):
 
     @property
     def params_dtype(self):
-        import torch
-
-        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+        """The model's dtype, from the precision switches this slice receives."""
+        return precision_dtype(self.fp16, self.bf16)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ else:  # pragma: no cover
 
 from megatron.config.base import ConfigError, option_fields, value_type
 from megatron.config.run import SLICE_CLASSES, RunConfig
+from megatron.file_modes import chmod_as_created
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
@@ -144,9 +145,7 @@ def dump_config(config: RunConfig, path: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        chmod_as_created(tmp)  # mkstemp's 0600 would become the file's mode
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
