@@ -73,7 +73,7 @@ def train_valid_test_datasets_provider(ctx: RunContext, num_samples: list[int]):
         train_data_prefix=list(d.train_data_path) if d.train_data_path else None,
         valid_data_prefix=list(d.valid_data_path) if d.valid_data_path else None,
         test_data_prefix=list(d.test_data_path) if d.test_data_path else None,
-        data_cache_path=d.data_cache_path)
+        data_cache_path=d.data_cache_path, in_memory=d.in_memory)
 
 
 def main(argv=None):

@@ -46,7 +46,12 @@ def canonical_tokenizer_type(name: str) -> str:
         raise ConfigError(str(error)) from None
 
 
-def parse_blend(flag_name: str, tokens: Optional[tuple[str, ...]]) -> Optional[Blend]:
+DATA_IMPLS = ("mmap", "infer", "lazy", "cached", "flat", "npy")
+_PREFIX_IMPLS = ("mmap", "lazy", "cached")  # formats named by a .bin/.idx prefix
+
+
+def parse_blend(flag_name: str, tokens: Optional[tuple[str, ...]],
+                data_impl: str = "mmap") -> Optional[Blend]:
     """``--data-path`` tokens -> (prefixes, weights); weights None for one prefix."""
     try:
         parsed = parse_data_path(tokens, flag_name) if tokens else None
@@ -55,7 +60,7 @@ def parse_blend(flag_name: str, tokens: Optional[tuple[str, ...]]) -> Optional[B
     if parsed is None:
         return None
     prefixes, weights = parsed
-    for prefix in prefixes:
+    for prefix in prefixes if data_impl in _PREFIX_IMPLS else ():
         require(not prefix.endswith((".bin", ".idx")),
                 f"{flag_name}: give the dataset prefix without .bin/.idx, got {prefix!r}")
     return tuple(prefixes), None if weights is None else tuple(weights)
@@ -87,9 +92,14 @@ class DataConfig(Slice):
                              "over any path).")
     split: str = option(default=DEFAULT_SPLIT, help="train, valid, test proportions of "
                         "--data-path's documents.")
-    data_impl: str = option(default="mmap", choices=("mmap", "infer"),
-                            help="Dataset format: mmap (Megatron's .bin/.idx); infer reads it "
-                            "from the .idx.")
+    data_impl: str = option(default="mmap", choices=DATA_IMPLS,
+                            help="Dataset format: mmap (Megatron's .bin/.idx); lazy or cached "
+                            "(Megatron's legacy TNTIDX pair, read per sequence or all in RAM); "
+                            "flat (nanoGPT train.bin/val.bin uint16, llm.c shards) or npy "
+                            "(FineWeb .npy shards): a file, glob or folder; infer tells them "
+                            "apart from the .idx magic and the file names.")
+    in_memory: bool = option(default=False, help="Read the dataset's tokens into RAM at "
+                             "start-up instead of memory-mapping them.")
     mmap_warmup: bool = option(default=False, help="Read the memory-mapped index once at "
                                "start-up to warm the page cache.")
     data_cache_path: Optional[str] = option(
@@ -117,13 +127,13 @@ class DataConfig(Slice):
     def __post_init__(self) -> None:
         as_tuples(self, *_PATHS)
         for name in _PATHS:
-            parse_blend(flag(name), getattr(self, name))
+            parse_blend(flag(name), getattr(self, name), self.data_impl)
         require(not (self.data_path and any(getattr(self, n) for n in _PATHS[1:])),
                 "--data-path and --train-data-path/--valid-data-path/--test-data-path are "
                 "mutually exclusive")
         split_fractions(self.split)
         set_field(self, "tokenizer_type", canonical_tokenizer_type(self.tokenizer_type))
-        one_of(self, "data_impl", ("mmap", "infer"))
+        one_of(self, "data_impl", DATA_IMPLS)
         one_of(self, "dataloader_type", ("single", "cyclic"))
         non_negative(self, "num_workers")
         optional_positive(self, "vocab_size")
@@ -131,12 +141,13 @@ class DataConfig(Slice):
     @property
     def blend(self) -> Optional[Blend]:
         """(prefixes, weights) of --data-path, or None."""
-        return parse_blend("--data-path", self.data_path)
+        return parse_blend("--data-path", self.data_path, self.data_impl)
 
     @property
     def blend_per_split(self) -> tuple[Optional[Blend], Optional[Blend], Optional[Blend]]:
         """(train, valid, test) blends of the per-split paths; None where not given."""
-        return tuple(parse_blend(flag(n), getattr(self, n)) for n in _PATHS[1:])  # type: ignore
+        return tuple(parse_blend(flag(n), getattr(self, n), self.data_impl)  # type: ignore
+                     for n in _PATHS[1:])
 
     @property
     def split_fractions(self) -> tuple[float, float, float]:

@@ -172,8 +172,10 @@ def data_sources(data: Any) -> list[tuple[str, list[str]]]:
     return sources
 
 
-def open_checked(flag: str, prefix: str) -> MMapIndexedDataset:
+def open_checked(flag: str, prefix: str, data_impl: str = "mmap") -> MMapIndexedDataset:
     """The dataset at ``prefix``, which must exist, be consistent and hold documents."""
+    from megatron.data.indexed_dataset import make_dataset
+
     missing = [p for p in (index_file_path(prefix), data_file_path(prefix))
                if not os.path.isfile(p)]
     if missing:
@@ -182,7 +184,7 @@ def open_checked(flag: str, prefix: str) -> MMapIndexedDataset:
         raise DataConfigError(f"{flag}: dataset {prefix!r} has no {' and no '.join(missing)}"
                               f"{hint}")
     try:
-        dataset = MMapIndexedDataset(prefix)
+        dataset = make_dataset(prefix, data_impl)
     except IndexedDatasetError as e:
         raise IndexedDatasetError(f"{flag}: {e}") from None
     if len(dataset) == 0:
@@ -221,10 +223,13 @@ def check_training_data(data: Any, vocab_size: Optional[int], train_samples: int
     if train_samples > 0 and "--data-path" not in flags and "--train-data-path" not in flags:
         raise DataConfigError(f"no training data: {train_samples} training samples are asked "
                               "for; give --data-path or --train-data-path")
+    data_impl = getattr(data, "data_impl", "mmap")
     opened = []
     for flag, prefixes in sources:  # every cheap check of every dataset before any scan
+        if check_token_files(flag, prefixes, data, train_samples):
+            continue
         for prefix in prefixes:
-            dataset = open_checked(flag, prefix)
+            dataset = open_checked(flag, prefix, data_impl)
             if flag == "--data-path" and train_samples > 0:
                 check_train_split(prefix, dataset, getattr(data, "split", DEFAULT_SPLIT),
                                   train_samples)
@@ -233,7 +238,36 @@ def check_training_data(data: Any, vocab_size: Optional[int], train_samples: int
         if vocab_size is not None:
             check_token_ids(dataset, vocab_size, tokenizer_flags(data),
                             getattr(data, "data_cache_path", None))
-        dataset.close()
+        if hasattr(dataset, "close"):
+            dataset.close()
+
+
+def check_token_files(flag: str, paths: list[str], data: Any, train_samples: int) -> bool:
+    """For flat/npy token files (``token_files``): every file opens (headers, sizes) and
+    the training split holds two tokens; returns False when ``paths`` are not token files.
+    Their id range is not scanned (the files carry no dtype to check it against cheaply)."""
+    from megatron.data import token_files
+
+    data_impl = getattr(data, "data_impl", "mmap")
+    if not token_files.uses_token_files(paths, data_impl):
+        return False
+    split = getattr(data, "split", DEFAULT_SPLIT)
+    for path in paths:
+        impl = token_files.source_impl(path, data_impl)
+        try:
+            if flag != "--data-path":
+                spans = token_files.whole_spans(path, impl)
+            else:
+                spans = token_files.split_spans(path, impl, split)[0]
+        except DataConfigError as e:
+            raise DataConfigError(f"{flag}: {e}") from None
+        tokens = sum(count for _, _, count in spans)
+        if (flag in ("--data-path", "--train-data-path") and train_samples > 0
+                and tokens < 2):
+            raise DataConfigError(f"{flag}: the training tokens of {path} (--data-impl "
+                                  f"{impl}, --split {split}) number {tokens}; a sample needs "
+                                  "at least 2")
+    return True
 
 
 __all__ = [

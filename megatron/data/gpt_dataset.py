@@ -248,10 +248,50 @@ class GPTDataset:
 # ----------------------------------------------------------------------------------------------
 
 
-def _open(prefix: str, data_impl: str, skip_warmup: bool) -> MMapIndexedDataset:
-    ds = make_dataset(prefix, data_impl, skip_warmup)
+def _open(prefix: str, data_impl: str, skip_warmup: bool,
+          in_memory: bool = False) -> MMapIndexedDataset:
+    """The dataset at ``prefix``: a .bin/.idx pair (mmap, lazy, cached) or, for flat/npy,
+    every token of the token files it names (``token_files.TokenSpans``)."""
+    from megatron.data import token_files
+
+    if token_files.uses_token_files([prefix], data_impl):
+        impl = token_files.source_impl(prefix, data_impl)
+        ds = token_files.TokenSpans(token_files.whole_spans(prefix, impl), in_memory)
+        log_rank0(" > %s (%s): %d tokens", prefix, impl, ds.num_tokens)
+        return ds
+    ds = make_dataset(prefix, data_impl, skip_warmup, in_memory)
     log_rank0(" > %s: %d sequences, %d documents", prefix, len(ds), len(ds.doc_idx) - 1)
     return ds
+
+
+def _token_file_splits(prefixes: list[str], weights: Optional[list[float]], data_impl: str,
+                       splits_string: str, num_samples: Sequence[int], seq_length: int,
+                       seed: int, in_memory: bool, common: dict) -> tuple:
+    """train/valid/test of flat/npy token files, split by tokens (see ``token_files``)."""
+    from megatron.data import token_files
+
+    per_prefix = []
+    for prefix in prefixes:
+        impl = token_files.source_impl(prefix, data_impl)
+        spans = token_files.split_spans(prefix, impl, splits_string)
+        per_prefix.append([token_files.TokenSpans(s, in_memory) for s in spans])
+    out = []
+    for s, name in enumerate(SPLIT_NAMES):
+        splits = [p[s] for p in per_prefix]
+        # The token count enters the cache description: another file of the same name and
+        # sample count must not reuse this index.
+        desc = f"{splits_string} ({data_impl}, {sum(t.num_tokens for t in splits)} tokens)"
+        ranges = [np.arange(len(t), dtype=np.int32) for t in splits]
+        if weights is not None:
+            out.append(_blend(name, prefixes, weights, ranges, splits, desc, num_samples[s],
+                              seq_length, seed, common["data_cache_path"],
+                              common["lock_timeout_s"], "--data-path"))
+        elif len(splits[0]) == 0:
+            out.append(None)
+        else:
+            out.append(GPTDataset(name, prefixes[0], ranges[0], splits[0], desc, num_samples[s],
+                                  seq_length, seed, **common))
+    return tuple(out)
 
 
 def _documents(bounds: list[int], split: int) -> np.ndarray:
@@ -315,7 +355,7 @@ def _blend(name: str, prefixes: list[str], weights: list[float], doc_ranges: lis
 def build_dataset(name: str, data_prefix: DataPath, data_impl: str, splits_string: str,
                   num_samples: int, seq_length: int, seed: int, skip_warmup: bool, *,
                   data_cache_path: Optional[str] = None, lock_timeout_s: float = 7200.0,
-                  flag_name: Optional[str] = None):
+                  flag_name: Optional[str] = None, in_memory: bool = False):
     """A dataset over *all* documents of ``data_prefix`` (one prefix or a weighted blend);
     used for ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path``."""
     flag_name = flag_name or f"--{name}-data-path"
@@ -323,7 +363,7 @@ def build_dataset(name: str, data_prefix: DataPath, data_impl: str, splits_strin
     if parsed is None:
         return None
     prefixes, weights = parsed
-    indexed = [_open(p, data_impl, skip_warmup) for p in prefixes]
+    indexed = [_open(p, data_impl, skip_warmup, in_memory) for p in prefixes]
     ranges = [np.arange(len(ds.sizes), dtype=np.int32) for ds in indexed]
     if weights is None:
         if len(ranges[0]) == 0:
@@ -345,7 +385,8 @@ def build_train_valid_test_datasets(data_prefix: DataPath, data_impl: str, split
                                     valid_data_prefix: DataPath = None,
                                     test_data_prefix: DataPath = None,
                                     data_cache_path: Optional[str] = None, *,
-                                    lock_timeout_s: float = 7200.0) -> tuple:
+                                    lock_timeout_s: float = 7200.0,
+                                    in_memory: bool = False) -> tuple:
     """(train, valid, test) datasets, each a GPTDataset, a BlendedDataset or None.
 
     ``data_prefix`` is ``--data-path``: one prefix, or ``w1 p1 w2 p2 ...`` (list or one
@@ -365,10 +406,16 @@ def build_train_valid_test_datasets(data_prefix: DataPath, data_impl: str, split
                                   "--test-data-path")
         return tuple(
             build_dataset(name, p, data_impl, splits_string, n, seq_length, seed, skip_warmup,
-                          **common)
+                          in_memory=in_memory, **common)
             for name, p, n in zip(SPLIT_NAMES, separate, train_valid_test_num_samples))
     prefixes, weights = parsed
-    indexed = [_open(p, data_impl, skip_warmup) for p in prefixes]
+    from megatron.data.token_files import uses_token_files
+
+    if uses_token_files(prefixes, data_impl):
+        return _token_file_splits(prefixes, weights, data_impl, splits_string,
+                                  train_valid_test_num_samples, seq_length, seed, in_memory,
+                                  common)
+    indexed = [_open(p, data_impl, skip_warmup, in_memory) for p in prefixes]
     if weights is None:
         return tuple(_split_datasets(prefixes[0], indexed[0], splits_string,
                                      train_valid_test_num_samples, seq_length, seed,

@@ -101,7 +101,8 @@ def _read_header(idx_path: str) -> tuple[int, int, int]:
     if head[:8] == _LEGACY_MAGIC[:8] and head[:9] != INDEX_MAGIC:
         raise IndexedDatasetError(
             f"{idx_path}: this is Megatron's legacy 'lazy'/'cached' index format (magic "
-            f"{_LEGACY_MAGIC!r}); only the 'mmap' format is supported, re-run preprocess_data.py")
+            f"{_LEGACY_MAGIC!r}); open it with --data-impl lazy, cached or infer, or convert it "
+            "with tools/convert_legacy_dataset.py")
     if len(head) < 9 or head[:9] != INDEX_MAGIC:
         raise IndexedDatasetError(
             f"{idx_path}: bad magic {head[:9]!r}, expected {INDEX_MAGIC!r} (not an mmap .idx file)")
@@ -315,11 +316,13 @@ class MMapIndexedDataset:
 
     Index = MMapIndex
 
-    def __init__(self, path_prefix: str, skip_warmup: bool = True, verify: bool = True) -> None:
-        self._open(path_prefix, skip_warmup, verify)
+    def __init__(self, path_prefix: str, skip_warmup: bool = True, verify: bool = True,
+                 in_memory: bool = False) -> None:
+        self._open(path_prefix, skip_warmup, verify, in_memory)
 
-    def _open(self, path_prefix: str, skip_warmup: bool, verify: bool) -> None:
-        self._path = path_prefix
+    def _open(self, path_prefix: str, skip_warmup: bool, verify: bool,
+              in_memory: bool = False) -> None:
+        self._path, self._in_memory = path_prefix, in_memory
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
         for p, what in ((idx_path, ".idx"), (bin_path, ".bin")):
             if not os.path.isfile(p):
@@ -332,15 +335,20 @@ class MMapIndexedDataset:
             verify_index(self._index, bin_path, bin_bytes)
         if not skip_warmup:
             _warmup(bin_path)
-        self._bin_mmap = np.memmap(bin_path, mode="r", order="C") if bin_bytes else None
-        self._bin = memoryview(self._bin_mmap) if self._bin_mmap is not None else b""
+        self._bin_mmap = None
+        if in_memory:  # --in-memory: the tokens in RAM, read once
+            with open(bin_path, "rb") as f:
+                self._bin = f.read()
+        else:
+            self._bin_mmap = np.memmap(bin_path, mode="r", order="C") if bin_bytes else None
+            self._bin = memoryview(self._bin_mmap) if self._bin_mmap is not None else b""
 
-    def __getstate__(self) -> str:
-        return self._path
+    def __getstate__(self) -> tuple[str, bool]:
+        return self._path, self._in_memory
 
-    def __setstate__(self, state: str) -> None:
-        # Verified when the pickling process opened it; DataLoader workers only re-map.
-        self._open(state, skip_warmup=True, verify=False)
+    def __setstate__(self, state: tuple[str, bool]) -> None:
+        # Verified when the pickling process opened it; DataLoader workers only re-open.
+        self._open(state[0], skip_warmup=True, verify=False, in_memory=state[1])
 
     def __len__(self) -> int:
         return len(self._index)
@@ -436,13 +444,22 @@ class MMapIndexedDataset:
         self._index.close()
 
 
-def make_dataset(path: str, impl: str = "mmap", skip_warmup: bool = True) -> MMapIndexedDataset:
-    """Open ``path`` (a prefix) as ``--data-impl`` ``impl``; only 'mmap' (and 'infer') exist."""
-    if impl not in ("mmap", "infer"):
-        raise IndexedDatasetError(
-            f"--data-impl {impl!r} is not supported for {path}; only 'mmap' (Megatron's default "
-            "since 2020) is; re-run tools/preprocess_data.py --dataset-impl mmap")
-    return MMapIndexedDataset(path, skip_warmup)
+def make_dataset(path: str, impl: str = "mmap", skip_warmup: bool = True,
+                 in_memory: bool = False) -> Any:
+    """Open ``path`` (a prefix) as ``--data-impl`` ``impl``: 'mmap', the legacy 'lazy' or
+    'cached', or 'infer' (the format the .idx's magic names). ``in_memory`` reads an mmap
+    dataset's tokens into RAM."""
+    from megatron.data import legacy_indexed_dataset as legacy
+
+    if impl not in ("mmap", "infer", *legacy.LEGACY_IMPLS):
+        raise IndexedDatasetError(f"--data-impl {impl!r} cannot open {path}: a .bin/.idx "
+                                  "prefix is 'mmap', 'lazy', 'cached' or 'infer'")
+    idx = index_file_path(path)
+    if impl == "infer" and os.path.isfile(idx) and legacy.is_legacy_index(idx):
+        impl = "lazy"
+    if impl in legacy.LEGACY_IMPLS:
+        return legacy.LegacyIndexedDataset(path, cached=impl == "cached" or in_memory)
+    return MMapIndexedDataset(path, skip_warmup, in_memory=in_memory)
 
 
 def dataset_exists(path: str, impl: str = "mmap") -> bool:
@@ -636,10 +653,15 @@ def write_index(idx_path: str, dtype: DTypeLike, sizes: np.ndarray, doc_idx: np.
 
 
 def make_builder(out_file: str, impl: str = "mmap", vocab_size: Optional[int] = None,
-                 atomic: bool = True) -> MMapIndexedDatasetBuilder:
-    """A builder writing ``out_file`` (the .bin path) in the smallest dtype for ``vocab_size``."""
+                 atomic: bool = True) -> Any:
+    """A builder writing ``out_file`` (the .bin path): mmap in the smallest dtype for
+    ``vocab_size``; the legacy 'lazy'/'cached' format in int32, as Megatron-DeepSpeed does."""
+    from megatron.data import legacy_indexed_dataset as legacy
+
+    if impl in legacy.LEGACY_IMPLS:
+        return legacy.LegacyIndexedDatasetBuilder(out_file, dtype=np.int32, atomic=atomic)
     if impl != "mmap":
-        raise ValueError(f"--dataset-impl {impl!r} is not supported; only 'mmap' is")
+        raise ValueError(f"--dataset-impl {impl!r} is not supported; use mmap, lazy or cached")
     return MMapIndexedDatasetBuilder(out_file, dtype=best_fitting_dtype(vocab_size), atomic=atomic)
 
 
