@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
                        help="output path without the _{key}_{level}.bin/.idx suffix")
-    group.add_argument("--dataset-impl", default="mmap", choices=["mmap"],
-                       help="only mmap (Megatron's default format) is written")
+    group.add_argument("--dataset-impl", default="mmap", choices=["mmap", "lazy", "cached"],
+                       help="mmap (Megatron's format, the default) or the legacy TNTIDX pair "
+                            "that --data-impl lazy/cached read (int32 tokens)")
 
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")

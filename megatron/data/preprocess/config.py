@@ -46,6 +46,7 @@ class PreprocessConfig:
     log_interval: int = 1000
     skip_bad_lines: bool = False
     allow_empty: bool = False
+    dataset_impl: str = "mmap"  # or the legacy "lazy"/"cached" (TNTIDX) format
 
     @property
     def level(self) -> str:
@@ -119,4 +120,5 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
         log_interval=args.log_interval,
         skip_bad_lines=args.skip_bad_lines,
         allow_empty=getattr(args, "allow_empty", False),
+        dataset_impl=getattr(args, "dataset_impl", "mmap"),
     )

@@ -172,6 +172,8 @@ def run(config: PreprocessConfig, start_time: Optional[float] = None) -> Stats:
     splitter = build_splitter(config) if config.split_sentences else None
     vocab_size = tokenizer.vocab_size
     dtype = indexed_dataset.best_fitting_dtype(vocab_size)
+    if config.dataset_impl != "mmap":  # the legacy builder writes int32, as Megatron's did
+        dtype = indexed_dataset.make_builder(os.devnull, config.dataset_impl, atomic=False).dtype
     encoder = ChunkEncoder(config, tokenizer, splitter, dtype)
     pieces = [[Span(p) for p in config.inputs]]
     if config.partitions > 1:

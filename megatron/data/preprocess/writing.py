@@ -35,7 +35,8 @@ class DatasetWriter:
             for key, path in self.paths.items():
                 with self._writing(key):
                     self.builders[key] = indexed_dataset.make_builder(
-                        indexed_dataset.data_file_path(path), impl="mmap", vocab_size=vocab_size
+                        indexed_dataset.data_file_path(path), impl=config.dataset_impl,
+                        vocab_size=vocab_size
                     )
         except BaseException:
             self.abort()
