@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tokenize loose-JSON corpora (one JSON object per line) into Megatron ``.bin``/``.idx`` datasets.
+"""Tokenize loose-JSON corpora or local HF datasets into Megatron ``.bin``/``.idx`` datasets.
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix my-gpt2 \\
         --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \\
@@ -33,7 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", nargs="+", required=True,
-                       help="JSON-lines file(s) or glob(s); one JSON object per line")
+                       help="JSON-lines file(s) or glob(s), one JSON object per line; or local "
+                            "Hugging Face datasets: a save_to_disk folder, .parquet or .arrow "
+                            "files (read offline)")
+    group.add_argument("--hf-split", default=None,
+                       help="split of a saved DatasetDict (default: train)")
+    group.add_argument("--hf-text-column", default=None,
+                       help="column of a Hugging Face dataset to tokenize (sets --json-keys)")
     group.add_argument("--json-keys", nargs="+", default=["text"],
                        help="keys to extract; each gets its own .bin/.idx")
     group.add_argument("--split-sentences", action="store_true",
@@ -62,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
                        help="output path without the _{key}_{level}.bin/.idx suffix")
+    group.add_argument("--shard-size", type=int, default=None,
+                       help="write a new dataset every this many documents: "
+                            "{prefix}_00000_{key}_document.bin/.idx, {prefix}_00001_...")
+    group.add_argument("--max-documents", type=int, default=None,
+                       help="stop after this many documents")
     group.add_argument("--dataset-impl", default="mmap", choices=["mmap", "lazy", "cached"],
                        help="mmap (Megatron's format, the default) or the legacy TNTIDX pair "
                             "that --data-impl lazy/cached read (int32 tokens)")

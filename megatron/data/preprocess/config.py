@@ -8,6 +8,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron.tokenizer import TokenizerConfig
 
@@ -47,6 +48,15 @@ class PreprocessConfig:
     skip_bad_lines: bool = False
     allow_empty: bool = False
     dataset_impl: str = "mmap"  # or the legacy "lazy"/"cached" (TNTIDX) format
+    hf_split: Optional[str] = None  # the split of a saved DatasetDict
+    shard_size: Optional[int] = None  # documents per output shard
+    max_documents: Optional[int] = None  # stop after this many documents
+
+    @property
+    def hf_inputs(self) -> bool:
+        from megatron.data.preprocess.hf_reading import is_hf_input
+
+        return any(is_hf_input(p) for p in self.inputs)
 
     @property
     def level(self) -> str:
@@ -59,15 +69,21 @@ class PreprocessConfig:
 
 def resolve_inputs(patterns: Sequence[str]) -> tuple[str, ...]:
     """Expand files and globs in order; raises naming --input when a path or glob is empty."""
+    from megatron.data.preprocess.hf_reading import is_hf_input
+
     files: list[str] = []
     for pattern in patterns:
-        if glob.has_magic(pattern):
+        if os.path.isdir(pattern) and is_hf_input(pattern):
+            files.append(pattern)  # a folder written by datasets' save_to_disk
+        elif glob.has_magic(pattern):
             matches = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
             if not matches:
                 raise InputError(f"--input {pattern!r} matched no files")
             files.extend(matches)
         elif os.path.isdir(pattern):
-            raise InputError(f"--input {pattern!r} is a directory; give files or a glob")
+            raise InputError(f"--input {pattern!r} is a directory but not a Hugging Face "
+                             "dataset saved with save_to_disk; give files, a glob or such a "
+                             "folder")
         elif not os.path.isfile(pattern):
             raise InputError(f"--input {pattern!r} does not exist")
         else:
@@ -95,6 +111,15 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     for name in ("workers", "partitions", "chunk_size", "log_interval"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("shard_size", "max_documents"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.partitions > 1 and (getattr(args, "shard_size", None)
+                                or getattr(args, "max_documents", None)):
+        raise InputError("--shard-size and --max-documents count documents in one stream; "
+                         "use them with --partitions 1 (--workers still applies)")
+    if getattr(args, "hf_text_column", None):
+        args.json_keys = [args.hf_text_column]
     if len(set(args.json_keys)) != len(args.json_keys):
         raise InputError(f"--json-keys has a repeated key: {args.json_keys}")
     tokenizer = TokenizerConfig(
@@ -121,4 +146,7 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
         skip_bad_lines=args.skip_bad_lines,
         allow_empty=getattr(args, "allow_empty", False),
         dataset_impl=getattr(args, "dataset_impl", "mmap"),
+        hf_split=getattr(args, "hf_split", None),
+        shard_size=getattr(args, "shard_size", None),
+        max_documents=getattr(args, "max_documents", None),
     )

@@ -22,10 +22,17 @@ from megatron.data.preprocess.config import (
     config_from_args,
 )
 from megatron.data.preprocess.encoding import ChunkEncoder
-from megatron.data.preprocess.reading import Span, input_size, iter_chunks, plan_partitions
+from megatron.data.preprocess.hf_reading import (
+    HFSpan,
+    check_hf_input,
+    is_hf_input,
+    iter_input_chunks,
+    plan_hf_partitions,
+)
+from megatron.data.preprocess.reading import Span, input_size, plan_partitions
 from megatron.data.preprocess.sentences import build_splitter
 from megatron.data.preprocess.workers import encode_stream, mp_context, prepare_child, receive, stop
-from megatron.data.preprocess.writing import DatasetWriter, ProgressLog, Stats
+from megatron.data.preprocess.writing import DatasetWriter, ProgressLog, ShardedWriter, Stats
 from megatron.tokenizer import TokenizerConfigError, build_tokenizer
 
 
@@ -50,9 +57,11 @@ def run_stream(config: PreprocessConfig, encoder: ChunkEncoder, spans: Sequence[
 
     ``whole_run`` is False for one partition, which may legitimately hold no documents.
     """
-    writer = DatasetWriter(config, prefix, vocab_size)
+    limited = config.shard_size is not None or config.max_documents is not None
+    writer = (ShardedWriter if limited else DatasetWriter)(config, prefix, vocab_size)
     progress = ProgressLog(config.log_interval, label, input_size(spans))
-    stream = encode_stream(encoder, iter_chunks(spans, config.chunk_size), workers)
+    chunks = iter_input_chunks(spans, config.chunk_size, config.json_keys)
+    stream = encode_stream(encoder, chunks, workers)
     try:
         for result in stream:
             if result.error is not None:
@@ -60,8 +69,11 @@ def run_stream(config: PreprocessConfig, encoder: ChunkEncoder, spans: Sequence[
                 line, reason = result.error
                 raise InputError(f"{span.path}:{span.line_number(line)}: {reason} "
                                  "(pass --skip-bad-lines to skip such lines)")
-            writer.add(result)
+            enough = writer.add(result)
             progress.update(result, spans)
+            if enough:  # --max-documents reached: read no further
+                stream.close()
+                break
         if whole_run:
             check_documents(config, progress.stats)
         writer.finalize()
@@ -175,11 +187,13 @@ def run(config: PreprocessConfig, start_time: Optional[float] = None) -> Stats:
     if config.dataset_impl != "mmap":  # the legacy builder writes int32, as Megatron's did
         dtype = indexed_dataset.make_builder(os.devnull, config.dataset_impl, atomic=False).dtype
     encoder = ChunkEncoder(config, tokenizer, splitter, dtype)
-    pieces = [[Span(p) for p in config.inputs]]
+    pieces = [input_spans(config)]
     if config.partitions > 1:
-        pieces = plan_partitions(config.inputs, config.partitions) or pieces
+        pieces = plan_input_partitions(config, pieces[0]) or pieces
     for key in config.json_keys:
-        print(f"Output: {config.output_name(config.output_prefix, key)}.bin/.idx ({dtype})")
+        shards = "_NNNNN" if config.shard_size else ""
+        print(f"Output: {config.output_name(config.output_prefix + shards, key)}.bin/.idx "
+              f"({dtype})")
     print(f"Time to startup: {time.time() - start_time:.2f} s")
     if len(pieces) == 1:
         stats = run_stream(config, encoder, pieces[0], config.output_prefix, config.workers,
@@ -188,6 +202,31 @@ def run(config: PreprocessConfig, start_time: Optional[float] = None) -> Stats:
         stats = run_partitions(config, encoder, pieces, vocab_size)
     _print_summary(stats, time.time() - start_time)
     return stats
+
+
+def input_spans(config: PreprocessConfig) -> list[Span]:
+    """One span per input: a JSON-lines file, or every row of a local HF dataset (opened
+    here, so a missing column or split is reported before any work)."""
+    spans: list[Span] = []
+    for path in config.inputs:
+        if is_hf_input(path):
+            rows = check_hf_input(path, config.hf_split, config.json_keys)
+            print(f"{path}: {rows} rows (Hugging Face dataset, columns {config.json_keys})")
+            spans.append(HFSpan(path, 0, rows, 0, config.hf_split))
+        else:
+            spans.append(Span(path))
+    return spans
+
+
+def plan_input_partitions(config: PreprocessConfig, spans: list[Span]) -> list[list[Span]]:
+    """--partitions: by bytes for JSON-lines files, by rows for HF datasets (not mixed)."""
+    hf = [isinstance(s, HFSpan) for s in spans]
+    if all(hf):
+        return plan_hf_partitions(spans, [s.end for s in spans], config.partitions)
+    if any(hf):
+        raise InputError("--partitions cannot mix Hugging Face datasets and JSON-lines files "
+                         "in one run; use --partitions 1")
+    return plan_partitions(config.inputs, config.partitions)
 
 
 def _print_summary(stats: Stats, wall: float) -> None:

@@ -59,7 +59,7 @@ def input_size(spans: Sequence[Span]) -> Optional[int]:
     (a gzip file's decompressed size is not known before it has been read)."""
     total = 0
     for span in spans:
-        if span.path.endswith(".gz"):
+        if span.path.endswith(".gz") or type(span) is not Span:  # rows of an HF dataset
             return None
         end = os.path.getsize(span.path) if span.end is None else span.end
         total += end - span.start

@@ -15,7 +15,7 @@ import numpy as np
 
 from megatron.data import indexed_dataset
 from megatron.data.preprocess.config import OutputError, PreprocessConfig
-from megatron.data.preprocess.encoding import ChunkResult
+from megatron.data.preprocess.encoding import ChunkResult, KeyArrays
 from megatron.data.preprocess.reading import Span
 
 MAX_SKIP_EXAMPLES = 10
@@ -80,6 +80,79 @@ class DatasetWriter:
         for path in self.paths.values():
             remove_files(indexed_dataset.data_file_path(path) + ".tmp",
                          indexed_dataset.index_file_path(path) + ".tmp")
+
+
+def slice_result(result: ChunkResult, first: int, last: int) -> ChunkResult:
+    """Documents ``[first, last)`` of ``result`` (its statistics stay with the original)."""
+    keys = {}
+    for key, a in result.keys.items():
+        t0, t1 = int(a.doc_tokens[:first].sum()), int(a.doc_tokens[:last].sum())
+        s0, s1 = int(a.doc_sentences[:first].sum()), int(a.doc_sentences[:last].sum())
+        keys[key] = KeyArrays(a.tokens[t0:t1], a.sizes[s0:s1], a.doc_sentences[first:last],
+                              a.doc_tokens[first:last])
+    return ChunkResult(result.span_index, result.first_line, keys=keys)
+
+
+def shard_prefix(prefix: str, shard: int) -> str:
+    """``--shard-size``: shard k's datasets are ``{prefix}_{k:05d}_{key}_{level}``."""
+    return f"{prefix}_{shard:05d}"
+
+
+class ShardedWriter:
+    """``--shard-size N`` (a new dataset every N documents) and ``--max-documents M`` (stop
+    after M): documents go to a ``DatasetWriter`` per shard, opened when its first document
+    comes. ``add`` returns True once M documents are written. ``abort`` removes the shards
+    this run finished too, so a failed run leaves no output."""
+
+    def __init__(self, config: PreprocessConfig, prefix: str, vocab_size: int):
+        self.config, self.prefix, self.vocab_size = config, prefix, vocab_size
+        self.size, self.left = config.shard_size, config.max_documents
+        self.shard, self.in_shard = 0, 0
+        self.writer: Optional[DatasetWriter] = None
+        self.done: list[DatasetWriter] = []
+
+    def _current(self) -> DatasetWriter:
+        if self.writer is None:
+            prefix = shard_prefix(self.prefix, self.shard) if self.size else self.prefix
+            self.writer = DatasetWriter(self.config, prefix, self.vocab_size)
+        return self.writer
+
+    def add(self, result: ChunkResult) -> bool:
+        docs = len(next(iter(result.keys.values())).doc_tokens) if result.keys else 0
+        if self.left is not None:
+            docs = min(docs, self.left)
+        first = 0
+        while first < docs:
+            room = docs - first if not self.size else min(docs - first, self.size - self.in_shard)
+            self._current().add(slice_result(result, first, first + room))
+            first += room
+            self.in_shard += room
+            if self.size and self.in_shard == self.size:
+                self._close_shard()
+        if self.left is not None:
+            self.left -= docs
+            return self.left == 0
+        return False
+
+    def _close_shard(self) -> None:
+        if self.writer is not None:
+            self.writer.finalize()
+            self.done.append(self.writer)
+        self.writer, self.in_shard = None, 0
+        self.shard += 1
+
+    def finalize(self) -> None:
+        if self.writer is not None or not self.done:
+            self._current()  # an empty run (--allow-empty) still writes its one dataset
+            self._close_shard()
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+        for writer in self.done:
+            for path in writer.paths.values():
+                remove_files(indexed_dataset.data_file_path(path),
+                             indexed_dataset.index_file_path(path))
 
 
 def remove_files(*paths: str) -> None:
