@@ -44,7 +44,9 @@ setup(
         "tomli; python_version < '3.11'",
     ],
     extras_require={
-        "test": ["pytest", "ruff"],
+        "test": ["pytest", "ruff", "datasets", "pyarrow", "wandb"],
+        "hf-data": ["datasets", "pyarrow"],  # preprocess_data.py --input of local HF datasets
+        "wandb": ["wandb"],  # --wandb-project (offline runs)
         "cuda": ["apex", "flash-attn"],
     },
     ext_modules=ext_modules,

@@ -49,6 +49,7 @@ from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
 from megatron.timers import Timers, format_across_ranks, gather_across_ranks
 from megatron.training_log import (
     TensorBoard,
+    WandbOffline,
     evaluation_series,
     flops_per_token,
     format_eval,
@@ -323,8 +324,10 @@ class Trainer:
             t.global_batch_size, t.micro_batch_size,
             parallel_state.get_data_parallel_world_size(), t.rampup_batch_size)
         is_logger = not dist.is_initialized() or dist.get_rank() == 0
+        wandb = WandbOffline(self.cfg.logging, self.cfg.checkpoint.save, self.cfg.to_dict(),
+                             is_logger)
         self.tensorboard = TensorBoard(self.cfg.logging.tensorboard_dir, is_logger,
-                                       self.cfg.logging.tensorboard_queue_size)
+                                       self.cfg.logging.tensorboard_queue_size, wandb)
         self.signal = _SignalFlag(t.exit_signal_handler)
         self.guard = NonFiniteGuard(t.max_consecutive_nonfinite_iterations)
         self._refused_save: Optional[int] = None

@@ -188,17 +188,67 @@ def evaluation_series(losses: Mapping[str, float], kind: str,
     return series
 
 
-class TensorBoard:
-    """A SummaryWriter on one rank; every call is a no-op elsewhere or without a directory."""
+class WandbOffline:
+    """A Weights & Biases run in offline mode (no network: ``wandb sync DIR`` uploads it
+    later), on one rank; it receives every scalar TensorBoard writes against the iteration."""
 
-    def __init__(self, log_dir: Optional[str], enabled: bool, queue_size: int = 1000) -> None:
+    def __init__(self, logging: Any, save: Optional[str], config: Optional[dict],
+                 enabled: bool) -> None:
+        self.run = None
+        if not (logging.wandb_project and enabled):
+            return
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError("--wandb-project needs the wandb package: pip install "
+                              "'megatron-gpt[wandb]' (or pip install wandb)") from None
+        folder = logging.wandb_save_dir or wandb_default_dir(save, logging.tensorboard_dir)
+        os.makedirs(folder, exist_ok=True)
+        os.environ["WANDB_MODE"] = "offline"  # forced: there may be no route to wandb.ai
+        self.run = wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name,
+                              dir=folder, config=config, mode="offline")
+
+    def log(self, values: Mapping[str, Optional[float]], step: int) -> None:
+        if self.run is None:
+            return
+        finite = {k: float(v) for k, v in values.items()
+                  if v is not None and math.isfinite(v)}
+        if finite:  # values of one step merge; a later step commits them
+            self.run.log(finite, step=step, commit=False)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def wandb_default_dir(save: Optional[str], tensorboard_dir: Optional[str]) -> str:
+    """--wandb-save-dir's default: ``--save``/wandb, else ``--tensorboard-dir``/wandb, else
+    ./wandb."""
+    base = save or tensorboard_dir
+    return os.path.join(base, "wandb") if base else os.path.abspath("wandb")
+
+
+class TensorBoard:
+    """A SummaryWriter on one rank; every call is a no-op elsewhere or without a directory.
+    ``wandb`` (a ``WandbOffline``) gets the scalars written against the iteration too."""
+
+    def __init__(self, log_dir: Optional[str], enabled: bool, queue_size: int = 1000,
+                 wandb: Optional[WandbOffline] = None) -> None:
         self.writer = None
+        self.wandb = wandb
         if log_dir and enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
-    def scalars(self, values: dict[str, Optional[float]], step: int) -> None:
+    def scalars(self, values: dict[str, Optional[float]], step: int,
+                by_iteration: bool = True) -> None:
+        """``values`` at ``step``; ``by_iteration`` False: the step counts samples or
+        tokens (the 'vs samples/tokens' views; wandb does not get those, its runs plot any
+        series against the steps-vs-samples/tokens values logged by iteration)."""
+        if by_iteration and self.wandb is not None:
+            self.wandb.log(values, step)
         if self.writer is None:
             return
         for name, value in values.items():
@@ -211,13 +261,15 @@ class TensorBoard:
         samples`` by consumed samples and ``tag vs tokens`` by consumed tokens."""
         for tag, value in values.items():
             self.scalars({tag: value}, iteration)
-            self.scalars({f"{tag} vs samples": value}, samples)
-            self.scalars({f"{tag} vs tokens": value}, tokens)
+            self.scalars({f"{tag} vs samples": value}, samples, by_iteration=False)
+            self.scalars({f"{tag} vs tokens": value}, tokens, by_iteration=False)
 
     def axes(self, *, iteration: int, samples: int, tokens: int) -> None:
         """Megatron-DeepSpeed's tags that map iterations onto samples and tokens and back."""
-        self.scalars({"steps-vs-samples/y=steps,x=samples": iteration}, samples)
-        self.scalars({"steps-vs-tokens/y=steps,x=tokens": iteration}, tokens)
+        self.scalars({"steps-vs-samples/y=steps,x=samples": iteration}, samples,
+                     by_iteration=False)
+        self.scalars({"steps-vs-tokens/y=steps,x=tokens": iteration}, tokens,
+                     by_iteration=False)
         self.scalars({"steps-vs-samples/y=samples,x=steps": samples,
                       "steps-vs-tokens/y=tokens,x=steps": tokens}, iteration)
 
@@ -229,3 +281,7 @@ class TensorBoard:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
+        if self.wandb is not None:
+            self.wandb.close()

@@ -1,11 +1,12 @@
-"""The logging slice: what is logged, how often, and where (stdout, TensorBoard)."""
+"""The logging slice: what is logged, how often, and where (stdout, TensorBoard, wandb)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.config.base import Slice, check_refused, one_of, option, positive
+from megatron.config.base import Slice, check_refused, one_of, option, positive, require
 from megatron.timers import TIMING_LOG_OPTIONS
 
 
@@ -46,11 +47,20 @@ class LoggingConfig(Slice):
         "(otherwise once, from global rank 0; a warning only another rank meets then shows "
         "only with this flag).")
     wandb_project: Optional[str] = option(
-        default=None, help="Weights & Biases project (not available yet).",
-        refused="Weights & Biases logging is not available yet; use --tensorboard-dir")
+        default=None, help="Also log the TensorBoard scalars to this Weights & Biases project, "
+        "offline (pip install 'megatron-gpt[wandb]'; wandb sync uploads the run later).")
+    wandb_exp_name: Optional[str] = option(default=None, help="The wandb run's name.")
+    wandb_save_dir: Optional[str] = option(
+        default=None, help="Folder of the offline wandb run (default: --save/wandb, else "
+        "--tensorboard-dir/wandb).")
 
     def __post_init__(self) -> None:
         check_refused(self)
         positive(self, "log_interval", "tensorboard_log_interval", "tensorboard_queue_size")
         one_of(self, "timing_log_level", (0, 1, 2))
         one_of(self, "timing_log_option", TIMING_LOG_OPTIONS)
+        require(self.wandb_project or not (self.wandb_exp_name or self.wandb_save_dir),
+                "--wandb-exp-name and --wandb-save-dir need --wandb-project")
+        require(not self.wandb_project or importlib.util.find_spec("wandb") is not None,
+                "--wandb-project needs the wandb package, which is not installed: pip install "
+                "'megatron-gpt[wandb]' (or pip install wandb), or drop --wandb-project")

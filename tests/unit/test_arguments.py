@@ -222,7 +222,8 @@ def test_launcher_local_rank_and_no_op_flags_are_tolerated():
     assert c.model.recompute_granularity == "full"
     assert_names(error_of([*BASE, "--use-checkpoint-args"]), "--use-checkpoint-args",
                  "needs --load")
-    assert_names(error_of([*BASE, "--wandb-project", "p"]), "--wandb-project", "not available")
+    assert_names(error_of([*BASE, "--wandb-exp-name", "p"]), "--wandb-exp-name",
+                 "need --wandb-project")
 
 
 def test_run_management_and_compatibility_flags():

@@ -39,6 +39,8 @@ NEW_FLAGS = {
     # The non-finite guard (issue 13): Megatron-LM's switch, both spellings, and its stop.
     "--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad",
     "--max-consecutive-nonfinite-iterations",
+    # Issue 15: token files read into RAM, offline wandb beside --wandb-project.
+    "--in-memory", "--wandb-exp-name", "--wandb-save-dir",
 }
 
 
@@ -129,7 +131,7 @@ def test_refused_flags_stop_the_run_naming_the_flag():
     refused = [(f, cls) for cls in SLICE_CLASSES.values() for f in option_fields(cls)
                if f.metadata.get("refused")]
     assert {f.name for f, _ in refused} >= {"deepspeed", "deepspeed_config", "zero_stage",
-                                             "wandb_project", "ckpt_format"}
+                                             "ckpt_format"}
     for f, _ in refused:
         default = field_default(f)
         value = [] if isinstance(default, bool) else [
