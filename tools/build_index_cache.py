@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--split", default=DEFAULT_SPLIT,
                    help=f"train,valid,test weights (default: {DEFAULT_SPLIT})")
-    g.add_argument("--data-impl", default="mmap", choices=["mmap", "infer"])
+    g.add_argument("--data-impl", default="mmap",
+                   choices=["mmap", "infer", "lazy", "cached", "flat", "npy"])
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--seed", type=int, default=1234)

@@ -86,6 +86,9 @@ def test_lazy_and_cached_read_back_equal_to_mmap(three_formats):
         for i in range(len(mmap)):
             assert np.array_equal(legacy[i], mmap[i])
         assert legacy.get(3, 2, 4).tolist() == mmap.get(3, 2, 4).tolist()
+    in_ram = make_dataset(prefixes["mmap"], "mmap", in_memory=True)  # --in-memory
+    assert isinstance(in_ram._bin, bytes)
+    assert all(np.array_equal(in_ram[i], mmap[i]) for i in range(len(mmap)))
     # The mmap reader names the format and the way out.
     with pytest.raises(IndexedDatasetError, match="--data-impl lazy"):
         MMapIndexedDataset(prefixes["lazy"])

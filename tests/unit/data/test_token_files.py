@@ -91,3 +91,18 @@ def test_bad_npy_and_empty_folder_are_named(tmp_path):
     os.makedirs(tmp_path / "empty")
     with pytest.raises(DataConfigError, match="holds no npy token files"):
         _build(str(tmp_path / "empty"), "npy", tmp_path)
+
+
+def test_training_data_check_names_a_bad_token_file_before_training(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron.data.checks import check_training_data
+
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(50, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    data = SimpleNamespace(data_path=[str(tmp_path)], data_impl="infer", split="98,2,0",
+                           mock_data=False, tokenizer_type="NullTokenizer", vocab_size=64)
+    check_training_data(data, 64, train_samples=8)  # a nanoGPT folder passes
+    open(tmp_path / "val.bin", "ab").write(b"\x00")
+    with pytest.raises(DataConfigError, match="--data-path: .*val.bin: 101 bytes"):
+        check_training_data(data, 64, train_samples=8)
