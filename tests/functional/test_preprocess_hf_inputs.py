@@ -62,8 +62,9 @@ def test_hf_inputs_give_the_bytes_of_the_json_lines(corpus, source, extra):
 def test_shards_and_max_documents(corpus):
     folder, texts = corpus
     out = folder / "shards"
-    preprocess(folder / "corpus.parquet", out, "--append-eod", "--hf-text-column", "text",
-               "--shard-size", "20", "--max-documents", "50", "--workers", "2")
+    proc = preprocess(folder / "corpus.parquet", out, "--append-eod", "--hf-text-column",
+                      "text", "--shard-size", "20", "--max-documents", "50", "--workers", "2")
+    assert "Done: 50 documents" in proc.stdout
     whole = MMapIndexedDataset(str(folder / "json_text_document"))
     shards = [MMapIndexedDataset(f"{out}_{k:05d}_text_document") for k in range(3)]
     assert [len(s.doc_idx) - 1 for s in shards] == [20, 20, 10]

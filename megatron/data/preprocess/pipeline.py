@@ -74,6 +74,8 @@ def run_stream(config: PreprocessConfig, encoder: ChunkEncoder, spans: Sequence[
             if enough:  # --max-documents reached: read no further
                 stream.close()
                 break
+        if limited:  # the statistics count what was written, not the last chunk's rest
+            progress.stats.documents, progress.stats.tokens = writer.documents, writer.tokens
         if whole_run:
             check_documents(config, progress.stats)
         writer.finalize()

@@ -110,6 +110,7 @@ class ShardedWriter:
         self.shard, self.in_shard = 0, 0
         self.writer: Optional[DatasetWriter] = None
         self.done: list[DatasetWriter] = []
+        self.documents = self.tokens = 0  # what was written (a chunk may hold more)
 
     def _current(self) -> DatasetWriter:
         if self.writer is None:
@@ -124,7 +125,10 @@ class ShardedWriter:
         first = 0
         while first < docs:
             room = docs - first if not self.size else min(docs - first, self.size - self.in_shard)
-            self._current().add(slice_result(result, first, first + room))
+            part = slice_result(result, first, first + room)
+            self._current().add(part)
+            self.documents += room
+            self.tokens += sum(len(a.tokens) for a in part.keys.values())
             first += room
             self.in_shard += room
             if self.size and self.in_shard == self.size:
