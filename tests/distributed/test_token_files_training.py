@@ -4,7 +4,8 @@ A nanoGPT-style folder (``train.bin`` / ``val.bin``, raw uint16) trains with ``-
 flat``, and 16 iterations straight equal 8, a checkpoint, and 8 more, bit for bit (losses,
 grad norms, learning rates, validation losses and the order of the samples). FineWeb-style
 ``.npy`` shards, found by ``--data-impl infer``, train too, read from RAM with ``--in-memory``
-the same as memory-mapped.
+the same as memory-mapped; two data-parallel gloo ranks on the token file give the losses of
+one process within 1e-5.
 """
 
 import os
@@ -77,14 +78,28 @@ def _all_runs(rank, world_size, corpus, folder):
                     **{"--data-path": paths["fineweb"], "--data-impl": "infer"})
     results["npy"] = _run(npy)
     results["npy_in_memory"] = _run(npy + ["--in-memory"])
+    results["flat6"] = _flat_run(rank, world_size, corpus, folder)
     return results
 
 
+def _flat_run(rank, world_size, corpus, folder):
+    """6 iterations on the nanoGPT folder (written by the one-process run)."""
+    argv = base_argv(corpus, f"{folder}/cache-{world_size}", **{
+        **FLAGS, "--train-iters": 6, "--hidden-dropout": 0.0,
+        "--data-path": f"{folder}/shakespeare_char", "--data-impl": "flat"})
+    return _run(argv)["steps"]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def setup(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("token_files"))
     corpus = build_small_corpus(str(tmp_path_factory.mktemp("corpus")))
-    return run_distributed(_all_runs, 1, corpus, folder)[0]
+    return corpus, folder
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    return run_distributed(_all_runs, 1, *setup)[0]
 
 
 def test_nanogpt_train_bin_resumes_bit_for_bit(runs):
@@ -106,3 +121,13 @@ def test_npy_shards_train_and_in_memory_reads_the_same(runs):
     assert len(npy["steps"]) == 6 and all(np.isfinite(s[1]) for s in npy["steps"])
     assert "edufineweb_val_000000.npy" in npy["log"]
     assert in_memory["steps"] == npy["steps"] and in_memory["samples"] == npy["samples"]
+
+
+def test_two_data_parallel_ranks_equal_one_process(setup, runs):
+    one = runs["flat6"]
+    two = run_distributed(_flat_run, 2, *setup)
+    assert two[0] == two[1]  # both ranks report the same reduced values
+    assert [s[0] for s in two[0]] == [s[0] for s in one] == list(range(1, 7))
+    for (_, loss2, norm2), (_, loss1, norm1) in zip(two[0], one):
+        assert loss2 == pytest.approx(loss1, rel=1e-5)
+        assert norm2 == pytest.approx(norm1, rel=1e-5)
