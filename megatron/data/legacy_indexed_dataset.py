@@ -139,6 +139,7 @@ class LegacyIndexedDataset:
             raise IndexedDatasetError(f"{bin_path}: file is {os.path.getsize(bin_path)} bytes "
                                       f"but {idx_path} describes {need}")
         self._data: Optional[np.ndarray] = None
+        self._fd: Optional[int] = None
         if cached:
             self._data = np.fromfile(bin_path, dtype=self.dtype)
 
@@ -169,9 +170,11 @@ class LegacyIndexedDataset:
         start = int(self._index.data_offsets[i]) + offset
         if self._data is not None:
             return self._data[start:start + length]
-        with open(data_file_path(self._path), "rb") as f:
-            f.seek(start * self._index.element_size)
-            return np.fromfile(f, dtype=self.dtype, count=length)
+        if self._fd is None:  # opened on first use: each DataLoader worker has its own
+            self._fd = os.open(data_file_path(self._path), os.O_RDONLY)
+        size = self._index.element_size
+        raw = os.pread(self._fd, length * size, start * size)
+        return np.frombuffer(raw, dtype=self.dtype, count=length)
 
     @property
     def sizes(self) -> np.ndarray:
@@ -196,6 +199,13 @@ class LegacyIndexedDataset:
 
     def close(self) -> None:
         self._data = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
 
 
 class LegacyIndexedDatasetBuilder:

@@ -240,8 +240,10 @@ def split_spans(path: str, impl: str, splits_string: str
 def whole_spans(path: str, impl: str) -> list[tuple[TokenFile, int, int]]:
     """Every token of a data path (for --train/valid/test-data-path)."""
     groups = resolve_source(path, impl)
-    files = [open_token_file(p, impl) for group in groups.values() for p in group]
-    return _whole(files)
+    if "all" not in groups:
+        raise DataConfigError(f"{path}: a folder of train and val files splits itself; give "
+                              "it to --data-path, or name one file (or glob) per split flag")
+    return _whole([open_token_file(p, impl) for p in groups["all"]])
 
 
 def source_impl(path: str, data_impl: str) -> str:

@@ -106,3 +106,22 @@ def test_training_data_check_names_a_bad_token_file_before_training(tmp_path):
     open(tmp_path / "val.bin", "ab").write(b"\x00")
     with pytest.raises(DataConfigError, match="--data-path: .*val.bin: 101 bytes"):
         check_training_data(data, 64, train_samples=8)
+
+
+def test_weighted_blend_of_token_files(tmp_path):
+    np.arange(0, 3000, dtype=np.uint16).tofile(tmp_path / "a.bin")
+    np.arange(30000, 31000, dtype=np.uint16).tofile(tmp_path / "b.npy.bin")
+    blend = [0.75, str(tmp_path / "a.bin"), 0.25, str(tmp_path / "b.npy.bin")]
+    train = _build(blend, "flat", tmp_path, split="100,0,0", samples=(200, 0, 0))[0]
+    first = [int(train[i]["text"][0]) for i in range(200)]
+    from_b = sum(x >= 30000 for x in first)
+    assert 40 <= from_b <= 60  # a quarter of the samples, as the weights ask
+    with pytest.raises(DataConfigError, match="splits itself"):
+        np.arange(10, dtype=np.uint16).tofile(tmp_path / "train.bin")
+        np.arange(10, dtype=np.uint16).tofile(tmp_path / "val.bin")
+        os.makedirs(tmp_path / "folder")
+        for name in ("train.bin", "val.bin"):
+            os.replace(tmp_path / name, tmp_path / "folder" / name)
+        build_train_valid_test_datasets(None, "flat", "1,0,0", [4, 0, 0], SEQ, 1, True,
+                                        train_data_prefix=str(tmp_path / "folder"),
+                                        data_cache_path=str(tmp_path / "cache"))
