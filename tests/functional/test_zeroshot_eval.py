@@ -1,0 +1,166 @@
+"""Zero-shot evaluation (tasks/main.py, tools/evaluate.py): WikiText perplexity and LAMBADA
+accuracy of a model converted from Hugging Face equal HF's own numbers, computed here
+directly from the HF model on the same tokens; and every parallel layout gives the numbers
+of one process."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.evaluation.detokenizer import wikitext_detokenizer
+from tests.corpus import WIKITEXT, wikitext_articles
+from tests.dist_utils import run_distributed
+from tests.distributed.training_utils import load_tool
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, STRIDE = 64, 24
+# Pads the 512-id vocabulary to 768 at tp 1 and tp 2: the padding's logits must not count.
+DIVISIBLE_BY = 384
+
+
+def _texts() -> list[str]:
+    """WikiText-2's validation articles, or Python's documentation without ../shared."""
+    if (WIKITEXT / "valid.txt").is_file():
+        return wikitext_articles(max_chars=120_000)
+    tool = load_tool("build_quickstart_corpus")
+    return list(tool.python_doc_documents(max_chars=120_000))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A 512-id BPE, a tiny random GPT2LMHeadModel saved as an HF folder (with the tokenizer
+    files), its conversion to our checkpoint, a WikiText file and a LAMBADA file."""
+    root = tmp_path_factory.mktemp("zeroshot")
+    texts = _texts()
+    tool = load_tool("build_quickstart_corpus")
+    vocab, merges = tool.train_tokenizer(texts, root / "tokenizer", 512)
+    from megatron.tokenizer import build_tokenizer
+
+    tok = build_tokenizer("GPT2BPETokenizer", str(vocab), str(merges))
+    # A wide initialisation makes the greedy predictions depend on the context.
+    cfg = transformers.GPT2Config(vocab_size=tok.vocab_size, n_positions=SEQ, n_embd=32,
+                                  n_layer=2, n_head=4, initializer_range=0.3,
+                                  bos_token_id=tok.eod, eos_token_id=tok.eod)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    hf_dir = root / "hf"
+    hf.save_pretrained(hf_dir)
+    shutil.copy(vocab, hf_dir / "vocab.json")
+    shutil.copy(merges, hf_dir / "merges.txt")
+    ckpt = root / "ckpt"
+    convert = load_tool("convert_hf_gpt2")
+    model_flags = convert.convert(str(hf_dir), str(ckpt), DIVISIBLE_BY).split()
+    wiki = root / "wiki.valid.txt"  # "wiki" in the name picks the WikiText detokenizer
+    wiki.write_text("".join(texts)[:12_000], encoding="utf-8")
+    lambada = root / "lambada.jsonl"
+    _write_lambada(lambada, texts, hf, tok)
+    return dict(root=root, hf=hf, tok=tok, hf_dir=str(hf_dir), ckpt=str(ckpt),
+                model_flags=model_flags, wiki=str(wiki), lambada=str(lambada),
+                tok_flags=["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
+                           "--merge-file", str(merges)])
+
+
+def _write_lambada(path: Path, texts: list[str], hf, tok) -> None:
+    """Short sentences; where HF's greedy next token after all but the last word is a whole
+    word, the sentence ends with that word instead (so some answers are right)."""
+    text = " ".join(texts)
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?]) ", text)
+                 if 4 <= len(s.split()) <= 12 and len(tok.tokenize(s)) < SEQ - 4][:60]
+    lines = []
+    for s in sentences:
+        context = " ".join(s.split()[:-1])
+        with torch.no_grad():
+            guess = hf(torch.tensor([tok.tokenize(context)])).logits[0, -1].argmax().item()
+        piece = tok.detokenize([guess])
+        if piece.startswith(" ") and piece[1:].isalpha():
+            s = context + piece
+        lines.append(json.dumps({"text": s}))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+# HF's numbers, computed here from the model and the tokenizer ------------------------------
+
+
+def _hf_windows_loss(hf, tokens: list[int]) -> float:
+    """Summed loss over windows of SEQ targets, STRIDE apart; window 0 scores all of its
+    targets, each later one its last STRIDE."""
+    total, start, ids = 0.0, 0, torch.tensor(tokens)
+    while True:
+        window = ids[start:start + SEQ + 1]
+        with torch.no_grad():
+            logits = hf(window[None, :-1]).logits[0]
+        losses = torch.nn.functional.cross_entropy(logits, window[1:], reduction="none")
+        total += (losses if start == 0 else losses[SEQ - STRIDE:]).sum().item()
+        if start + SEQ >= len(tokens) - 1:
+            return total
+        start += STRIDE
+
+
+def _hf_lambada_correct(hf, tok, path: str, strict: bool) -> list[bool]:
+    right = []
+    for line in Path(path).read_text().splitlines():
+        text = json.loads(line)["text"]
+        if strict:
+            word = text.split()[-1]
+            context = tok.tokenize(text[:text.rfind(word)].strip())
+            target = tok.tokenize(" " + word)
+        else:
+            ids = tok.tokenize(text)
+            context, target = ids[:-1], ids[-1:]
+        with torch.no_grad():
+            logits = hf(torch.tensor([context + target])).logits[0]
+        predicted = logits[len(context) - 1:-1].argmax(-1).tolist()
+        right.append(predicted == target)
+    return right
+
+
+def _run_task(rank, world_size, argv):
+    from megatron.evaluation.cli import main
+
+    return main(argv)
+
+
+def _task_argv(s, task: str, *extra: str) -> list[str]:
+    data = s["wiki"] if task == "WIKITEXT103" else s["lambada"]
+    return ["--task", task, "--valid-data", data, "--overlapping-eval", str(STRIDE),
+            "--micro-batch-size", "4", "--use-cpu", *extra]
+
+
+def test_wikitext_perplexity_of_a_converted_model_equals_hf(setup, capsys):
+    s = setup
+    argv = _task_argv(s, "WIKITEXT103", "--load", s["ckpt"], *s["model_flags"],
+                      *s["tok_flags"])
+    ours = run_distributed(_run_task, 1, argv)[0]
+    raw = Path(s["wiki"]).read_text(encoding="utf-8")
+    tokens = s["tok"].tokenize(wikitext_detokenizer(raw))
+    words = len(raw.strip().split(" "))
+    loss = _hf_windows_loss(s["hf"], tokens) / (len(tokens) - 1)
+    ratio = (len(tokens) - 1) / (words - 1)
+    assert ours.avg_loss == pytest.approx(loss, rel=1e-3)
+    assert ours.ppl == pytest.approx(math.exp(loss), rel=1e-3)
+    assert ours.adjusted_ppl == pytest.approx(math.exp(loss * ratio), rel=1e-3)
+    assert ours.token_ratio == pytest.approx(ratio, rel=1e-12)
+    # The same straight from the HF folder (converted in memory, tokenizer files from it).
+    from_hf = run_distributed(_run_task, 1, _task_argv(s, "WIKITEXT103", "--hf-model",
+                                                       s["hf_dir"]))[0]
+    assert from_hf.avg_loss == pytest.approx(loss, rel=1e-3)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_lambada_accuracy_of_a_converted_model_equals_hf(setup, strict):
+    s = setup
+    expected = _hf_lambada_correct(s["hf"], s["tok"], s["lambada"], strict)
+    assert 0 < sum(expected) < len(expected), "the file must hold right and wrong answers"
+    argv = _task_argv(s, "LAMBADA", "--load", s["ckpt"], *s["model_flags"], *s["tok_flags"],
+                      *(["--strict-lambada"] if strict else []))
+    ours = run_distributed(_run_task, 1, argv)[0]
+    assert (ours.correct, ours.total) == (sum(expected), len(expected))
+    assert ours.accuracy == pytest.approx(sum(expected) / len(expected))
