@@ -1,13 +1,12 @@
 """Zero-shot evaluation (tasks/main.py, tools/evaluate.py): WikiText perplexity and LAMBADA
 accuracy of a model converted from Hugging Face equal HF's own numbers, computed here
 directly from the HF model on the same tokens; and every parallel layout gives the numbers
-of one process."""
+of one process (tests/distributed/test_zeroshot_layouts.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import shutil
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from megatron.evaluation.detokenizer import wikitext_detokenizer
-from tests.corpus import WIKITEXT, wikitext_articles
+from tests import zeroshot_data
 from tests.dist_utils import run_distributed
 from tests.distributed.training_utils import load_tool
 
@@ -26,25 +25,13 @@ SEQ, STRIDE = 64, 24
 DIVISIBLE_BY = 384
 
 
-def _texts() -> list[str]:
-    """WikiText-2's validation articles, or Python's documentation without ../shared."""
-    if (WIKITEXT / "valid.txt").is_file():
-        return wikitext_articles(max_chars=120_000)
-    tool = load_tool("build_quickstart_corpus")
-    return list(tool.python_doc_documents(max_chars=120_000))
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A 512-id BPE, a tiny random GPT2LMHeadModel saved as an HF folder (with the tokenizer
     files), its conversion to our checkpoint, a WikiText file and a LAMBADA file."""
     root = tmp_path_factory.mktemp("zeroshot")
-    texts = _texts()
-    tool = load_tool("build_quickstart_corpus")
-    vocab, merges = tool.train_tokenizer(texts, root / "tokenizer", 512)
-    from megatron.tokenizer import build_tokenizer
-
-    tok = build_tokenizer("GPT2BPETokenizer", str(vocab), str(merges))
+    texts = zeroshot_data.texts()
+    tok, tok_flags = zeroshot_data.train_tokenizer(texts, root / "tokenizer")
     # A wide initialisation makes the greedy predictions depend on the context.
     cfg = transformers.GPT2Config(vocab_size=tok.vocab_size, n_positions=SEQ, n_embd=32,
                                   n_layer=2, n_head=4, initializer_range=0.3,
@@ -53,37 +40,23 @@ def setup(tmp_path_factory):
     hf = transformers.GPT2LMHeadModel(cfg).eval()
     hf_dir = root / "hf"
     hf.save_pretrained(hf_dir)
-    shutil.copy(vocab, hf_dir / "vocab.json")
-    shutil.copy(merges, hf_dir / "merges.txt")
+    shutil.copy(tok_flags[3], hf_dir / "vocab.json")
+    shutil.copy(tok_flags[5], hf_dir / "merges.txt")
     ckpt = root / "ckpt"
     convert = load_tool("convert_hf_gpt2")
     model_flags = convert.convert(str(hf_dir), str(ckpt), DIVISIBLE_BY).split()
     wiki = root / "wiki.valid.txt"  # "wiki" in the name picks the WikiText detokenizer
-    wiki.write_text("".join(texts)[:12_000], encoding="utf-8")
+    zeroshot_data.write_wikitext(wiki, texts, 12_000)
     lambada = root / "lambada.jsonl"
-    _write_lambada(lambada, texts, hf, tok)
+
+    def hf_next_token(ids: list[int]) -> int:
+        with torch.no_grad():
+            return hf(torch.tensor([ids])).logits[0, -1].argmax().item()
+
+    zeroshot_data.write_lambada(lambada, texts, tok, hf_next_token, SEQ - 4)
     return dict(root=root, hf=hf, tok=tok, hf_dir=str(hf_dir), ckpt=str(ckpt),
                 model_flags=model_flags, wiki=str(wiki), lambada=str(lambada),
-                tok_flags=["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
-                           "--merge-file", str(merges)])
-
-
-def _write_lambada(path: Path, texts: list[str], hf, tok) -> None:
-    """Short sentences; where HF's greedy next token after all but the last word is a whole
-    word, the sentence ends with that word instead (so some answers are right)."""
-    text = " ".join(texts)
-    sentences = [s.strip() for s in re.split(r"(?<=[.!?]) ", text)
-                 if 4 <= len(s.split()) <= 12 and len(tok.tokenize(s)) < SEQ - 4][:60]
-    lines = []
-    for s in sentences:
-        context = " ".join(s.split()[:-1])
-        with torch.no_grad():
-            guess = hf(torch.tensor([tok.tokenize(context)])).logits[0, -1].argmax().item()
-        piece = tok.detokenize([guess])
-        if piece.startswith(" ") and piece[1:].isalpha():
-            s = context + piece
-        lines.append(json.dumps({"text": s}))
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+                tok_flags=tok_flags)
 
 
 # HF's numbers, computed here from the model and the tokenizer ------------------------------
