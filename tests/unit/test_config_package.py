@@ -39,6 +39,8 @@ NEW_FLAGS = {
     # The non-finite guard (issue 13): Megatron-LM's switch, both spellings, and its stop.
     "--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad",
     "--max-consecutive-nonfinite-iterations",
+    # Evaluate a checkpoint without training (issue 14); --skip-train is Megatron-LM's name.
+    "--eval-only", "--skip-train",
 }
 
 

@@ -1,0 +1,76 @@
+"""pretrain_gpt.py --eval-only: the validation and test loss of a loaded checkpoint, printed in
+Megatron's evaluation lines, equal to those the training run printed for the same batches;
+no training step and nothing written to the checkpoint folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.training_utils import base_argv, build_small_corpus, parse_log_lines
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_small_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *argv],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+
+
+def _losses(stdout: str, prefix: str) -> list[float]:
+    return [float(v) for v in re.findall(re.escape(prefix) + r" \| lm loss value: (\S+) \| "
+                                         r"lm loss PPL: \S+", stdout)]
+
+
+def _snapshot(folder) -> dict:
+    return {os.path.join(root, name): os.stat(os.path.join(root, name)).st_mtime_ns
+            for root, _, names in os.walk(folder) for name in names}
+
+
+def test_eval_only_prints_the_checkpoints_losses_and_writes_nothing(corpus, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    argv = base_argv(corpus, str(tmp_path / "cache"), **{
+        "--train-iters": 4, "--eval-iters": 2, "--split": "90,5,5", "--save": ckpt,
+        "--save-interval": 4})
+    trained = _run(argv)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    valid = _losses(trained.stdout, "validation loss at the end of training (iteration 4)")
+    test = _losses(trained.stdout, "test loss at the end of training (iteration 4)")
+    assert len(valid) == len(test) == 1, trained.stdout[-3000:]
+    before = _snapshot(ckpt)
+
+    # The training command with --eval-only: --save stays, and is not written to.
+    done = _run(argv + ["--load", ckpt, "--eval-only"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert parse_log_lines(done.stdout) == []  # no training iteration
+    assert "run summary" not in done.stdout
+    # The same batches (the checkpoint's validation position) give the same losses.
+    assert _losses(done.stdout, "validation loss at iteration 4 on validation set") == \
+        pytest.approx(valid, rel=1e-6)
+    assert _losses(done.stdout, "validation loss at iteration 4 on test set") == \
+        pytest.approx(test, rel=1e-6)
+    assert _snapshot(ckpt) == before
+
+
+def test_eval_only_without_a_checkpoint_is_refused(corpus, tmp_path):
+    argv = base_argv(corpus, str(tmp_path / "cache"), **{"--eval-iters": 2})
+    done = _run(argv + ["--eval-only"])
+    assert done.returncode == 2
+    assert "--eval-only evaluates a checkpoint: give --load" in done.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = _run(argv + ["--eval-only", "--load", str(empty)])
+    assert done.returncode == 1
+    assert "no checkpoint in --load" in done.stderr
