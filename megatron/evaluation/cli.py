@@ -52,7 +52,7 @@ def add_task_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "(default: unset).")
     group.add_argument("--overlapping-eval", type=int, default=32,
                        help="WIKITEXT103: stride of the sliding windows; each scores its last "
-                       "N targets (default: 32).")
+                       "N targets; 0: --seq-length, windows side by side (default: 32).")
     group.add_argument("--strict-lambada", action="store_true",
                        help="LAMBADA: the whole last word must be predicted, not its last "
                        "token.")
@@ -104,8 +104,8 @@ def build_task_dataset(cfg: RunConfig, tokenizer: Any):
     path = extra["valid_data"][0]
     if extra["task"] == "LAMBADA":
         return LambadaDataset(path, tokenizer, cfg.model.seq_length, extra["strict_lambada"])
-    return build_wikitext_dataset(path, tokenizer, cfg.model.seq_length,
-                                  extra["overlapping_eval"])
+    stride = extra["overlapping_eval"] or cfg.model.seq_length
+    return build_wikitext_dataset(path, tokenizer, cfg.model.seq_length, stride)
 
 
 def run_task(cfg: RunConfig) -> Union[PerplexityResult, AccuracyResult]:

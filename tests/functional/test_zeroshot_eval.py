@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ from tests.distributed.training_utils import load_tool
 
 transformers = pytest.importorskip("transformers")
 
+REPO = Path(__file__).resolve().parents[2]
 SEQ, STRIDE = 64, 24
 # Pads the 512-id vocabulary to 768 at tp 1 and tp 2: the padding's logits must not count.
 DIVISIBLE_BY = 384
@@ -107,16 +112,22 @@ def _task_argv(s, task: str, *extra: str) -> list[str]:
             "--micro-batch-size", "4", "--use-cpu", *extra]
 
 
-def test_wikitext_perplexity_of_a_converted_model_equals_hf(setup, capsys):
+@pytest.fixture(scope="module")
+def hf_wikitext(setup):
+    """HF's loss per token and the token ratio on the WikiText file."""
+    raw = Path(setup["wiki"]).read_text(encoding="utf-8")
+    tokens = setup["tok"].tokenize(wikitext_detokenizer(raw))
+    words = len(raw.strip().split(" "))
+    loss = _hf_windows_loss(setup["hf"], tokens) / (len(tokens) - 1)
+    return loss, (len(tokens) - 1) / (words - 1)
+
+
+def test_wikitext_perplexity_of_a_converted_model_equals_hf(setup, hf_wikitext):
     s = setup
     argv = _task_argv(s, "WIKITEXT103", "--load", s["ckpt"], *s["model_flags"],
                       *s["tok_flags"])
     ours = run_distributed(_run_task, 1, argv)[0]
-    raw = Path(s["wiki"]).read_text(encoding="utf-8")
-    tokens = s["tok"].tokenize(wikitext_detokenizer(raw))
-    words = len(raw.strip().split(" "))
-    loss = _hf_windows_loss(s["hf"], tokens) / (len(tokens) - 1)
-    ratio = (len(tokens) - 1) / (words - 1)
+    loss, ratio = hf_wikitext
     assert ours.avg_loss == pytest.approx(loss, rel=1e-3)
     assert ours.ppl == pytest.approx(math.exp(loss), rel=1e-3)
     assert ours.adjusted_ppl == pytest.approx(math.exp(loss * ratio), rel=1e-3)
@@ -137,3 +148,20 @@ def test_lambada_accuracy_of_a_converted_model_equals_hf(setup, strict):
     ours = run_distributed(_run_task, 1, argv)[0]
     assert (ours.correct, ours.total) == (sum(expected), len(expected))
     assert ours.accuracy == pytest.approx(sum(expected) / len(expected))
+
+
+def test_tools_evaluate_reads_the_model_from_the_checkpoint(setup, hf_wikitext):
+    """tools/evaluate.py: model flags and layout from the checkpoint, Megatron's line out."""
+    s = setup
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "evaluate.py"), "wikitext", s["wiki"],
+         "--stride", str(STRIDE), "--load", s["ckpt"], "--use-cpu", *s["tok_flags"]],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = re.search(r"^ validation results on WIKITEXT103 \| avg loss: (\S+) \| ppl: (\S+) \| "
+                     r"adjusted ppl: (\S+) \| token ratio: (\S+) \|$", done.stdout, re.M)
+    assert line, done.stdout[-3000:]
+    loss, ratio = hf_wikitext
+    assert float(line.group(1)) == pytest.approx(loss, rel=1e-3)
+    assert float(line.group(4)) == pytest.approx(ratio, rel=1e-9)
