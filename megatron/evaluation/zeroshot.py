@@ -77,13 +77,31 @@ def _mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits
 
 
+def _vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy token ids ``[b, s]`` from vocab-split logits ``[b, s, V/tp]`` without gathering
+    them: each rank's best (value, id), then the first rank holding the overall maximum,
+    which is ``argmax``'s first-index rule over the whole vocabulary."""
+    local_id = logits.argmax(dim=-1)  # [b, s]
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return local_id
+    local_max = logits.gather(-1, local_id.unsqueeze(-1)).squeeze(-1)
+    start = parallel_state.get_tensor_model_parallel_rank() * logits.size(-1)
+    maxima = [torch.empty_like(local_max) for _ in range(tp)]
+    ids = [torch.empty_like(local_id) for _ in range(tp)]
+    dist.all_gather(maxima, local_max.contiguous(), group=group)
+    dist.all_gather(ids, (local_id + start).contiguous(), group=group)
+    best_rank = torch.stack(maxima).argmax(dim=0)  # [b, s], the first rank on ties
+    return torch.stack(ids).gather(0, best_rank.unsqueeze(0)).squeeze(0)
+
+
 def _batch_sums(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
                 real: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
     """Sums of one micro-batch from vocab-parallel logits ``[b, s, V/tp]``."""
     logits = _mask_vocab_padding(logits, vocab_size)
     losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)  # [b, s]
-    full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)  # [b, s, V]
-    predicted = full[..., :vocab_size].argmax(dim=-1)  # [b, s]
+    predicted = _vocab_parallel_argmax(logits)  # [b, s]
     right = (predicted == labels) | (mask == 0)
     correct = right.all(dim=-1).float() * real  # [b]
     return {"loss_sum": (losses * mask).sum().double(), "scored_tokens": mask.sum().double(),
