@@ -21,11 +21,11 @@ def corpus(tmp_path_factory):
     return build_small_corpus(str(tmp_path_factory.mktemp("corpus")))
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess:
+def _run(argv: list[str], script: str = "pretrain_gpt.py") -> subprocess.CompletedProcess:
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *argv],
+    return subprocess.run([sys.executable, os.path.join(REPO, script), *argv],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
 
 
@@ -39,13 +39,21 @@ def _snapshot(folder) -> dict:
             for root, _, names in os.walk(folder) for name in names}
 
 
-def test_eval_only_prints_the_checkpoints_losses_and_writes_nothing(corpus, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    argv = base_argv(corpus, str(tmp_path / "cache"), **{
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """A 4-iteration run that saved its checkpoint: (its flags, the folder, its stdout)."""
+    root = tmp_path_factory.mktemp("trained")
+    ckpt = str(root / "ckpt")
+    argv = base_argv(corpus, str(root / "cache"), **{
         "--train-iters": 4, "--eval-iters": 2, "--split": "90,5,5", "--save": ckpt,
         "--save-interval": 4})
-    trained = _run(argv)
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    done = _run(argv)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return argv, ckpt, done
+
+
+def test_eval_only_prints_the_checkpoints_losses_and_writes_nothing(trained):
+    argv, ckpt, trained = trained
     valid = _losses(trained.stdout, "validation loss at the end of training (iteration 4)")
     test = _losses(trained.stdout, "test loss at the end of training (iteration 4)")
     assert len(valid) == len(test) == 1, trained.stdout[-3000:]
@@ -74,3 +82,21 @@ def test_eval_only_without_a_checkpoint_is_refused(corpus, tmp_path):
     done = _run(argv + ["--eval-only", "--load", str(empty)])
     assert done.returncode == 1
     assert "no checkpoint in --load" in done.stderr
+
+
+def test_tools_evaluate_takes_model_tokenizer_and_layout_from_the_checkpoint(
+        corpus, trained, tmp_path):
+    from megatron.evaluation.friendly import task_argv
+
+    argv, ckpt, _ = trained
+    vocab = argv[argv.index("--vocab-file") + 1]
+    wiki = tmp_path / "wiki.txt"
+    wiki.write_text("The tower is 30 metres high . It was built in 1850 .\n" * 20)
+    flags = task_argv(["wikitext", str(wiki), "--load", ckpt, "--use-cpu"])
+    assert flags[flags.index("--vocab-file") + 1] == vocab
+    assert flags[flags.index("--tensor-model-parallel-size") + 1] == "1"
+    assert "--use-checkpoint-args" in flags
+    done = _run(["wikitext", str(wiki), "--load", ckpt, "--use-cpu"], "tools/evaluate.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"^ validation results on WIKITEXT103 \| avg loss: \S+ \| ppl: ",
+                     done.stdout, re.M), done.stdout[-2000:]
