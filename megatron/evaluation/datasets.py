@@ -76,7 +76,10 @@ def build_wikitext_dataset(path: str, tokenizer: Any, seq_length: int,
                                   f"{error}") from None
     num_original_tokens = len(text.strip().split(" "))
     name, detokenize = detokenizer_for(path)
-    tokens = tokenizer.tokenize(detokenize(text))
+    try:
+        tokens = tokenizer.tokenize(detokenize(text))
+    except ValueError as error:
+        raise EvaluationDataError(f"--valid-data {path}: cannot tokenize it: {error}") from None
     print_rank_0(f" > {path}: {num_original_tokens} original tokens, {len(tokens)} "
                  f"tokenized tokens (detokenizer: {name})")
     return WindowedLMDataset(tokens, seq_length, stride, tokenizer.eod, num_original_tokens)
@@ -94,8 +97,15 @@ class LambadaDataset:
 
     def __init__(self, path: str, tokenizer: Any, seq_length: int, strict: bool) -> None:
         self.seq_length, self.pad_id, self.strict = seq_length, tokenizer.eod, strict
-        self.examples = [self._split(text, tokenizer, path, n)
-                         for n, text in _read_jsonl_texts(path)]
+        self.examples = []
+        for n, text in _read_jsonl_texts(path):
+            try:
+                self.examples.append(self._split(text, tokenizer, path, n))
+            except EvaluationDataError:
+                raise
+            except ValueError as error:  # the tokenizer's own complaint
+                raise EvaluationDataError(f"{path}, line {n}: cannot tokenize it: "
+                                          f"{error}") from None
         if not self.examples:
             raise EvaluationDataError(f"--valid-data {path} holds no examples")
         print_rank_0(f" > {path}: {len(self.examples)} LAMBADA examples "

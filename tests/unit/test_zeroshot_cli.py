@@ -1,0 +1,43 @@
+"""tasks/main.py refuses bad input before any process group or model exists: ``error: ...``
+naming the flag, file or line, exit status 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.evaluation.cli import main
+
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--micro-batch-size", "2", "--use-cpu",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+
+
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv + MODEL)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_task_flags_are_named(capsys, tmp_path):
+    data = tmp_path / "lambada.jsonl"
+    data.write_text('{"text": "5 6 7"}\n{"text": oops}\n')
+    assert "--valid-data takes exactly one file" in _error(capsys, ["--task", "LAMBADA",
+                                                                   "--load", "x"])
+    assert "--valid-data nowhere.txt: no such file" in _error(
+        capsys, ["--task", "LAMBADA", "--valid-data", "nowhere.txt", "--load", "x"])
+    assert "give --load CHECKPOINT_DIR or --hf-model HF_GPT2_DIR" in _error(
+        capsys, ["--task", "LAMBADA", "--valid-data", str(data)])
+    assert "argument --task: invalid choice: 'RACE'" in _error(
+        capsys, ["--task", "RACE", "--valid-data", str(data), "--load", "x"])
+    assert f"{data}, line 2: not JSON" in _error(
+        capsys, ["--task", "LAMBADA", "--valid-data", str(data), "--load", "x"])
+    data.write_text('{"text": "5 6 7"}\n{"text": "five six"}\n')  # not ids: NullTokenizer
+    assert f"{data}, line 2: cannot tokenize it: NullTokenizer" in _error(
+        capsys, ["--task", "LAMBADA", "--valid-data", str(data), "--load", "x"])
+
+
+def test_hf_model_folder_without_config_is_named(capsys, tmp_path):
+    err = _error(capsys, ["--task", "LAMBADA", "--valid-data", "x", "--hf-model",
+                          str(tmp_path)])
+    assert f"--hf-model {str(tmp_path)!r} has no config.json" in err
