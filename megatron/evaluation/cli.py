@@ -94,9 +94,11 @@ def parse_task_args(argv: Optional[list[str]] = None) -> RunConfig:
     return cfg
 
 
-def _fail(message: str):
+def _fail(message: str, status: int = 2):
+    """``error: message`` on stderr and exit: 2 for bad input (as argparse), 1 for a damaged
+    or mismatched checkpoint (as pretrain_gpt.py)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 def build_task_dataset(cfg: RunConfig, tokenizer: Any):
@@ -142,5 +144,7 @@ def main(argv: Optional[list[str]] = None) -> Union[PerplexityResult, AccuracyRe
     cfg = parse_task_args(argv)
     try:
         return run_task(cfg)
-    except (CheckpointError, EvaluationModelError) as error:
+    except CheckpointError as error:
+        _fail(str(error), status=1)
+    except EvaluationModelError as error:
         _fail(str(error))
