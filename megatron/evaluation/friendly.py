@@ -51,6 +51,11 @@ def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
         raise SystemExit(f"error: --load {load_dir} holds no checkpoint")
     flags = [] if _given(rest, "--use-checkpoint-args") else ["--use-checkpoint-args"]
     tp, pp = saved_layout(resolve_iteration_dir(load_dir, tracker))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not _given(rest, "--tensor-model-parallel-size") and world % (tp * pp) != 0:
+        raise SystemExit(f"error: --load {load_dir} was saved at tensor parallel {tp} x "
+                         f"pipeline parallel {pp}: run under torchrun --nproc_per_node "
+                         f"{tp * pp} (or a multiple), not {world} process(es)")
     for flag, size in (("--tensor-model-parallel-size", tp),
                        ("--pipeline-model-parallel-size", pp)):
         if not _given(rest, flag):
