@@ -100,16 +100,31 @@ def _hf_lambada_correct(hf, tok, path: str, strict: bool) -> list[bool]:
     return right
 
 
-def _run_task(rank, world_size, argv):
+def _run_tasks(rank, world_size, argvs):
     from megatron.evaluation.cli import main
 
-    return main(argv)
+    return [main(argv) for argv in argvs]
 
 
 def _task_argv(s, task: str, *extra: str) -> list[str]:
     data = s["wiki"] if task == "WIKITEXT103" else s["lambada"]
     return ["--task", task, "--valid-data", data, "--overlapping-eval", str(STRIDE),
             "--micro-batch-size", "4", "--use-cpu", *extra]
+
+
+@pytest.fixture(scope="module")
+def ours(setup):
+    """tasks/main.py's results, all from one process: WikiText of the converted checkpoint
+    and of the HF folder (converted in memory, tokenizer files from it), LAMBADA non-strict
+    and strict."""
+    s = setup
+    ckpt = ["--load", s["ckpt"], *s["model_flags"], *s["tok_flags"]]
+    argvs = {"wikitext": _task_argv(s, "WIKITEXT103", *ckpt),
+             "wikitext-hf": _task_argv(s, "WIKITEXT103", "--hf-model", s["hf_dir"]),
+             "lambada": _task_argv(s, "LAMBADA", *ckpt),
+             "lambada-strict": _task_argv(s, "LAMBADA", *ckpt, "--strict-lambada")}
+    results = run_distributed(_run_tasks, 1, list(argvs.values()))[0]
+    return dict(zip(argvs, results))
 
 
 @pytest.fixture(scope="module")
@@ -122,32 +137,24 @@ def hf_wikitext(setup):
     return loss, (len(tokens) - 1) / (words - 1)
 
 
-def test_wikitext_perplexity_of_a_converted_model_equals_hf(setup, hf_wikitext):
-    s = setup
-    argv = _task_argv(s, "WIKITEXT103", "--load", s["ckpt"], *s["model_flags"],
-                      *s["tok_flags"])
-    ours = run_distributed(_run_task, 1, argv)[0]
+@pytest.mark.parametrize("source", ["wikitext", "wikitext-hf"])
+def test_wikitext_perplexity_of_a_converted_model_equals_hf(ours, hf_wikitext, source):
+    result = ours[source]
     loss, ratio = hf_wikitext
-    assert ours.avg_loss == pytest.approx(loss, rel=1e-3)
-    assert ours.ppl == pytest.approx(math.exp(loss), rel=1e-3)
-    assert ours.adjusted_ppl == pytest.approx(math.exp(loss * ratio), rel=1e-3)
-    assert ours.token_ratio == pytest.approx(ratio, rel=1e-12)
-    # The same straight from the HF folder (converted in memory, tokenizer files from it).
-    from_hf = run_distributed(_run_task, 1, _task_argv(s, "WIKITEXT103", "--hf-model",
-                                                       s["hf_dir"]))[0]
-    assert from_hf.avg_loss == pytest.approx(loss, rel=1e-3)
+    assert result.avg_loss == pytest.approx(loss, rel=1e-3)
+    assert result.ppl == pytest.approx(math.exp(loss), rel=1e-3)
+    assert result.adjusted_ppl == pytest.approx(math.exp(loss * ratio), rel=1e-3)
+    assert result.token_ratio == pytest.approx(ratio, rel=1e-12)
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
-def test_lambada_accuracy_of_a_converted_model_equals_hf(setup, strict):
+def test_lambada_accuracy_of_a_converted_model_equals_hf(setup, ours, strict):
     s = setup
     expected = _hf_lambada_correct(s["hf"], s["tok"], s["lambada"], strict)
     assert 0 < sum(expected) < len(expected), "the file must hold right and wrong answers"
-    argv = _task_argv(s, "LAMBADA", "--load", s["ckpt"], *s["model_flags"], *s["tok_flags"],
-                      *(["--strict-lambada"] if strict else []))
-    ours = run_distributed(_run_task, 1, argv)[0]
-    assert (ours.correct, ours.total) == (sum(expected), len(expected))
-    assert ours.accuracy == pytest.approx(sum(expected) / len(expected))
+    result = ours["lambada-strict" if strict else "lambada"]
+    assert (result.correct, result.total) == (sum(expected), len(expected))
+    assert result.accuracy == pytest.approx(sum(expected) / len(expected))
 
 
 def test_tools_evaluate_reads_the_model_from_the_checkpoint(setup, hf_wikitext):
