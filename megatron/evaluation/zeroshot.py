@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -60,15 +61,14 @@ def _micro_batches(dataset: Any, micro_batch_size: int, num_micro_batches: int,
         yield {"text": text, "pad_mask": mask * real_t[:, None], "real": real_t}
 
 
-def _stack(items: list[dict], key: str):
-    import numpy as np
-
+def _stack(items: list[dict], key: str) -> np.ndarray:
     return np.stack([item[key] for item in items])
 
 
 def _mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """fp32 copy of this rank's logits ``[b, s, V/tp]`` with the padding ids at -1e30 (finite,
-    so a rank whose slice is all padding still has a well-defined local softmax)."""
+    """This rank's logits ``[b, s, V/tp]`` in fp32 (fp32 input is changed in place) with the
+    padding ids at -1e30 (finite, so a rank whose slice is all padding still has a
+    well-defined local softmax)."""
     logits = logits.float()
     part = logits.size(-1)
     start = parallel_state.get_tensor_model_parallel_rank() * part
