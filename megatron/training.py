@@ -519,7 +519,7 @@ class Trainer:
             print(format_memory_report(rank, self.state.iteration), flush=True)
 
     def run_evaluation(self, prefix: str, data_iterator, eval_iters: int,
-                       has_data: bool = True) -> dict[str, float]:
+                       has_data: bool = True, tag: Optional[str] = None) -> dict[str, float]:
         if not has_data or eval_iters == 0:
             return {}
         num_micro = self.cfg.num_microbatches
@@ -530,7 +530,7 @@ class Trainer:
         empty_cuda_cache(self.ctx, level=1)
         print_rank_0(format_eval(prefix, losses))
         step = self.state.iteration
-        tag = "validation" if "valid" in prefix else "test"
+        tag = tag or ("validation" if "valid" in prefix else "test")
         for name, value in losses.items():
             self.tensorboard.scalars({f"{name} {tag}": value,
                                       f"{name} {tag} ppl": math.exp(min(20.0, value))}, step)
@@ -576,6 +576,15 @@ class Trainer:
             self.save()
         self.run_evaluation(f"test loss at the end of training (iteration {s.iteration})",
                             self.test_iter, t.eval_iters, self.has_test)
+
+    def evaluate_only(self) -> None:
+        """--eval-only: the loaded model's validation and test loss, in Megatron-LM's lines
+        for --skip-train; nothing is trained or saved."""
+        s, t = self.state, self.cfg.training
+        for name, iterator, has_data in (("validation", self.valid_iter, self.has_valid),
+                                         ("test", self.test_iter, self.has_test)):
+            self.run_evaluation(f"validation loss at iteration {s.iteration} on {name} set",
+                                iterator, t.eval_iters, has_data, tag=name)
 
     def _track_best(self, losses: dict[str, float]) -> None:
         loss = losses.get("lm loss")
@@ -678,10 +687,15 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                  f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_parameters(chunks)}")
     state = TrainState()
     if cfg.checkpoint.load:
-        load_into(state, chunks, optimizer, scheduler, cfg)
+        load_into(state, chunks, optimizer, scheduler, _eval_only_load(cfg))
     forward_step = functools.partial(forward_step_func, ctx)
     iterators = build_data_iterators(train_valid_test_datasets_provider, ctx, state)
     trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state)
+    if cfg.training.eval_only:
+        trainer.evaluate_only()
+        trainer.tensorboard.close()
+        _finish()
+        return state
     print_rank_0(f"training from iteration {state.iteration} to {trainer.train_iters} ...")
     start = _RunStart(wall_start, state.iteration, state.consumed_train_samples)
     loop_start = time.perf_counter()
@@ -717,6 +731,14 @@ def load_into(state: TrainState, chunks, optimizer, scheduler, cfg: RunConfig) -
     if state.iteration > 0 and not cfg.checkpoint.finetune:
         state.last_saved = state.iteration  # nothing new to save before a step
         state.last_checkpoint = loaded.report.folder
+
+
+def _eval_only_load(cfg: RunConfig) -> RunConfig:
+    """Under --eval-only a --load without a checkpoint is an error, not a fresh start."""
+    if not cfg.training.eval_only:
+        return cfg
+    return cfg.replace(checkpoint=dataclasses.replace(cfg.checkpoint,
+                                                      exit_on_missing_checkpoint=True))
 
 
 class _RunStart(NamedTuple):

@@ -62,6 +62,7 @@ class RunConfig:
         self._check_interleaved_batch_sizes()
         self._check_schedule_units()
         self._check_warmup_fits_decay()
+        self._check_eval_only()
 
     def _set(self, slice_name: str, **changes: Any) -> None:
         current = getattr(self, slice_name)
@@ -143,6 +144,13 @@ class RunConfig:
                 value = getattr(self.scheduler, name)
                 require(not value, f"{flag(name)} ({value}) cannot be used with "
                         f"--train-{unit}; use {flag(name.replace(other, unit))}")
+
+    def _check_eval_only(self) -> None:
+        t = self.training
+        if t.eval_only:
+            require(self.checkpoint.load is not None,
+                    "--eval-only evaluates a checkpoint: give --load")
+            require(t.eval_iters > 0, "--eval-only needs --eval-iters > 0")
 
     def _check_warmup_fits_decay(self) -> None:
         """The warm-up must end before the decay does (in the run's unit; token-based

@@ -51,6 +51,10 @@ class TrainingConfig(Slice):
     max_consecutive_nonfinite_iterations: int = option(
         default=10, help="Stop with exit status 1 once this many iterations in a row had a "
         "NaN/Inf loss or gradient norm (each one skipped).")
+    eval_only: bool = option(
+        "--eval-only", "--skip-train", default=False,
+        help="Load --load's checkpoint, print its validation and test loss and perplexity "
+        "(--eval-iters batches each) and exit: no training, no checkpoint written.")
     seed: int = option(default=1234, help="Seed of weights, dropout and data order.")
     distributed_backend: str = option(
         default="auto", choices=("auto", "nccl", "gloo"), help="Collectives library: nccl on "

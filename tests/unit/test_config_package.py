@@ -41,6 +41,8 @@ NEW_FLAGS = {
     "--max-consecutive-nonfinite-iterations",
     # Issue 15: token files read into RAM, offline wandb beside --wandb-project.
     "--in-memory", "--wandb-exp-name", "--wandb-save-dir",
+    # Evaluate a checkpoint without training (issue 14); --skip-train is Megatron-LM's name.
+    "--eval-only", "--skip-train",
 }
 
 

@@ -1,0 +1,12 @@
+"""Zero-shot evaluation of a trained GPT, as Megatron's ``tasks/zeroshot_gpt``.
+
+- ``detokenizer``: WikiText/PTB text back to plain text before tokenizing.
+- ``datasets``: the WikiText windows (``--overlapping-eval`` stride) and LAMBADA examples.
+- ``model``: ``build_model_for_evaluation``, the one place that builds this rank's model and
+  loads it (our checkpoint at its layout, or a Hugging Face GPT-2 folder).
+- ``zeroshot``: the forward-only loop over any tensor/pipeline/data-parallel layout, the
+  reductions over the right groups, and Megatron's result lines.
+
+Entry points: ``tasks/main.py --task WIKITEXT103|LAMBADA`` (Megatron's command) and
+``tools/evaluate.py``.
+"""

@@ -1,0 +1,106 @@
+"""``tools/evaluate.py``: the zero-shot tasks with less to type.
+
+    python tools/evaluate.py wikitext wiki.test.tokens --load CKPT
+    python tools/evaluate.py lambada lambada_test.jsonl --load CKPT --strict
+    python tools/evaluate.py wikitext wiki.test.tokens --hf-model ./gpt2
+
+The command becomes ``tasks/main.py``'s: with ``--load``, the model's shape comes from the
+checkpoint (``--use-checkpoint-args``), and so do the tokenizer files it was trained with and
+its tensor/pipeline layout, unless given; with ``--hf-model``, from the folder. Any other
+pretrain_gpt.py flag is passed on (flags given win).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Optional
+
+_TASKS = {"wikitext": "WIKITEXT103", "wikitext103": "WIKITEXT103", "lambada": "LAMBADA"}
+_TOKENIZER_FLAGS = ("--tokenizer-type", "--vocab-file", "--merge-file",
+                    "--tokenizer-name-or-path", "--vocab-size")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tools/evaluate.py", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
+    p.add_argument("task", type=str.lower, choices=sorted(_TASKS),
+                   help="wikitext (perplexity) or lambada (last-word accuracy)")
+    p.add_argument("data", help="the text file (wikitext) or JSON lines file (lambada)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="wikitext: tokens scored per window (--overlapping-eval; default: "
+                   "--seq-length, windows that do not overlap)")
+    p.add_argument("--strict", action="store_true", help="lambada: the whole last word "
+                   "must be predicted (--strict-lambada)")
+    return p
+
+
+def _given(rest: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in rest)
+
+
+def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
+    """What the checkpoint in ``load_dir`` can tell that ``rest`` does not: model shape,
+    tokenizer files, tensor/pipeline layout."""
+    from megatron.checkpointing import load_checkpoint_config, read_tracker
+    from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout
+
+    tracker = read_tracker(load_dir)
+    if tracker is None:
+        raise SystemExit(f"error: --load {load_dir} holds no checkpoint")
+    flags = [] if _given(rest, "--use-checkpoint-args") else ["--use-checkpoint-args"]
+    tp, pp = saved_layout(resolve_iteration_dir(load_dir, tracker))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not _given(rest, "--tensor-model-parallel-size") and world % (tp * pp) != 0:
+        raise SystemExit(f"error: --load {load_dir} was saved at tensor parallel {tp} x "
+                         f"pipeline parallel {pp}: run under torchrun --nproc_per_node "
+                         f"{tp * pp} (or a multiple), not {world} process(es)")
+    for flag, size in (("--tensor-model-parallel-size", tp),
+                       ("--pipeline-model-parallel-size", pp)):
+        if not _given(rest, flag):
+            flags += [flag, str(size)]
+    if not any(_given(rest, f) for f in _TOKENIZER_FLAGS):
+        flags += _tokenizer_flags((load_checkpoint_config(load_dir) or {}).get("data", {}))
+    return flags
+
+
+def _tokenizer_flags(data: dict[str, Any]) -> list[str]:
+    """The tokenizer flags a checkpoint recorded, where its files still exist."""
+    flags = []
+    for key in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_name_or_path"):
+        value = data.get(key)
+        if value is None or (key.endswith("_file") and not os.path.isfile(value)):
+            continue
+        flags += ["--" + key.replace("_", "-"), str(value)]
+    return flags
+
+
+def task_argv(argv: Optional[list[str]] = None) -> list[str]:
+    """tasks/main.py's flags for this command line."""
+    known, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    out = ["--task", _TASKS[known.task], "--valid-data", known.data]
+    if known.stride is not None:
+        out += ["--overlapping-eval", str(known.stride)]
+    elif known.task != "lambada" and not _given(rest, "--overlapping-eval"):
+        out += ["--overlapping-eval", "0"]  # windows side by side
+    if known.strict:
+        out.append("--strict-lambada")
+    if not _given(rest, "--micro-batch-size"):
+        out += ["--micro-batch-size", "8"]
+    load = _load_dir(rest)
+    if load is not None and not _given(rest, "--hf-model"):
+        out += _checkpoint_flags(load, rest)
+    return out + rest
+
+
+def _load_dir(rest: list[str]) -> Optional[str]:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--load", default=None)
+    return p.parse_known_args(rest)[0].load
+
+
+def main(argv: Optional[list[str]] = None):
+    from megatron.evaluation.cli import main as task_main
+
+    return task_main(task_argv(argv))
