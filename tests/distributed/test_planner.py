@@ -1,0 +1,152 @@
+"""tools/plan.py against the model it plans: parameter counts per rank and in total, and the
+memory figure against the peak measured during a training step.
+
+Counts: 4 real gloo ranks (tensor 2 x pipeline 2) build their stages as pretrain_gpt.py does
+and count their parameters; one process builds the whole model. The planner (meta device)
+must give the same numbers, and its closed form the same total.
+
+Memory, measured on the CPU without tracemalloc or RSS (both see Python objects, allocator
+caches and libraries, not tensors): the bytes of every tensor storage alive before the step
+(parameters, gradient buffers, optimizer state, the kept logits buffer; each storage once),
+plus the peak of the running sum of allocations and frees that torch's profiler records with
+``profile_memory=True`` during the step (every CPU allocation through c10's allocator, with
+its size and time). That is the CPU twin of ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.config import parse_args
+from tests.dist_utils import run_distributed
+
+MODEL_FLAGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "4",
+    "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--use-cpu",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
+]
+
+
+def _config(world_size: int, *extra: str):
+    cfg = parse_args([*MODEL_FLAGS, *extra], world_size=world_size)
+    return cfg.with_vocab_size(cfg.data.vocab_size)
+
+
+def _context(cfg):
+    from megatron.core import parallel_state
+    from megatron.training import RunContext
+
+    p = cfg.parallel
+    parallel_state.initialize_model_parallel(p.tensor_model_parallel_size,
+                                             p.pipeline_model_parallel_size)
+    return RunContext(cfg, device=torch.device("cpu"))
+
+
+def _count_built(rank: int, world_size: int, extra: tuple[str, ...]):
+    """(pipeline rank, tensor rank, parameters) of this rank's stage, built as training does."""
+    from megatron.core import parallel_state
+    from megatron.training import build_model_chunks
+    from pretrain_gpt import model_provider
+
+    ctx = _context(_config(world_size, *extra))
+    chunks = build_model_chunks(model_provider, ctx)
+    return (parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(),
+            sum(p.numel() for c in chunks for p in c.parameters()))
+
+
+TP2_PP2 = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+
+
+def test_planned_counts_equal_the_built_model_per_rank_and_in_total():
+    from megatron.planner import build_plan
+
+    built = run_distributed(_count_built, 4, TP2_PP2)
+    [(_, _, whole)] = run_distributed(_count_built, 1, ())
+    plan = build_plan(_config(4, *TP2_PP2))
+    planned = {(st.pipeline_rank, tp): n for st in plan.stages
+               for tp, n in enumerate(st.params_per_rank)}
+    assert planned == {(pp, tp): n for pp, tp, n in built}
+    assert plan.total_params == whole == plan.closed_form_params
+    # The layout is not free: replicated LayerNorms/biases and the tied copy add up.
+    assert sum(n for _, _, n in built) > whole
+    one = build_plan(_config(1))
+    assert one.stages[0].params_per_rank == (whole,) and one.total_params == whole
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.device.type != "cpu":
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _live_state(chunks, optimizer) -> int:
+    from megatron.core.tensor_parallel.cross_entropy import LogitsWorkspace
+
+    tensors = [p for c in chunks for p in c.parameters()]
+    tensors += [getattr(p, "main_grad", None) for p in tensors]
+    tensors += [v for s in optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor)]
+    tensors += [b for c in chunks for m in c.modules() for w in vars(m).values()
+                if isinstance(w, LogitsWorkspace) for b in w._free]
+    return _storage_bytes(tensors)
+
+
+def _peak_allocated(profiler) -> int:
+    """Highest running sum of the CPU allocations and frees the profiler recorded."""
+    events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type().name == "CPU")
+    peak = running = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+def _measure_step(rank: int, world_size: int, extra: tuple[str, ...]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.training import setup_model_and_optimizer, train_step
+    from pretrain_gpt import forward_step, model_provider
+
+    cfg = _config(world_size, *extra)
+    ctx = _context(cfg)
+    chunks, optimizer, scheduler = setup_model_and_optimizer(model_provider, ctx)
+    data = MockGPTDataset(64, cfg.model.seq_length, cfg.model.vocab_size, 0)
+    loader = torch.utils.data.DataLoader(data, batch_size=cfg.training.micro_batch_size)
+    batches = iter(loader)
+
+    def step():
+        return train_step(lambda it, model, stage: forward_step(ctx, it, model, stage),
+                          batches, chunks, optimizer, scheduler, ctx, cfg.num_microbatches)
+
+    step()  # the optimizer state exists from here on
+    before = _live_state(chunks, optimizer)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    return before + _peak_allocated(prof)
+
+
+@pytest.mark.parametrize("extra", [(), ("--recompute-granularity", "full",
+                                        "--recompute-method", "uniform")],
+                         ids=["no-recompute", "full-recompute"])
+def test_planned_memory_is_within_20_percent_of_the_measured_peak(extra):
+    from megatron.planner import build_plan
+
+    [measured] = run_distributed(_measure_step, 1, extra)
+    plan = build_plan(_config(1, *extra))
+    planned, activations = plan.peak_memory, plan.stages[0].memory.activations
+    print(f"planned {planned / 2**20:.2f} MiB (activations {activations / 2**20:.2f}), "
+          f"measured {measured / 2**20:.2f} MiB")
+    assert activations > 0.25 * planned  # the activation formula carries weight here
+    assert abs(planned - measured) <= 0.2 * measured, (planned, measured)
