@@ -9,9 +9,12 @@
 #   N_GPUS=1            processes on this node (the launcher's --num_gpus)
 #   NUM_NODES           the launcher's --num_nodes (with a hostfile: the first NUM_NODES hosts)
 #   HOSTFILE            the launcher's --hostfile ("host slots=8" per line); without it the
-#                       launcher uses this machine only. Several hosts: it starts the other
-#                       nodes over pdsh/ssh (see DeepSpeed's docs); under SLURM use
-#                       examples/slurm/pretrain_gpt_slurm.sh instead, which needs neither.
+#                       launcher uses this machine only. With several hosts it starts the
+#                       other nodes over pdsh/ssh (see DeepSpeed's docs), unless NODE_RANK is set
+#   NODE_RANK           run this script on every host of HOSTFILE yourself, without ssh: the
+#                       launcher's --no_ssh --node_rank NODE_RANK, with MASTER_ADDR the first
+#                       host. Under SLURM, examples/slurm/pretrain_gpt_slurm.sh needs neither.
+#   MASTER_ADDR         the launcher's --master_addr (with NODE_RANK)
 #   MASTER_PORT         the launcher's --master_port (default: its own, 29500)
 #   TP=1 PP=1           tensor and pipeline parallel sizes (the rest is data parallel)
 #   PRECISION=fp16      fp16 (the recipe's), bf16 or fp32
@@ -48,6 +51,8 @@ esac
 LAUNCHER_ARGS=(--num_gpus "$N_GPUS")
 if [ -n "${NUM_NODES:-}" ]; then LAUNCHER_ARGS+=(--num_nodes "$NUM_NODES"); fi
 if [ -n "${HOSTFILE:-}" ]; then LAUNCHER_ARGS+=(--hostfile "$HOSTFILE"); fi
+if [ -n "${NODE_RANK:-}" ]; then LAUNCHER_ARGS+=(--no_ssh --node_rank "$NODE_RANK"); fi
+if [ -n "${MASTER_ADDR:-}" ]; then LAUNCHER_ARGS+=(--master_addr "$MASTER_ADDR"); fi
 if [ -n "${MASTER_PORT:-}" ]; then LAUNCHER_ARGS+=(--master_port "$MASTER_PORT"); fi
 
 GPT_ARGS=(
