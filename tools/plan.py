@@ -47,14 +47,22 @@ def plan_config(argv: Sequence[str]) -> tuple[RunConfig, int, Optional[float]]:
     megatron_argv = _without(argv, ("--world-size", "--zero-stage", "--gpu-memory-gb"))
     world = own.world_size or own.tensor_model_parallel_size * own.pipeline_model_parallel_size
     config = parse_args(megatron_argv, world_size=world, require_training=False)
-    if config.data.vocab_size is None and (config.data.vocab_file
-                                           or config.data.tokenizer_name_or_path):
+    return config.with_vocab_size(_vocab_size(config)), own.zero_stage, own.gpu_memory_gb
+
+
+def _vocab_size(config: RunConfig) -> int:
+    """The tokenizer's vocabulary, as training builds it (NullTokenizer adds its EOD), where
+    there are tokenizer files or a NullTokenizer; else --vocab-size, else GPT-2's 50257."""
+    d = config.data
+    if d.vocab_file or d.tokenizer_name_or_path or d.tokenizer_type == "NullTokenizer":
+        from megatron.tokenizer import TokenizerConfigError
         from megatron.training import build_run_tokenizer
 
-        config = config.with_vocab_size(build_run_tokenizer(config).vocab_size)
-    elif config.data.vocab_size is not None:
-        config = config.with_vocab_size(config.data.vocab_size)
-    return config, own.zero_stage, own.gpu_memory_gb
+        try:
+            return build_run_tokenizer(config).vocab_size
+        except TokenizerConfigError as error:
+            raise ConfigError(str(error)) from None
+    return d.vocab_size or 50257
 
 
 def _without(argv: Sequence[str], names: tuple[str, ...]) -> list[str]:

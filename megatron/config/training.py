@@ -52,6 +52,10 @@ class TrainingConfig(Slice):
         default=10, help="Stop with exit status 1 once this many iterations in a row had a "
         "NaN/Inf loss or gradient norm (each one skipped).")
     seed: int = option(default=1234, help="Seed of weights, dropout and data order.")
+    dry_run: bool = option(
+        default=False, help="Print the plan of this run (parameters per rank, memory per GPU, "
+        "pipeline bubble, FLOPs; as tools/plan.py) and exit before any process group exists; "
+        "set WORLD_SIZE to the launch's.")
     distributed_backend: str = option(
         default="auto", choices=("auto", "nccl", "gloo"), help="Collectives library: nccl on "
         "a GPU and gloo on the CPU when auto (the backend follows the device; see --use-cpu).")

@@ -39,6 +39,7 @@ NEW_FLAGS = {
     # The non-finite guard (issue 13): Megatron-LM's switch, both spellings, and its stop.
     "--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad",
     "--max-consecutive-nonfinite-iterations",
+    "--dry-run",  # the planner behind pretrain_gpt.py (issue 12)
 }
 
 

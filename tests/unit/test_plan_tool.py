@@ -61,3 +61,23 @@ def test_bad_flags_exit_2_naming_them(capsys):
     assert stop.value.code == 2
     assert "--num-layers (3) is not divisible by --pipeline-model-parallel-size (2)" in \
         capsys.readouterr().err
+
+
+def test_pretrain_dry_run_prints_the_same_plan_and_trains_nothing(monkeypatch, capsys):
+    import pretrain_gpt
+
+    flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+             "--global-batch-size", "8", "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2", "--mock-data", "--tokenizer-type",
+             "NullTokenizer", "--vocab-size", "1000", "--use-cpu"]
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")  # as the launch would set it: data parallel 2
+    state = pretrain_gpt.main([*flags, "--train-iters", "5", "--lr", "1e-3", "--dry-run"])
+    dry = capsys.readouterr().out
+    assert state.iteration == 0 and "iteration" not in dry.replace("per iteration", "")
+    load_tool("plan").main([*flags, "--world-size", "8"])
+    planned = capsys.readouterr().out
+    assert "layout: tensor 2 x pipeline 2 x data 2 = 8 GPUs" in dry
+    assert dry.strip().endswith(planned.strip())
