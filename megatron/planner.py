@@ -22,7 +22,8 @@ bytes from those counts and the formulas below (printed by ``format_plan``)::
                 first stage: embedding output s b h / t_sp; last stage: final LN input
                   s b h / t_sp, its gathered copy s b h, and the fp32 logits s b V / t
                 micro-batches in flight on stage i: min(m, p - i) (1F1B); interleaved:
-                  min(m v, 2 (p - i - 1) + (v - 1) p + 1) chunks of L / (p v) layers
+                  min(m v, 2 (p - i - 1) + (v - 1) p + 1) chunks of L / (p v) layers,
+                  the first/last stage's extras on 1 in v of them
     step        the fp32 copies of fp16/bf16 gradients made for the optimizer step
                 (P x 4 bytes when the gradient buffer is not fp32), live after the
                 activations are freed, so the peak is weights + grads + optimizer
@@ -255,14 +256,17 @@ def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
     chunks, layers = _in_flight(config, pp_rank)
     tokens = m.seq_length * config.training.micro_batch_size
     e = _bytes(m.params_dtype)
-    per_chunk = _chunk_activations(config, layers)
+    extras = 0
     if pp_rank == 0:
-        per_chunk += tokens * m.hidden_size // t_sp * e
+        extras += tokens * m.hidden_size // t_sp * e
     if pp_rank == p.pipeline_model_parallel_size - 1:
         # final LN input, its gathered copy, and the logits (fp32, the softmax's dtype)
-        per_chunk += tokens * m.hidden_size // t_sp * e + tokens * m.hidden_size * e \
+        extras += tokens * m.hidden_size // t_sp * e + tokens * m.hidden_size * e \
             + tokens * m.padded_vocab_size // t * 4
-    return chunks * per_chunk + _working_set(config, layers), chunks
+    # Interleaved: only one of the v chunks of a stage holds the embeddings or the LM head.
+    v = p.virtual_pipeline_model_parallel_size or 1
+    total = chunks * _chunk_activations(config, layers) + math.ceil(chunks / v) * extras
+    return total + _working_set(config, layers), chunks
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -300,7 +304,7 @@ def build_plan(config: RunConfig, zero_stage: int = 0,
 
 
 def _gb(n: float) -> str:
-    return f"{n / GB:.2f} GB"
+    return f"{n / GB:.2f} GB" if n >= GB else f"{n / 2**20:.2f} MB"
 
 
 def format_plan(plan: Plan) -> str:

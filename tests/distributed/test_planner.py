@@ -1,8 +1,9 @@
 """tools/plan.py against the model it plans: parameter counts per rank and in total, and the
 memory figure against the peak measured during a training step.
 
-Counts: 4 real gloo ranks (tensor 2 x pipeline 2) build their stages as pretrain_gpt.py does
-and count their parameters; one process builds the whole model. The planner (meta device)
+Counts: 4 real gloo ranks (tensor 2 x pipeline 2, then pipeline 4 with 2 virtual chunks per
+stage) build their stages as pretrain_gpt.py does and count their parameters; one process
+builds the whole model. The planner (meta device)
 must give the same numbers, and its closed form the same total.
 
 Memory, measured on the CPU without tracemalloc or RSS (both see Python objects, allocator
@@ -46,36 +47,48 @@ def _context(cfg):
     return RunContext(cfg, device=torch.device("cpu"))
 
 
-def _count_built(rank: int, world_size: int, extra: tuple[str, ...]):
-    """(pipeline rank, tensor rank, parameters) of this rank's stage, built as training does."""
+def _count_built(rank: int, world_size: int, layouts: list[tuple[str, ...]]):
+    """For each layout, (pipeline rank, tensor rank, parameters) of this rank's stage (all its
+    virtual chunks), built as training builds it."""
     from megatron.core import parallel_state
     from megatron.training import build_model_chunks
     from pretrain_gpt import model_provider
 
-    ctx = _context(_config(world_size, *extra))
-    chunks = build_model_chunks(model_provider, ctx)
-    return (parallel_state.get_pipeline_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_rank(),
-            sum(p.numel() for c in chunks for p in c.parameters()))
+    counts = []
+    for extra in layouts:
+        chunks = build_model_chunks(model_provider, _context(_config(world_size, *extra)))
+        counts.append((parallel_state.get_pipeline_model_parallel_rank(),
+                       parallel_state.get_tensor_model_parallel_rank(),
+                       sum(p.numel() for c in chunks for p in c.parameters())))
+        parallel_state.destroy_model_parallel()
+    return counts
 
 
 TP2_PP2 = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+# Interleaved 1F1B: 8 layers on 4 stages, 2 chunks of 1 layer each per stage.
+PP4_VP2 = ("--pipeline-model-parallel-size", "4", "--num-layers", "8",
+           "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1")
 
 
 def test_planned_counts_equal_the_built_model_per_rank_and_in_total():
     from megatron.planner import build_plan
 
-    built = run_distributed(_count_built, 4, TP2_PP2)
-    [(_, _, whole)] = run_distributed(_count_built, 1, ())
-    plan = build_plan(_config(4, *TP2_PP2))
-    planned = {(st.pipeline_rank, tp): n for st in plan.stages
-               for tp, n in enumerate(st.params_per_rank)}
-    assert planned == {(pp, tp): n for pp, tp, n in built}
-    assert plan.total_params == whole == plan.closed_form_params
-    # The layout is not free: replicated LayerNorms/biases and the tied copy add up.
-    assert sum(n for _, _, n in built) > whole
+    per_rank = run_distributed(_count_built, 4, [TP2_PP2, PP4_VP2])
+    [[(_, _, whole)]] = run_distributed(_count_built, 1, [()])
+    for i, layout in enumerate((TP2_PP2, PP4_VP2)):
+        built = [counts[i] for counts in per_rank]
+        plan = build_plan(_config(4, *layout))
+        planned = {(st.pipeline_rank, tp): n for st in plan.stages
+                   for tp, n in enumerate(st.params_per_rank)}
+        assert planned == {(pp, tp): n for pp, tp, n in built}, layout
+        # The layout is not free: replicated LayerNorms/biases and the tied copy add up.
+        assert sum(n for _, _, n in built) > plan.total_params
+    assert build_plan(_config(4, *TP2_PP2)).total_params == whole
     one = build_plan(_config(1))
-    assert one.stages[0].params_per_rank == (whole,) and one.total_params == whole
+    assert one.stages[0].params_per_rank == (whole,)
+    assert one.total_params == whole == one.closed_form_params
+    eight = build_plan(_config(4, *PP4_VP2))
+    assert eight.total_params == eight.closed_form_params
 
 
 def _storage_bytes(tensors) -> int:
