@@ -331,7 +331,7 @@ def format_plan(plan: Plan) -> str:
     recompute = m.recompute_granularity or "none"
     if m.recompute_granularity == "full":
         recompute += f" ({m.recompute_method}, {m.recompute_num_layers} layer(s) per block)"
-    lines.append(f"memory per GPU ({optimizer}; recompute: {recompute}):")
+    lines.append(f"memory per GPU, GB = 2^30 bytes ({optimizer}; recompute: {recompute}):")
     for st in plan.stages:
         mem = st.memory
         lines.append(
