@@ -2,7 +2,8 @@
 
 Launchers set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun, the
 deepspeed launcher, ``torch.distributed.launch``); under SLURM's ``srun`` the SLURM_* variables
-stand in. A plain ``python pretrain_gpt.py`` runs as a world of one.
+stand in, and the rendezvous is the first host of the job's node list (``megatron.slurm``).
+A plain ``python pretrain_gpt.py`` runs as a world of one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import datetime
 import os
 import random
 import socket
+from collections.abc import Mapping
 from typing import Optional
 
 import numpy as np
@@ -22,6 +24,7 @@ from megatron.config import RunConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_seed
 from megatron.device import compute_device, describe
+from megatron.slurm import slurm_rendezvous
 from megatron.utils import print_rank_0
 
 
@@ -31,9 +34,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def distributed_env() -> dict[str, int]:
-    """rank, world_size and local_rank from the launcher's environment (1 process if none)."""
-    env = os.environ
+def distributed_env(env: Optional[Mapping[str, str]] = None) -> dict[str, int]:
+    """rank, world_size and local_rank from the launcher's environment (``os.environ`` by
+    default; 1 process if no launcher)."""
+    env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         return dict(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                     local_rank=int(env.get("LOCAL_RANK", 0)))
@@ -41,6 +45,32 @@ def distributed_env() -> dict[str, int]:
         return dict(rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
                     local_rank=int(env.get("SLURM_LOCALID", 0)))
     return dict(rank=0, world_size=1, local_rank=0)
+
+
+def launched_by_srun(env: Mapping[str, str]) -> bool:
+    """Whether srun started this process directly (not torchrun or deepspeed under srun)."""
+    return not ("RANK" in env and "WORLD_SIZE" in env) and \
+        "SLURM_PROCID" in env and "SLURM_NTASKS" in env
+
+
+def rendezvous_env(env: Mapping[str, str]) -> dict[str, str]:
+    """MASTER_ADDR/MASTER_PORT this process should use, where its launcher left them unset:
+    under srun, the first host of the node list and a default port (``megatron.slurm``);
+    otherwise 127.0.0.1 and, for a world of one, a free port. Raises RuntimeError where a
+    multi-process world has no port."""
+    if launched_by_srun(env):
+        try:
+            return slurm_rendezvous(env)
+        except ValueError as error:
+            raise RuntimeError(str(error)) from None
+    chosen = {"MASTER_ADDR": env.get("MASTER_ADDR") or "127.0.0.1"}
+    if env.get("MASTER_PORT"):
+        chosen["MASTER_PORT"] = env["MASTER_PORT"]
+    elif distributed_env(env)["world_size"] > 1:
+        raise RuntimeError("MASTER_PORT is not set: launch with torchrun, deepspeed or srun")
+    else:
+        chosen["MASTER_PORT"] = str(_free_port())
+    return chosen
 
 
 def initialize_distributed(backend: str, timeout_minutes: int = 10,
@@ -58,11 +88,7 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10,
     info = distributed_env()
     if backend == "nccl" and (device is None or device.type != "cuda"):
         raise RuntimeError("--distributed-backend nccl needs a CUDA device")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        if info["world_size"] > 1:
-            raise RuntimeError("MASTER_PORT is not set: launch with torchrun, deepspeed or srun")
-        os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ.update(rendezvous_env(os.environ))
     extra = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=info["rank"], world_size=info["world_size"],
                             timeout=datetime.timedelta(minutes=timeout_minutes), **extra)

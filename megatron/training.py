@@ -668,9 +668,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     configure_output(cfg.logging.log_all_ranks)
     _check_checkpoint_folders_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
+    if cfg.training.dry_run:
+        return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
     device = initialize_megatron(cfg)
-    vocab = tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)
-    cfg = cfg.with_vocab_size(vocab)
+    cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
     ctx = RunContext(cfg, tokenizer, Timers(timer_level), device)
@@ -715,6 +716,22 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         raise SystemExit(1) from None
     _end_run(trainer, start, loop_seconds)
     return state
+
+
+def _vocab_size(cfg: RunConfig, tokenizer) -> int:
+    return tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)
+
+
+def _dry_run(cfg: RunConfig) -> TrainState:
+    """--dry-run: print the run's plan (megatron/planner.py, as tools/plan.py does), judged
+    against this machine's GPU memory where there is a GPU, and train nothing."""
+    from megatron.planner import build_plan, format_plan
+
+    gpu_gb = None
+    if torch.cuda.is_available() and not cfg.training.use_cpu:
+        gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+    print_rank_0(format_plan(build_plan(cfg, cfg.deepspeed.zero_stage or 0, gpu_gb)))
+    return TrainState()
 
 
 def load_into(state: TrainState, chunks, optimizer, scheduler, cfg: RunConfig) -> None:

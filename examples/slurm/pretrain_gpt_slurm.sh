@@ -1,6 +1,9 @@
 #!/bin/bash
-# GPT-2 345M on a SLURM cluster: srun starts one task per GPU and pretrain_gpt.py reads its
-# rank from SLURM_PROCID / SLURM_LOCALID and the world size from WORLD_SIZE (set below).
+# GPT-2 345M on a SLURM cluster: srun starts one task per GPU, and each task finds everything
+# it needs in the variables srun sets: its rank (SLURM_PROCID), the world size (SLURM_NTASKS),
+# its GPU (SLURM_LOCALID), and where rank 0 listens: the first host of SLURM_JOB_NODELIST,
+# expanded in Python (gpu[001-008] -> gpu001), on MASTER_PORT or 6000. No scontrol, ssh,
+# hostfile or node rank is needed; set MASTER_ADDR/MASTER_PORT to override.
 #
 #     sbatch examples/slurm/pretrain_gpt_slurm.sh CHECKPOINT_PATH VOCAB_FILE MERGE_FILE DATA_PATH [flags]
 #
@@ -39,10 +42,6 @@ if [ ! -f "$REPO/pretrain_gpt.py" ]; then
     echo "error: no pretrain_gpt.py in $REPO: submit from the repository root or set REPO" >&2
     exit 2
 fi
-MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)}  # sed reads all: no SIGPIPE (exit 141) under pipefail
-export MASTER_ADDR
-export MASTER_PORT=${MASTER_PORT:-6000}
-export WORLD_SIZE=${SLURM_NTASKS:-$((SLURM_JOB_NUM_NODES * SLURM_NTASKS_PER_NODE))}
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 TP=${TP:-2}
 PP=${PP:-1}

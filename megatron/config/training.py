@@ -56,6 +56,10 @@ class TrainingConfig(Slice):
         help="Load --load's checkpoint, print its validation and test loss and perplexity "
         "(--eval-iters batches each) and exit: no training, no checkpoint written.")
     seed: int = option(default=1234, help="Seed of weights, dropout and data order.")
+    dry_run: bool = option(
+        default=False, help="Print the plan of this run (parameters per rank, memory per GPU, "
+        "pipeline bubble, FLOPs; as tools/plan.py) and exit before any process group exists; "
+        "set WORLD_SIZE to the launch's.")
     distributed_backend: str = option(
         default="auto", choices=("auto", "nccl", "gloo"), help="Collectives library: nccl on "
         "a GPU and gloo on the CPU when auto (the backend follows the device; see --use-cpu).")

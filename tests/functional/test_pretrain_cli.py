@@ -266,19 +266,20 @@ FAKE_LAUNCHER = """#!{python}
 import json, os, sys
 with open(os.environ["LAUNCH_CAPTURE"], "a") as f:
     f.write(json.dumps({{"launcher": os.path.basename(sys.argv[0]), "argv": sys.argv[1:],
-                         "WORLD_SIZE": os.environ.get("WORLD_SIZE")}}) + "\\n")
+                         "WORLD_SIZE": os.environ.get("WORLD_SIZE"),
+                         "MASTER_ADDR": os.environ.get("MASTER_ADDR")}}) + "\\n")
 """
 
 
 @pytest.fixture
 def fake_launchers(tmp_path):
-    """A bin folder with torchrun, srun and scontrol stand-ins, and a python wrapper whose
-    ``-m torch.distributed.run`` is the torchrun stand-in; returns (env, read_calls)."""
+    """A bin folder with torchrun and srun stand-ins (and no scontrol: the SLURM script must
+    not need it), and a python wrapper whose ``-m torch.distributed.run`` is the torchrun
+    stand-in; returns (env, read_calls)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name in ("torchrun", "srun"):
         (bin_dir / name).write_text(FAKE_LAUNCHER.format(python=sys.executable))
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node001\necho node002\n")
     (bin_dir / "python").write_text(
         "#!/bin/bash\n"
         f'if [ "$1 $2" = "-m torch.distributed.run" ]; then shift 2; exec {bin_dir}/torchrun "$@"; fi\n'
@@ -317,15 +318,21 @@ def _torchrun_world(argv: list[str]) -> int:
 def test_gpt3_175b_script_is_megatrons_recipe(fake_launchers):
     env, calls = fake_launchers
     done = _run(["bash", "examples/gpt3/train_gpt3_175b_distributed.sh", "/ck", "/tb",
-                 "/v.json", "/m.txt"], timeout=60, DATA_DIR="/corpora", **env)
+                 "/v.json", "/m.txt"], timeout=60, DATASET_PATH="/corpora",
+                DATASETCACHE="/cache", **env)
     assert done.returncode == 0, done.stderr
     [call] = calls()
     assert call["launcher"] == "torchrun"
-    world = _torchrun_world(call["argv"])
-    assert world == 1024
+    argv = call["argv"]
+    assert (_launcher_option(argv, "--nproc_per_node", ""), _launcher_option(argv, "--nnodes", ""),
+            _launcher_option(argv, "--node_rank", ""), _launcher_option(argv, "--master_addr", ""),
+            _launcher_option(argv, "--master_port", "")) == ("8", "8", "0", "localhost", "6000")
+    world = _torchrun_world(argv)
+    assert world == 64
     cfg = _pretrain_config(call, world)
     m, p, t, o, s = cfg.model, cfg.parallel, cfg.training, cfg.optimizer, cfg.scheduler
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (8, 8)
+    assert cfg.data_parallel_size == 1 and m.use_flash_attn
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == \
         (96, 12288, 96, 2048)
     assert m.init_method_std == 0.006
@@ -337,8 +344,10 @@ def test_gpt3_175b_script_is_megatrons_recipe(fake_launchers):
     assert o.fp16 and not o.bf16
     assert (s.lr_decay_style, s.lr_warmup_samples, s.lr_decay_samples) == \
         ("cosine", 183105, 126953125)
-    assert list(cfg.data.data_path) == ["0.35", "/corpora/wiki_text_document",
-                                        "0.65", "/corpora/openwebtext_text_document"]
+    assert list(cfg.data.data_path) == [
+        "0.35", "/corpora/wikipedia_20220301_en_text_document",
+        "0.65", "/corpora/openwebtext_Skylion007_text_document"]
+    assert cfg.data.data_cache_path == "/cache"
     assert (cfg.checkpoint.save, cfg.checkpoint.load, cfg.logging.tensorboard_dir) == \
         ("/ck", "/ck", "/tb")
     assert (cfg.data.vocab_file, cfg.data.merge_file) == ("/v.json", "/m.txt")
@@ -362,8 +371,9 @@ def test_distributed_and_slurm_scripts_launch_valid_runs(fake_launchers):
             cfg.parallel.data_parallel_size) == (2, 2, 2)
     assert cfg.optimizer.bf16 and cfg.training.seed == 7
     assert list(cfg.data.data_path) == ["0.3", "/a_text_document", "0.7", "/b_text_document"]
-    assert srun["WORLD_SIZE"] == "16"
-    cfg = _pretrain_config(srun, int(srun["WORLD_SIZE"]))
+    # The script sets no world size or rendezvous: each task reads srun's own variables.
+    assert srun["WORLD_SIZE"] is None and srun["MASTER_ADDR"] is None
+    cfg = _pretrain_config(srun, 16)
     assert cfg.parallel.data_parallel_size == 8 and cfg.optimizer.fp16
 
 
@@ -389,8 +399,10 @@ def one_task_srun(tmp_path):
     (bin_dir / "python").write_text(f'#!/bin/bash\nexec {sys.executable} "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
+    # No MASTER_ADDR: the task finds rank 0's host in the node list, as under a real srun.
     return dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NTASKS="1",
-                SLURM_SUBMIT_DIR=REPO, MASTER_ADDR="127.0.0.1", GPUS_PER_NODE="1", TP="1")
+                SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=REPO, GPUS_PER_NODE="1",
+                TP="1")
 
 
 def _printed_argument(stdout: str, name: str) -> str:
@@ -426,7 +438,9 @@ def test_example_scripts_train_in_the_named_precision(dataset, one_task_srun, tm
 @pytest.mark.parametrize("value", ["", "fp8", "float32"])
 def test_example_scripts_refuse_an_unknown_precision(value):
     for script in ("examples/pretrain_gpt_distributed.sh", "examples/slurm/pretrain_gpt_slurm.sh",
-                   "examples/gpt3/train_gpt3_175b_distributed.sh"):
+                   "examples/gpt3/train_gpt3_175b_distributed.sh",
+                   "examples/gpt3/train_gpt3_175b_distributed_tgs.sh",
+                   "examples/pretrain_gpt_single_node.sh", "examples/pretrain_gpt.sh"):
         done = _run(["bash", script, "/ck", "/v.json", "/m.txt", "/d"], timeout=60,
                     PRECISION=value)
         assert done.returncode == 2, (script, done.stdout, done.stderr)

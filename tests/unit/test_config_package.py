@@ -43,6 +43,7 @@ NEW_FLAGS = {
     "--in-memory", "--wandb-exp-name", "--wandb-save-dir",
     # Evaluate a checkpoint without training (issue 14); --skip-train is Megatron-LM's name.
     "--eval-only", "--skip-train",
+    "--dry-run",  # the planner behind pretrain_gpt.py (issue 12)
 }
 
 

@@ -1,0 +1,137 @@
+"""Launching as users do, for real, at toy size on the CPU: the GPT-3 175B script and its
+throughput variant (CPU_SMOKE=1), DeepSpeed's launcher through the single-node recipe (with
+--num_gpus, --num_nodes and a hostfile, run per node with --no_ssh --node_rank as there is no
+ssh here), the one-GPU script's single-process emulation, and srun with two tasks that find
+rank 0 from the node list alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+
+import pytest
+
+from megatron.checkpointing import read_tracker
+from tests.corpus import build_corpus
+from tests.dist_utils import free_port
+from tests.distributed.training_utils import parse_log_lines
+from tests.functional.test_pretrain_cli import TOY_FLAGS, _printed_argument, _run
+
+BLEND = ("wikipedia_20220301_en_text_document", "openwebtext_Skylion007_text_document")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """One small corpus under the two names of the 175B recipe's blend, and its tokenizer."""
+    folder = tmp_path_factory.mktemp("datasets")
+    built = build_corpus(str(folder), max_chars=60_000)
+    for name in BLEND:
+        for ext in (".bin", ".idx"):
+            shutil.copy(built["prefix"] + ext, folder / f"{name}{ext}")
+    tok = built["tokenizer_flags"]
+    return dict(folder=folder, prefix=built["prefix"], vocab=tok[tok.index("--vocab-file") + 1],
+                merges=tok[tok.index("--merge-file") + 1])
+
+
+def _gpt3(script: str, corpus, tmp_path, **env):
+    return _run(["bash", f"examples/gpt3/{script}", tmp_path / "ckpt", tmp_path / "tb",
+                 corpus["vocab"], corpus["merges"]], timeout=300, CPU_SMOKE="1",
+                DATASET_PATH=str(corpus["folder"]), DATASETCACHE=str(tmp_path / "cache"),
+                MASTER_PORT=str(free_port()), **env)
+
+
+def test_gpt3_175b_script_trains_at_toy_size(corpus, tmp_path):
+    done = _gpt3("train_gpt3_175b_distributed.sh", corpus, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [line["iteration"] for line in parse_log_lines(done.stdout)] == [1, 2]
+    printed = {name: _printed_argument(done.stdout, name) for name in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
+        "use_distributed_optimizer", "use_flash_attn", "data_path")}
+    assert printed == {
+        "tensor_model_parallel_size": "2", "pipeline_model_parallel_size": "2",
+        "sequence_parallel": "True", "use_distributed_optimizer": "True",
+        "use_flash_attn": "True", "data_path": str(
+            ["0.35", str(corpus["folder"] / BLEND[0]), "0.65", str(corpus["folder"] / BLEND[1])])}
+    assert read_tracker(str(tmp_path / "ckpt")).iteration == 2
+    assert any(name.endswith(".npy") for name in os.listdir(tmp_path / "cache"))
+
+
+def test_gpt3_tgs_script_prints_the_mean_throughput_of_10_iterations(corpus, tmp_path):
+    # Two ranks (tensor 2) keep the ten iterations short on a 2-core machine.
+    done = _gpt3("train_gpt3_175b_distributed_tgs.sh", corpus, tmp_path, GPUS_PER_NODE="2",
+                 PP="1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = parse_log_lines(done.stdout)
+    assert [line["iteration"] for line in lines] == list(range(1, 11))
+    tgs = [line["tokens per GPU per second (TGS)"] for line in lines[1:]]
+    tflops = [line["TFLOP/s per GPU"] for line in lines[1:]]
+    summary = done.stdout[done.stdout.index("throughput over iterations 2-10 (9 logged):"):]
+    printed_tgs = float(re.search(r"tokens per GPU per second \(TGS\): ([\d.]+)",
+                                  summary).group(1))
+    printed_tflops = float(re.search(r"TFLOP/s per GPU: ([\d.]+)", summary).group(1))
+    assert printed_tgs == pytest.approx(sum(tgs) / 9, abs=0.06)
+    assert printed_tflops == pytest.approx(sum(tflops) / 9, abs=6e-4)
+    assert printed_tgs > 0
+    assert not (tmp_path / "ckpt").exists()  # a benchmark writes no checkpoint
+    assert (tmp_path / "tb" / "tgs.log").read_text() in done.stdout
+
+
+def _toy_args(corpus, tmp_path) -> list:
+    return [tmp_path / "ckpt", corpus["vocab"], corpus["merges"], corpus["prefix"],
+            *TOY_FLAGS]
+
+
+def test_deepspeed_launcher_runs_the_single_node_recipe(corpus, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    done = _run(["bash", "examples/pretrain_gpt_single_node.sh", *_toy_args(corpus, tmp_path),
+                 "--global-batch-size", "2"], timeout=300, N_GPUS="2", NUM_NODES="1",
+                HOSTFILE=str(hostfile), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()), PRECISION="fp32")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "WORLD INFO DICT: {'localhost': [0, 1]}" in out  # DeepSpeed's launcher said so
+    assert _printed_argument(done.stdout, "data_parallel_size") == "2"
+    assert _printed_argument(done.stdout, "recompute_granularity") == "full"
+    assert [line["iteration"] for line in parse_log_lines(done.stdout)] == [1, 2]
+
+
+def test_one_gpu_script_emulates_a_distributed_launch(corpus, tmp_path):
+    port = str(free_port())
+    done = _run(["bash", "examples/pretrain_gpt.sh", *_toy_args(corpus, tmp_path)],
+                timeout=180, MASTER_PORT=port, PRECISION="fp32")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [line["iteration"] for line in parse_log_lines(done.stdout)] == [1, 2]
+    assert read_tracker(str(tmp_path / "ckpt")).iteration == 2
+
+
+TWO_TASK_SRUN = """#!/bin/bash
+# srun --ntasks 2 on one node: drop srun's options, start the two tasks with srun's variables.
+while [ "${1#-}" != "$1" ]; do shift; done
+for id in 0 1; do
+    SLURM_PROCID=$id SLURM_LOCALID=$id SLURM_NODEID=0 SLURM_NTASKS=2 "$@" &
+done
+status=0
+for job in $(jobs -p); do wait "$job" || status=1; done
+exit $status
+"""
+
+
+def test_srun_tasks_meet_at_the_first_host_of_the_node_list(corpus, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(TWO_TASK_SRUN)
+    (bin_dir / "python").write_text(f'#!/bin/bash\nexec {sys.executable} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    done = _run(["bash", "examples/slurm/pretrain_gpt_slurm.sh", *_toy_args(corpus, tmp_path),
+                 "--global-batch-size", "2"], timeout=300,
+                PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_SUBMIT_DIR=os.getcwd(),
+                SLURM_JOB_NODELIST="localhost,ghost[01-07]", SLURM_NTASKS="2", TP="1",
+                PRECISION="fp32", MASTER_PORT=str(free_port()))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _printed_argument(done.stdout, "data_parallel_size") == "2"
+    assert [line["iteration"] for line in parse_log_lines(done.stdout)] == [1, 2]

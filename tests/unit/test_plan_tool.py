@@ -1,0 +1,83 @@
+"""tools/plan.py on the GPT-3 175B recipe (64 ranks built on the meta device) and its errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.training_utils import load_tool
+
+GPT3_175B = [
+    "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+    "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "1",
+    "--global-batch-size", "1536", "--tensor-model-parallel-size", "8",
+    "--pipeline-model-parallel-size", "8", "--fp16", "--sequence-parallel",
+    "--use-distributed-optimizer", "--use-flash-attn", "--gpu-memory-gb", "80",
+]
+
+
+def test_gpt3_175b_exact_count_memory_bubble_and_flops(capsys):
+    plan = load_tool("plan").main(GPT3_175B)
+    out = capsys.readouterr().out
+    L, h, V, P = 96, 12288, 51200, 2048  # V: GPT-2's 50257 padded to a multiple of 128 x 8
+    assert plan.total_params == 12 * L * h**2 + 13 * L * h + V * h + P * h + 2 * h \
+        == 174_615_846_912 == plan.closed_form_params
+    assert "parameters: 174,615,846,912 in total" in out
+    # Stage 0 (embeddings, 8 micro-batches in flight) is the fullest GPU: 60.1 GB of 80.
+    assert [st.params_per_rank[0] for st in plan.stages] == \
+        [2_822_731_776] + [2_718_922_752] * 6 + [2_797_590_528]
+    assert plan.peak_memory == plan.stages[0].memory.total
+    assert 60.0 < plan.peak_memory / 2**30 < 60.3 and plan.fits
+    assert "peak memory per GPU: 60.11 GB of 80 GB: fits" in out
+    assert plan.bubble_fraction == pytest.approx(7 / 1536)
+    assert plan.flops_per_iteration == pytest.approx(3.3862e18, rel=1e-4)
+
+
+def test_a_plan_that_does_not_fit_says_so_and_exits_1(capsys):
+    tool = load_tool("plan")
+    small_gpu = [*GPT3_175B[:-1], "40", "--zero-stage", "0"]
+    plan = tool.main(small_gpu)
+    assert plan.fits is False
+    assert "of 40 GB: DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_zero_stages_shard_what_they_say(capsys):
+    tool = load_tool("plan")
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--micro-batch-size", "1", "--world-size", "4",
+             "--bf16", "--vocab-size", "1000", "--tokenizer-type", "NullTokenizer"]
+    mem = [tool.main([*flags, "--zero-stage", str(z)]).stages[0].memory for z in range(4)]
+    capsys.readouterr()
+    assert mem[1].optimizer * 4 == mem[0].optimizer and mem[1].gradients == mem[0].gradients
+    assert mem[2].gradients * 4 == mem[0].gradients and mem[2].weights == mem[0].weights
+    assert mem[3].weights * 4 == mem[0].weights
+
+
+def test_bad_flags_exit_2_naming_them(capsys):
+    with pytest.raises(SystemExit) as stop:
+        load_tool("plan").main(["--num-layers", "3", "--hidden-size", "64",
+                                "--num-attention-heads", "4", "--seq-length", "32",
+                                "--micro-batch-size", "1", "--pipeline-model-parallel-size",
+                                "2"])
+    assert stop.value.code == 2
+    assert "--num-layers (3) is not divisible by --pipeline-model-parallel-size (2)" in \
+        capsys.readouterr().err
+
+
+def test_pretrain_dry_run_prints_the_same_plan_and_trains_nothing(monkeypatch, capsys):
+    import pretrain_gpt
+
+    flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+             "--global-batch-size", "8", "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2", "--mock-data", "--tokenizer-type",
+             "NullTokenizer", "--vocab-size", "1000", "--use-cpu"]
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")  # as the launch would set it: data parallel 2
+    state = pretrain_gpt.main([*flags, "--train-iters", "5", "--lr", "1e-3", "--dry-run"])
+    dry = capsys.readouterr().out
+    assert state.iteration == 0 and "iteration" not in dry.replace("per iteration", "")
+    load_tool("plan").main([*flags, "--world-size", "8"])
+    planned = capsys.readouterr().out
+    assert "layout: tensor 2 x pipeline 2 x data 2 = 8 GPUs" in dry
+    assert dry.strip().endswith(planned.strip())
