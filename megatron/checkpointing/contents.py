@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.paths import CHECKPOINT_VERSION, RESHARD_HINT
+from megatron.checkpointing.paths import CHECKPOINT_VERSION
 from megatron.checkpointing.ranks import RankLayout
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -26,6 +26,7 @@ RESERVED_KEYS = frozenset({
     "consumed_train_samples", "consumed_valid_samples", "optimizer", "distributed_optimizer",
     "opt_param_scheduler", "lr_scheduler", "rng_state", "random_rng_state", "np_rng_state",
     "torch_rng_state", "cuda_rng_state", "rng_tracker_states", "tokens",
+    "converted_from",  # written by megatron/conversion (which holds no RNG state)
 })
 
 
@@ -99,7 +100,7 @@ def check_version(state: dict, path: str) -> None:
     if version < 3.0:
         raise CheckpointError(f"{path} has checkpoint_version {version}: checkpoints older than "
                               f"3.0 order the query/key/value weights differently; "
-                              f"{RESHARD_HINT.split(' (')[0]} first")
+                              "convert it to version 3.0 with Megatron-LM's tools first")
     if "iteration" not in state:
         raise CheckpointError(f"{path} has no 'iteration' entry")
 
