@@ -8,9 +8,9 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from convert import main  # noqa: E402
+from tools.checkpoint.convert import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -89,7 +89,9 @@ def check_weights_file(path: str) -> None:
 def load_hf_model(hf_model_dir: str, flag: str = "--hf-model-dir"):
     """The GPT2LMHeadModel of the folder; unreadable files raise ConversionError naming them."""
     from transformers import GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one model's load needs none, and errors stay readable
     read_hf_config(hf_model_dir, flag)
     weights = find_weights(hf_model_dir, flag)
     check_weights_file(weights)
@@ -154,7 +156,9 @@ def save_hf_checkpoint(full: FullCheckpoint, save_dir: str, vocab_file: Optional
     """Write ``full``'s model as an HF GPT-2 folder; returns the files written. Tokenizer
     files come from the arguments, else from the paths the checkpoint's config recorded."""
     from transformers import GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     hf_config = hf_config_for(full)
     state = megatron_to_hf_state_dict(full.model, full.model_config())
     if hf_config.tie_word_embeddings:
