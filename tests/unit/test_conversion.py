@@ -1,0 +1,155 @@
+"""megatron/conversion in one process: names, orders and layouts against the real model and
+optimizer, interleaved (virtual pipeline) round trips, and Megatron-DeepSpeed's layout."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+
+from megatron.checkpointing import read_manifest
+from megatron.config import ModelConfig, OptimizerConfig, to_dict
+from megatron.conversion import FullCheckpoint, load_full_checkpoint, save_full_checkpoint
+from megatron.conversion.full import with_layout
+from megatron.conversion.optim_state import named_from_torch
+from megatron.conversion.sharding import Chunk, full_to_chunk_names, split_tp
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.model.gpt_model import GPTModel
+from tools.checkpoint import convert
+
+
+def _config(**overrides) -> ModelConfig:
+    fields = dict(num_layers=6, hidden_size=16, num_attention_heads=4, seq_length=8,
+                  vocab_size=50, make_vocab_size_divisible_by=4, hidden_dropout=0.0,
+                  attention_dropout=0.0)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def _full(config: ModelConfig, with_optimizer: bool = True) -> FullCheckpoint:
+    torch.manual_seed(0)
+    model = {k: torch.randn(v.shape) for k, v in GPTModel(config).state_dict().items()}
+    optimizer = None
+    if with_optimizer:
+        optimizer = {"param_groups": [{"lr": 1e-3, "wd_mult": 1.0, "lr_mult": 1.0},
+                                      {"lr": 1e-3, "wd_mult": 0.0, "lr_mult": 1.0}],
+                     "step": 7.0, "grad_scaler": None,
+                     "param_state": {k: {"exp_avg": torch.randn(v.shape),
+                                         "exp_avg_sq": torch.rand(v.shape)}
+                                     for k, v in model.items()}}
+    cfg = with_layout({"model": to_dict(config), "optimizer": {}}, 1, 1)
+    return FullCheckpoint(config=cfg, model=model, optimizer=optimizer, iteration=12,
+                          consumed_train_samples=96, scheduler={"num_steps": 96},
+                          extra={"num_floating_point_operations_so_far": 5.0})
+
+
+@pytest.mark.parametrize("untie", [False, True])
+@pytest.mark.parametrize("pre,post", [(True, True), (True, False), (False, True), (False, False)])
+def test_chunk_names_follow_gpt_model_order(pre, post, untie):
+    config = _config(untie_embeddings_and_output_weights=untie)
+    full = GPTModel(config).state_dict()
+    stage = GPTModel(config, pre_process=pre, post_process=post, first_layer=2, num_layers=2)
+    chunk = Chunk(0, 0, 2, 2, pre, post)
+    names = full_to_chunk_names(full, chunk, tied=not untie)
+    assert list(names) == [n for n, _ in stage.named_parameters()]
+    stage.load_state_dict(names)  # shapes fit too
+
+
+def test_torch_optimizer_indices_follow_get_param_groups():
+    """The real optimizer of two chunks (a pipeline stage's interleaved pieces): its state,
+    read back by name, is each parameter's own."""
+    config = _config(num_layers=4)
+    chunks = [GPTModel(config, post_process=False, num_layers=2),
+              GPTModel(config, pre_process=False, first_layer=2, num_layers=2)]
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.1), chunks)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.grad = torch.randn_like(p)
+    optimizer.optimizer.step()
+    names = [(f"{i}/{n}", p.shape) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
+    state, groups, step = named_from_torch(optimizer.state_dict(), names, "test")
+    assert step == 1.0 and [g["wd_mult"] for g in groups] == [1.0, 0.0]
+    for i, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            assert torch.equal(state[f"{i}/{name}"]["exp_avg"],
+                               optimizer.optimizer.state[p]["exp_avg"]), name
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_interleaved_round_trip(tmp_path, distributed):
+    """Full -> tp 2 x pp 3 with 2 chunks per stage -> full gives back every tensor; chunk 1
+    of stage 0 holds global layer 3 (Megatron's interleaving)."""
+    config = _config()
+    full = _full(config)
+    folder = save_full_checkpoint(full, str(tmp_path / "vp"), 2, 3,
+                                  num_layers_per_virtual_pipeline_stage=1,
+                                  use_distributed_optimizer=distributed)
+    manifest = read_manifest(folder)
+    assert manifest["parallel_layout"]["num_model_chunks"] == 2
+    assert manifest["config"]["parallel"]["virtual_pipeline_model_parallel_size"] == 2
+    rank0 = torch.load(os.path.join(folder, "mp_rank_00_000", "model_optim_rng.pt"),
+                       weights_only=True)
+    qkv = "encoder.layers.{}.self_attention.query_key_value.weight"
+    want = split_tp(qkv.format(3), full.model[qkv.format(3)], 2)[0]
+    assert torch.equal(rank0["model1"][qkv.format(0)], want)
+    assert (("optimizer" in rank0) != distributed) and ("rng_state" not in rank0)
+    back = load_full_checkpoint(str(tmp_path / "vp"))
+    assert back.distributed_optimizer == distributed
+    assert (back.iteration, back.consumed_train_samples, back.scheduler, back.extra) == (
+        12, 96, {"num_steps": 96}, {"num_floating_point_operations_so_far": 5.0})
+    assert back.model.keys() == full.model.keys()
+    for name, value in full.model.items():
+        assert torch.equal(back.model[name], value), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(back.optimizer["param_state"][name][key],
+                               full.optimizer["param_state"][name][key]), (name, key)
+    assert back.optimizer["step"] == 7.0
+
+
+def _megatron_deepspeed_model(chunk: dict) -> dict:
+    """Our chunk names in Megatron-DeepSpeed's nested ``language_model`` layout."""
+    lm: dict = {"embedding": {}, "encoder": {}}
+    out: dict = {"language_model": lm}
+    for name, value in chunk.items():
+        if name.startswith("embedding."):
+            table = name.split(".")[1]
+            lm["embedding"][table] = {"weight": value}
+        elif name == "word_embeddings.weight":
+            out["word_embeddings_for_head"] = {"weight": value}
+        else:
+            lm["encoder"][name.removeprefix("encoder.")] = value  # layers.*, final_layernorm.*
+    return out
+
+
+def test_megatron_deepspeed_layout_converts(tmp_path):
+    """A Megatron-DeepSpeed checkpoint at tp 2 x pp 2 (written here from a known model by
+    renaming keys, with its flags as an argparse Namespace) converts to ours."""
+    config = _config(num_layers=4)
+    full = _full(config, with_optimizer=False)
+    ours = save_full_checkpoint(full, str(tmp_path / "ours"), 2, 2)
+    theirs = tmp_path / "mds"
+    args = argparse.Namespace(num_layers=4, hidden_size=16, num_attention_heads=4,
+                              ffn_hidden_size=64, seq_length=8, max_position_embeddings=8,
+                              make_vocab_size_divisible_by=4, padded_vocab_size=56,
+                              tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                              consumed_train_samples=96, tokenizer_type="GPT2BPETokenizer")
+    for rank_dir in sorted(os.listdir(ours)):
+        if not rank_dir.startswith("mp_rank"):
+            continue
+        state = torch.load(os.path.join(ours, rank_dir, "model_optim_rng.pt"), weights_only=True)
+        os.makedirs(theirs / "iter_0000012" / rank_dir)
+        torch.save({"checkpoint_version": 3.0, "iteration": 12, "args": args,
+                    "model": _megatron_deepspeed_model(state["model"])},
+                   theirs / "iter_0000012" / rank_dir / "model_optim_rng.pt")
+    (theirs / "latest_checkpointed_iteration.txt").write_text("12")
+    save = tmp_path / "converted"
+    assert convert.main(["--model-type", "GPT", "--loader", "megatron_deepspeed",
+                         "--load-dir", str(theirs), "--save-dir", str(save),
+                         "--true-vocab-size", "50"]) == 0
+    back = load_full_checkpoint(str(save))
+    assert back.optimizer is None and back.consumed_train_samples == 96
+    assert back.model_config().vocab_size == 50
+    for name, value in full.model.items():
+        assert torch.equal(back.model[name], value), name
