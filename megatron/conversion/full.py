@@ -130,7 +130,8 @@ def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
     first = states[(0, 0)]
     theirs = mds.is_megatron_deepspeed_model(first.get("model", first.get("model0", {})))
     config = _source_config(first, theirs, true_vocab_size, iter_dir)
-    chunk_states = {key: _chunk_states(state, theirs) for key, state in states.items()}
+    chunk_states = {key: _chunk_states(state, theirs, os.path.join(
+        iter_dir, mp_rank_dir_name(*key, pp), MODEL_FILENAME)) for key, state in states.items()}
     layout = chunks_from_layer_counts([[layer_count(c) for c in chunk_states[(0, p)]]
                                        for p in range(pp)])
     model_config = model_config_from_dict(config["model"])
@@ -199,13 +200,20 @@ def with_layout(config: dict, tp: int, pp: int, layers_per_virtual_stage: Option
     return config
 
 
-def _chunk_states(state: dict, theirs: bool) -> list[dict]:
+def _chunk_states(state: dict, theirs: bool, path: str) -> list[dict]:
+    """The model chunks of one file under our chunk names (checked to number their layers
+    from 0)."""
     keys = sorted((k for k in state if k == "model" or (k.startswith("model") and k[5:].isdigit())),
                   key=lambda k: int(k[5:] or 0))
-    if not keys:
-        raise CheckpointError("a checkpoint file holds no model ('model' entry)")
-    chunks = [state[k] for k in keys]
-    return [mds.our_names(c) for c in chunks] if theirs else chunks
+    try:
+        if not keys:
+            raise ValueError("it holds no model ('model' entry)")
+        chunks = [mds.our_names(state[k]) if theirs else state[k] for k in keys]
+        for chunk in chunks:
+            layer_count(chunk)
+    except ValueError as error:
+        raise CheckpointError(f"{path}: {error}") from None
+    return chunks
 
 
 def _merge_model(chunk_states: dict, layout: list[list[Chunk]], tp: int, pp: int,

@@ -12,8 +12,8 @@ import torch
 from megatron.checkpointing import read_manifest
 from megatron.config import ModelConfig, OptimizerConfig, to_dict
 from megatron.conversion import FullCheckpoint, load_full_checkpoint, save_full_checkpoint
+from megatron.conversion import full as full_module
 from megatron.conversion.full import with_layout
-from megatron.conversion.optim_state import named_from_torch
 from megatron.conversion.sharding import Chunk, full_to_chunk_names, split_tp
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.model.gpt_model import GPTModel
@@ -57,24 +57,52 @@ def test_chunk_names_follow_gpt_model_order(pre, post, untie):
     stage.load_state_dict(names)  # shapes fit too
 
 
-def test_torch_optimizer_indices_follow_get_param_groups():
-    """The real optimizer of two chunks (a pipeline stage's interleaved pieces): its state,
-    read back by name, is each parameter's own."""
-    config = _config(num_layers=4)
+def _stepped_optimizer(config: ModelConfig, seed: int):
+    """Two chunks (a pipeline stage's interleaved pieces) and their real optimizer after one
+    step with random gradients."""
+    torch.manual_seed(seed)
     chunks = [GPTModel(config, post_process=False, num_layers=2),
               GPTModel(config, pre_process=False, first_layer=2, num_layers=2)]
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.1), chunks)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-3, weight_decay=0.1, bf16=config.bf16), chunks)
     for chunk in chunks:
         for p in chunk.parameters():
             p.grad = torch.randn_like(p)
+    optimizer._copy_model_grads_to_main_grads()
     optimizer.optimizer.step()
-    names = [(f"{i}/{n}", p.shape) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
-    state, groups, step = named_from_torch(optimizer.state_dict(), names, "test")
-    assert step == 1.0 and [g["wd_mult"] for g in groups] == [1.0, 0.0]
+    return chunks, optimizer
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-mixed"])
+def test_torch_optimizer_state_by_name_round_trip(bf16):
+    """A real optimizer's state read by name is each parameter's own (the indices follow
+    get_param_groups), and written back it loads into a fresh optimizer as it was; with bf16,
+    the fp32 main copies too."""
+    config = _config(num_layers=4, bf16=bf16)
+    chunks, optimizer = _stepped_optimizer(config, 0)
+    states = [c.state_dict() for c in chunks]
+    per_chunk, meta = full_module._named_torch_state(optimizer.state_dict(), states, "test")
+    assert meta["step"] == 1.0 and [g["wd_mult"] for g in meta["param_groups"]] == [1.0, 0.0]
+    mains = dict(zip((p for g in optimizer.model_groups for p in g),
+                     (m for g in optimizer.main_groups for m in g))) if bf16 else {}
     for i, chunk in enumerate(chunks):
         for name, p in chunk.named_parameters():
-            assert torch.equal(state[f"{i}/{name}"]["exp_avg"],
-                               optimizer.optimizer.state[p]["exp_avg"]), name
+            main = mains.get(p, p)
+            assert torch.equal(per_chunk[i][name]["exp_avg"],
+                               optimizer.optimizer.state[main]["exp_avg"]), name
+            if bf16:
+                assert torch.equal(per_chunk[i][name]["param"], main), name
+    rebuilt = full_module._torch_optimizer(meta, states, per_chunk, mixed=bf16)
+    _, fresh = _stepped_optimizer(config, 1)
+    fresh.load_state_dict(rebuilt)
+    want, got = optimizer.state_dict(), fresh.state_dict()
+    torch_want, torch_got = (want["optimizer"], got["optimizer"]) if bf16 else (want, got)
+    for index, entry in torch_want["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch_got["state"][index][key], value), (index, key)
+    if bf16:
+        for saved, loaded in zip(want["fp32_from_fp16_params"], got["fp32_from_fp16_params"]):
+            assert all(torch.equal(a, b) for a, b in zip(saved, loaded))
 
 
 @pytest.mark.parametrize("distributed", [False, True])
