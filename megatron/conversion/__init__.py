@@ -25,7 +25,8 @@ resumes from it on the new layout with the optimizer state (and the LR schedule 
 samples) carried over. Converted files hold no random-generator state: a run resuming from one
 starts its generators from ``--seed``.
 
-Hugging Face GPT-2 folders: ``hf.load_hf_checkpoint`` / ``hf.save_hf_checkpoint``.
+Hugging Face GPT-2 folders: ``hf.load_hf_checkpoint`` / ``hf.save_hf_checkpoint``. DeepSpeed
+engine checkpoints (model only): ``deepspeed_layout.load_deepspeed_checkpoint``.
 The command line is ``tools/checkpoint/convert.py`` (Megatron-LM's interface).
 """
 

@@ -129,7 +129,7 @@ def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
             check_version(states[(t, p)], path)
     first = states[(0, 0)]
     theirs = mds.is_megatron_deepspeed_model(first.get("model", first.get("model0", {})))
-    config = _source_config(first, theirs, true_vocab_size, iter_dir)
+    config = source_config(first, theirs, true_vocab_size, iter_dir)
     chunk_states = {key: _chunk_states(state, theirs, os.path.join(
         iter_dir, mp_rank_dir_name(*key, pp), MODEL_FILENAME)) for key, state in states.items()}
     layout = chunks_from_layer_counts([[layer_count(c) for c in chunk_states[(0, p)]]
@@ -164,7 +164,7 @@ def _iteration_folder(load_dir: str, iteration: Optional[int]) -> tuple[str, Tra
     return resolve_iteration_dir(load_dir, tracker), tracker
 
 
-def _source_config(state: dict, theirs: bool, true_vocab_size: Optional[int],
+def source_config(state: dict, theirs: bool, true_vocab_size: Optional[int],
                    where: str) -> dict:
     saved = stored_config(state)
     if not isinstance(saved, dict):
@@ -222,7 +222,7 @@ def _merge_model(chunk_states: dict, layout: list[list[Chunk]], tp: int, pp: int
     model = {}
     for name in per_tp[0]:
         model[name] = merge_tp(name, [names[name] for names in per_tp])
-    return _repad(model, config.padded_vocab_size)
+    return repad_vocab(model, config.padded_vocab_size)
 
 
 def _rank_full_names(per_rank: dict, layout: list[list[Chunk]], t: int, pp: int) -> dict:
@@ -237,7 +237,7 @@ def _rank_full_names(per_rank: dict, layout: list[list[Chunk]], t: int, pp: int)
     return out
 
 
-def _repad(tensors: dict, rows: int) -> dict:
+def repad_vocab(tensors: dict, rows: int) -> dict:
     return {k: resize_vocab(v, rows) if k in VOCAB_TENSORS else v for k, v in tensors.items()}
 
 
@@ -322,7 +322,7 @@ def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: i
     model_config = full.model_config(tp)
     rows = model_config.padded_vocab_size
     tied = not model_config.untie_embeddings_and_output_weights
-    model_pieces = {k: split_tp(k, v, tp) for k, v in _repad(full.model, rows).items()}
+    model_pieces = {k: split_tp(k, v, tp) for k, v in repad_vocab(full.model, rows).items()}
     opt_pieces = _optimizer_pieces(full, rows, tp, distributed or _mixed(config))
     files = {}
     for t in range(tp):

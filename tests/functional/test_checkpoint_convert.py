@@ -166,7 +166,7 @@ def test_hf_tp2pp2_reshard_tp1_tp4_and_back_to_hf(hf_model, tmp_path):
 def test_bad_arguments_are_named(hf_model, tmp_path, capsys):
     path, _ = hf_model
     cases = [
-        (["--loader", "deepspeed", "--load-dir", path], "--loader deepspeed"),
+        (["--loader", "deepspeed", "--load-dir", path], "holds no 'latest' file"),
         (["--loader", "megatron", "--load-dir", path], "latest_checkpointed_iteration.txt"),
         (["--loader", "hf", "--load-dir", str(tmp_path / "none")], "is not a folder"),
         (["--loader", "hf", "--load-dir", path, "--target-tensor-parallel-size", "3"],

@@ -181,3 +181,51 @@ def test_megatron_deepspeed_layout_converts(tmp_path):
     assert back.model_config().vocab_size == 50
     for name, value in full.model.items():
         assert torch.equal(back.model[name], value), name
+
+
+def _deepspeed_layer_files(pieces: dict, num_layers: int, tied: bool) -> list[tuple[str, dict]]:
+    """A tensor rank's PipelineModule layer files as Megatron-DeepSpeed's GPTModelPipe lays
+    them out: 0 embedding, 1 a function, 2.. transformer layers, then a function, the final
+    layer norm, and the tied embedding again as the LM head."""
+    embedding = {k.removeprefix("embedding."): v for k, v in pieces.items()
+                 if k.startswith("embedding.")}
+    files = [(0, embedding)]
+    for i in range(num_layers):
+        prefix = f"encoder.layers.{i}."
+        files.append((2 + i, {k.removeprefix(prefix): v for k, v in pieces.items()
+                              if k.startswith(prefix)}))
+    final = {k.removeprefix("final_layernorm."): v for k, v in pieces.items()
+             if k.startswith("final_layernorm.")}
+    files.append((num_layers + 3, final))
+    files.append((num_layers + 4, embedding if tied else {"weight": pieces["output_layer.weight"]}))
+    return [(f"layer_{i:02d}", state) for i, state in files]
+
+
+@pytest.mark.parametrize("pipeline,untie", [(False, False), (True, False), (True, True)],
+                         ids=["module", "pipeline-layers-tied", "pipeline-layers-untied"])
+def test_deepspeed_layout_converts(tmp_path, pipeline, untie):
+    """A DeepSpeed engine checkpoint at tp 2 (written here in DeepSpeed's file layout from a
+    known model), with the model in mp_rank_XX_model_states.pt or in PipelineModule layer
+    files, converts to ours."""
+    config = _config(num_layers=4, untie_embeddings_and_output_weights=untie)
+    full = _full(config, with_optimizer=False)
+    step = tmp_path / "ds" / "global_step12"
+    step.mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step12")
+    padded = full_module.repad_vocab(full.model, full.model_config(2).padded_vocab_size)
+    for t in range(2):
+        pieces = {k: split_tp(k, v, 2)[t] for k, v in padded.items()}
+        client = {"module": None if pipeline else pieces, "iteration": 12, "global_steps": 12,
+                  "global_samples": 96, "config": full.config, "dp_world_size": 1}
+        torch.save(client, step / f"mp_rank_{t:02d}_model_states.pt")
+        if pipeline:
+            for name, state in _deepspeed_layer_files(pieces, 4, tied=not untie):
+                torch.save(state, step / f"{name}-model_{t:02d}-model_states.pt")
+    save = tmp_path / "converted"
+    assert convert.main(["--model-type", "GPT", "--loader", "deepspeed", "--load-dir",
+                         str(tmp_path / "ds"), "--save-dir", str(save)]) == 0
+    back = load_full_checkpoint(str(save))
+    assert (back.iteration, back.consumed_train_samples) == (12, 96)
+    assert back.model.keys() == full.model.keys()
+    for name, value in full.model.items():
+        assert torch.equal(back.model[name], value), name

@@ -11,7 +11,8 @@
 
 Loaders: ``megatron`` (ours, any tp/pp/virtual layout, with optimizer state),
 ``megatron_deepspeed`` (Megatron-DeepSpeed's ``language_model`` layout, model only), ``hf``
-(a local GPT-2 folder), ``deepspeed`` (not available yet). Savers: ``megatron`` (ours, at the
+(a local GPT-2 folder), ``deepspeed`` (DeepSpeed engine checkpoints, ``global_stepN/``, with
+or without a pipeline; model only). Savers: ``megatron`` (ours, at the
 target layout; optimizer state goes along, the distributed optimizer's too) and ``hf``.
 The logic lives in ``megatron/conversion/``.
 """
@@ -26,14 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron.checkpointing import CheckpointError  # noqa: E402
 from megatron.conversion import ConversionError, load_full_checkpoint, save_full_checkpoint  # noqa: E402
+from megatron.conversion.deepspeed_layout import load_deepspeed_checkpoint  # noqa: E402
 from megatron.conversion.hf import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 
 LOADERS = ("megatron", "hf", "megatron_deepspeed", "deepspeed")
 SAVERS = ("megatron", "hf")
-DEEPSPEED_HINT = ("--loader deepspeed: reading DeepSpeed engine checkpoints (global_stepN/"
-                  "mp_rank_XX_model_states.pt, layer_XX-model_states.pt) is not implemented "
-                  "yet; save from a run without --deepspeed, or use DeepSpeed's "
-                  "zero_to_fp32.py and --loader hf")
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,13 +88,13 @@ def check_args(args: argparse.Namespace) -> None:
         path = getattr(args, flag)
         if path is not None and not os.path.isfile(path):
             raise ConversionError(f"--{flag.replace('_', '-')} {path} does not exist")
-    if args.loader == "deepspeed":
-        raise ConversionError(DEEPSPEED_HINT)
 
 
 def load(args: argparse.Namespace):
     if args.loader == "hf":
         return load_hf_checkpoint(args.load_dir, args.make_vocab_size_divisible_by)
+    if args.loader == "deepspeed":
+        return load_deepspeed_checkpoint(args.load_dir, args.iteration, args.true_vocab_size)
     return load_full_checkpoint(args.load_dir, args.iteration, verify=not args.no_checking,
                                 true_vocab_size=args.true_vocab_size)
 
