@@ -43,7 +43,7 @@ from megatron.checkpointing.paths import (
     resolve_iteration_dir,
     saved_layout,
 )
-from megatron.config import ConfigError, ModelConfig
+from megatron.config import ConfigError, ModelConfig, ParallelConfig
 from megatron.conversion import megatron_deepspeed as mds
 from megatron.conversion import optim_state
 from megatron.conversion.sharding import (
@@ -185,7 +185,7 @@ def with_layout(config: dict, tp: int, pp: int, layers_per_virtual_stage: Option
     model = config.setdefault("model", {})
     num_layers = model.get("num_layers")
     vp = None
-    if layers_per_virtual_stage and num_layers:
+    if layers_per_virtual_stage and num_layers:  # checked to divide by _target_chunks
         vp = num_layers // pp // layers_per_virtual_stage
     parallel = config.setdefault("parallel", {})
     parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -316,9 +316,9 @@ def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: i
     """
     distributed = full.distributed_optimizer if use_distributed_optimizer is None \
         else use_distributed_optimizer
+    chunks = _target_chunks(full, tp, pp, num_layers_per_virtual_pipeline_stage)
     config = with_layout(full.config, tp, pp, num_layers_per_virtual_pipeline_stage,
                          distributed if full.optimizer is not None else None)
-    chunks = _target_chunks(full, config, tp, pp)
     model_config = full.model_config(tp)
     rows = model_config.padded_vocab_size
     tied = not model_config.untie_embeddings_and_output_weights
@@ -345,12 +345,21 @@ def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: i
     return _write_folder(save_dir, full, config, files, len(chunks[0]))
 
 
-def _target_chunks(full: FullCheckpoint, config: dict, tp: int, pp: int) -> list[list[Chunk]]:
-    num_layers = config["model"]["num_layers"]
-    parallel = config["parallel"]
+def _target_chunks(full: FullCheckpoint, tp: int, pp: int,
+                   layers_per_virtual_stage: Optional[int]) -> list[list[Chunk]]:
+    """The chunks of each target pipeline stage, after checking the layout fits the model
+    as training would (heads and MLP over tp, layers over pp and virtual stages)."""
+    num_layers = full.config["model"]["num_layers"]
     try:
-        full.model_config(tp)  # heads and MLP width must split over tp
-        return pipeline_chunks(num_layers, pp, parallel["virtual_pipeline_model_parallel_size"])
+        full.model_config(tp)
+        parallel = ParallelConfig(world_size=tp * pp, tensor_model_parallel_size=tp,
+                                  pipeline_model_parallel_size=pp,
+                                  num_layers_per_virtual_pipeline_stage=layers_per_virtual_stage)
+        vp = parallel.check_virtual_pipeline(num_layers)
+        if layers_per_virtual_stage is not None and vp is None:
+            raise ConfigError(f"{layers_per_virtual_stage} layers per virtual stage is the "
+                              f"whole stage ({num_layers} layers over {pp} stages): drop it")
+        return pipeline_chunks(num_layers, pp, vp)
     except ConfigError as error:
         raise ValueError(f"cannot save at tensor-parallel size {tp}, pipeline size {pp}: "
                          f"{error}") from None

@@ -229,3 +229,17 @@ def test_deepspeed_layout_converts(tmp_path, pipeline, untie):
     assert back.model.keys() == full.model.keys()
     for name, value in full.model.items():
         assert torch.equal(back.model[name], value), name
+
+
+@pytest.mark.parametrize("tp,pp,per_chunk,words", [
+    (3, 1, None, "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
+    (1, 4, None, "--num-layers (6) is not divisible by --pipeline-model-parallel-size (4)"),
+    (1, 2, 1, "needs --pipeline-model-parallel-size > 2"),
+    (1, 3, 2, "is the whole stage"),
+])
+def test_layouts_that_do_not_fit_are_refused_before_writing(tmp_path, tp, pp, per_chunk, words):
+    with pytest.raises(ValueError, match="cannot save at tensor-parallel size") as info:
+        save_full_checkpoint(_full(_config(), with_optimizer=False), str(tmp_path / "out"), tp,
+                             pp, num_layers_per_virtual_pipeline_stage=per_chunk)
+    assert words in str(info.value)
+    assert not (tmp_path / "out").exists()

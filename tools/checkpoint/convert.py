@@ -80,10 +80,12 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConversionError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
         raise ConversionError("--save-dir must differ from --load-dir")
-    if args.saver == "hf" and (args.target_tensor_parallel_size or 1) * \
-            (args.target_pipeline_parallel_size or 1) != 1:
+    if args.saver == "hf" and ((args.target_tensor_parallel_size or 1) *
+                               (args.target_pipeline_parallel_size or 1) != 1
+                               or args.target_num_layers_per_virtual_pipeline_stage):
         raise ConversionError("--saver hf writes one unsharded model: drop "
-                              "--target-tensor-parallel-size/--target-pipeline-parallel-size")
+                              "--target-tensor-parallel-size/--target-pipeline-parallel-size/"
+                              "--target-num-layers-per-virtual-pipeline-stage")
     for flag in ("vocab_file", "merge_file"):
         path = getattr(args, flag)
         if path is not None and not os.path.isfile(path):
