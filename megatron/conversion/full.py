@@ -165,7 +165,9 @@ def _iteration_folder(load_dir: str, iteration: Optional[int]) -> tuple[str, Tra
 
 
 def source_config(state: dict, theirs: bool, true_vocab_size: Optional[int],
-                   where: str) -> dict:
+                  where: str) -> dict:
+    """The run configuration a file stores, as ours (``{"model": ..., ...}``), at tp 1/pp 1;
+    Megatron's flat argparse fields are mapped to our model and tokenizer fields."""
     saved = stored_config(state)
     if not isinstance(saved, dict):
         raise CheckpointError(f"{where} stores no run configuration (no 'config' or 'args')")
