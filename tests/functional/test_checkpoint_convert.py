@@ -12,6 +12,8 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -182,3 +184,17 @@ def test_bad_arguments_are_named(hf_model, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err, (args, err)
     assert not (tmp_path / "out").exists()
+
+
+def test_command_line_runs_as_a_script(hf_model, tmp_path):
+    """The script itself, from another folder: Megatron-LM's command line as users type it."""
+    path, _ = hf_model
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, os.path.join(repo, "tools", "checkpoint", "convert.py"), "--model-type",
+         "GPT", "--loader", "hf", "--saver", "megatron", "--load-dir", path, "--save-dir",
+         str(tmp_path / "ckpt"), "--target-pipeline-parallel-size", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "wrote model at tp=1, pp=2" in done.stdout and "--finetune" in done.stdout
+    assert read_tracker(str(tmp_path / "ckpt")).release
