@@ -6,7 +6,7 @@ DeepSpeed's ``engine.save_checkpoint(DIR)`` writes ``DIR/latest`` (``global_step
                                                            state (Megatron's args/config,
                                                            iteration); ``module``: the model's
                                                            state dict, or None with a pipeline
-    global_stepN/layer_{i:02d}-model_{tp:02d}-model_states.pt   PipelineModule: one file per
+    global_stepN/layer_{i:02d}[-model_{tp:02d}]-model_states.pt  PipelineModule: one file per
                                                            layer (index in the layer specs)
     global_stepN/zero_pp_rank_*_optim_states.pt            ZeRO's optimizer partitions
 
@@ -38,7 +38,8 @@ from megatron.conversion.sharding import TIED_COPY, merge_tp
 
 LATEST_FILENAME = "latest"
 _MP_FILE_RE = re.compile(r"mp_rank_(\d{2})_model_states\.pt")
-_LAYER_FILE_RE = re.compile(r"layer_(\d+)-model_(\d{2})-model_states\.pt")
+# DeepSpeed names the tensor ("model") rank only when the topology has that axis.
+_LAYER_FILE_RE = re.compile(r"layer_(\d+)(?:-model_(\d{2}))?-model_states\.pt")
 _OLD_ATTENTION_RE = re.compile(r"(^|\.)attention\.")  # older Megatron's name of self_attention
 
 
@@ -58,7 +59,7 @@ def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
     config = source_config(first, theirs, true_vocab_size, os.path.join(step_dir, mp_files[0]))
     layer_files = [m for m in map(_LAYER_FILE_RE.fullmatch, sorted(names)) if m]
     if layer_files:
-        per_tp = [_pipeline_model(step_dir, [m for m in layer_files if int(m.group(2)) == t])
+        per_tp = [_pipeline_model(step_dir, [m for m in layer_files if int(m.group(2) or 0) == t])
                   for t in range(len(mp_files))]
     else:
         per_tp = [_module(state, os.path.join(step_dir, n)) for state, n in zip(states, mp_files)]

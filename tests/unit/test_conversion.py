@@ -201,10 +201,11 @@ def _deepspeed_layer_files(pieces: dict, num_layers: int, tied: bool) -> list[tu
     return [(f"layer_{i:02d}", state) for i, state in files]
 
 
-@pytest.mark.parametrize("pipeline,untie", [(False, False), (True, False), (True, True)],
-                         ids=["module", "pipeline-layers-tied", "pipeline-layers-untied"])
-def test_deepspeed_layout_converts(tmp_path, pipeline, untie):
-    """A DeepSpeed engine checkpoint at tp 2 (written here in DeepSpeed's file layout from a
+@pytest.mark.parametrize("pipeline,untie,tp", [(False, False, 2), (True, False, 2),
+                                               (True, True, 1)],
+                         ids=["module", "pipeline-layers-tied", "pipeline-layers-untied-tp1"])
+def test_deepspeed_layout_converts(tmp_path, pipeline, untie, tp):
+    """A DeepSpeed engine checkpoint (written here in DeepSpeed's file layout from a
     known model), with the model in mp_rank_XX_model_states.pt or in PipelineModule layer
     files, converts to ours."""
     config = _config(num_layers=4, untie_embeddings_and_output_weights=untie)
@@ -212,15 +213,16 @@ def test_deepspeed_layout_converts(tmp_path, pipeline, untie):
     step = tmp_path / "ds" / "global_step12"
     step.mkdir(parents=True)
     (tmp_path / "ds" / "latest").write_text("global_step12")
-    padded = full_module.repad_vocab(full.model, full.model_config(2).padded_vocab_size)
-    for t in range(2):
-        pieces = {k: split_tp(k, v, 2)[t] for k, v in padded.items()}
+    padded = full_module.repad_vocab(full.model, full.model_config(tp).padded_vocab_size)
+    for t in range(tp):
+        pieces = {k: split_tp(k, v, tp)[t] for k, v in padded.items()}
         client = {"module": None if pipeline else pieces, "iteration": 12, "global_steps": 12,
                   "global_samples": 96, "config": full.config, "dp_world_size": 1}
         torch.save(client, step / f"mp_rank_{t:02d}_model_states.pt")
         if pipeline:
             for name, state in _deepspeed_layer_files(pieces, 4, tied=not untie):
-                torch.save(state, step / f"{name}-model_{t:02d}-model_states.pt")
+                rank = f"-model_{t:02d}" if tp > 1 else ""  # no model axis: no rank
+                torch.save(state, step / f"{name}{rank}-model_states.pt")
     save = tmp_path / "converted"
     assert convert.main(["--model-type", "GPT", "--loader", "deepspeed", "--load-dir",
                          str(tmp_path / "ds"), "--save-dir", str(save)]) == 0
