@@ -159,8 +159,12 @@ def _iteration_folder(load_dir: str, iteration: Optional[int]) -> tuple[str, Tra
     check_load_dir(load_dir)
     tracker = Tracker(iteration, False) if iteration is not None else read_tracker(load_dir)
     if tracker is None:
-        raise CheckpointError(f"--load-dir {load_dir} holds no {TRACKER_FILENAME}: pass the "
-                              "folder a training run saved into (its --save)")
+        hint = "pass the folder a training run saved into (its --save)"
+        if os.path.isfile(os.path.join(load_dir, "latest")):
+            hint = "it looks like a DeepSpeed checkpoint: use --loader deepspeed"
+        elif os.path.isfile(os.path.join(load_dir, "config.json")):
+            hint = "it looks like a Hugging Face model: use --loader hf"
+        raise CheckpointError(f"--load-dir {load_dir} holds no {TRACKER_FILENAME}: {hint}")
     return resolve_iteration_dir(load_dir, tracker), tracker
 
 

@@ -169,7 +169,9 @@ def test_bad_arguments_are_named(hf_model, tmp_path, capsys):
     path, _ = hf_model
     cases = [
         (["--loader", "deepspeed", "--load-dir", path], "holds no 'latest' file"),
-        (["--loader", "megatron", "--load-dir", path], "latest_checkpointed_iteration.txt"),
+        (["--loader", "megatron", "--load-dir", path],
+         "holds no latest_checkpointed_iteration.txt: it looks like a Hugging Face model: use "
+         "--loader hf"),
         (["--loader", "hf", "--load-dir", str(tmp_path / "none")], "is not a folder"),
         (["--loader", "hf", "--load-dir", path, "--target-tensor-parallel-size", "3"],
          "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
