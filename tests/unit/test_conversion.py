@@ -245,3 +245,16 @@ def test_layouts_that_do_not_fit_are_refused_before_writing(tmp_path, tp, pp, pe
                              pp, num_layers_per_virtual_pipeline_stage=per_chunk)
     assert words in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_saved_chunks_are_placed_by_their_layer_counts():
+    """An uneven split (--decoder-first-pipeline-num-layers) and interleaving, read back from
+    how many layers each saved chunk holds, match the layout training builds."""
+    from megatron.conversion.sharding import chunks_from_layer_counts, pipeline_chunks
+
+    uneven = pipeline_chunks(6, 2, first_stage_layers=2)
+    assert [[c.first_layer for c in s] for s in uneven] == [[0], [2]]
+    assert chunks_from_layer_counts([[2], [4]]) == uneven
+    interleaved = pipeline_chunks(6, 3, vp=2)
+    assert [[c.first_layer for c in s] for s in interleaved] == [[0, 3], [1, 4], [2, 5]]
+    assert chunks_from_layer_counts([[1, 1]] * 3) == interleaved
