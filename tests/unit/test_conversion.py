@@ -14,7 +14,13 @@ from megatron.config import ModelConfig, OptimizerConfig, to_dict
 from megatron.conversion import FullCheckpoint, load_full_checkpoint, save_full_checkpoint
 from megatron.conversion import full as full_module
 from megatron.conversion.full import with_layout
-from megatron.conversion.sharding import Chunk, full_to_chunk_names, split_tp
+from megatron.conversion.sharding import (
+    Chunk,
+    chunks_from_layer_counts,
+    full_to_chunk_names,
+    pipeline_chunks,
+    split_tp,
+)
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.model.gpt_model import GPTModel
 from tools.checkpoint import convert
@@ -250,8 +256,6 @@ def test_layouts_that_do_not_fit_are_refused_before_writing(tmp_path, tp, pp, pe
 def test_saved_chunks_are_placed_by_their_layer_counts():
     """An uneven split (--decoder-first-pipeline-num-layers) and interleaving, read back from
     how many layers each saved chunk holds, match the layout training builds."""
-    from megatron.conversion.sharding import chunks_from_layer_counts, pipeline_chunks
-
     uneven = pipeline_chunks(6, 2, first_stage_layers=2)
     assert [[c.first_layer for c in s] for s in uneven] == [[0], [2]]
     assert chunks_from_layer_counts([[2], [4]]) == uneven
