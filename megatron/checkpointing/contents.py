@@ -20,13 +20,15 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 ModelChunks = Union[nn.Module, Sequence[nn.Module]]
 
 MODEL_KEY_RE = re.compile(r"model\d*")
+# Set by megatron/conversion in the files it writes (they hold no random-generator state).
+CONVERTED_KEY = "converted_from"
 # Top-level keys this package reads itself; anything else in a file is the caller's ``extra``.
 RESERVED_KEYS = frozenset({
     "checkpoint_version", "iteration", "config", "args", "parallel_layout",
     "consumed_train_samples", "consumed_valid_samples", "optimizer", "distributed_optimizer",
     "opt_param_scheduler", "lr_scheduler", "rng_state", "random_rng_state", "np_rng_state",
     "torch_rng_state", "cuda_rng_state", "rng_tracker_states", "tokens",
-    "converted_from",  # written by megatron/conversion (which holds no RNG state)
+    CONVERTED_KEY,
 })
 
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from megatron.checkpointing.contents import (
+    CONVERTED_KEY,
     check_version,
     consumed_samples,
     extra_entries,
@@ -63,10 +64,10 @@ from megatron.file_modes import chmod_as_created
 
 logger = logging.getLogger(__name__)
 
-# Top-level entry of a converted model_optim_rng.pt: where it came from. Its files hold no
-# random-generator state (one rank's generators mean nothing on another layout), and loading
-# such a checkpoint starts the generators from --seed instead of asking for --no-load-rng.
-CONVERTED_KEY = "converted_from"
+# CONVERTED_KEY: the top-level entry of a converted model_optim_rng.pt saying where it came
+# from. Its files hold no random-generator state (one rank's generators mean nothing on another
+# layout), and loading such a checkpoint starts the generators from --seed instead of asking
+# for --no-load-rng.
 
 
 @dataclasses.dataclass
