@@ -37,6 +37,7 @@ setup(
         "tokenizers>=0.15",
         "tiktoken>=0.8",  # fast GPT-2 BPE for preprocessing; falls back to tokenizers
         "transformers>=4.40",
+        "safetensors",  # HF GPT-2 weights in and out (tools/checkpoint/convert.py)
         "nltk",
         "tensorboard",
         "deepspeed",

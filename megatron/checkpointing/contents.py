@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.paths import CHECKPOINT_VERSION, RESHARD_HINT
+from megatron.checkpointing.paths import CHECKPOINT_VERSION
 from megatron.checkpointing.ranks import RankLayout
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -20,12 +20,15 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 ModelChunks = Union[nn.Module, Sequence[nn.Module]]
 
 MODEL_KEY_RE = re.compile(r"model\d*")
+# Set by megatron/conversion in the files it writes (they hold no random-generator state).
+CONVERTED_KEY = "converted_from"
 # Top-level keys this package reads itself; anything else in a file is the caller's ``extra``.
 RESERVED_KEYS = frozenset({
     "checkpoint_version", "iteration", "config", "args", "parallel_layout",
     "consumed_train_samples", "consumed_valid_samples", "optimizer", "distributed_optimizer",
     "opt_param_scheduler", "lr_scheduler", "rng_state", "random_rng_state", "np_rng_state",
     "torch_rng_state", "cuda_rng_state", "rng_tracker_states", "tokens",
+    CONVERTED_KEY,
 })
 
 
@@ -99,7 +102,7 @@ def check_version(state: dict, path: str) -> None:
     if version < 3.0:
         raise CheckpointError(f"{path} has checkpoint_version {version}: checkpoints older than "
                               f"3.0 order the query/key/value weights differently; "
-                              f"{RESHARD_HINT.split(' (')[0]} first")
+                              "convert it to version 3.0 with Megatron-LM's tools first")
     if "iteration" not in state:
         raise CheckpointError(f"{path} has no 'iteration' entry")
 

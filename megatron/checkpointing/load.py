@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Optional
 from torch import nn
 
 from megatron.checkpointing.contents import (
+    CONVERTED_KEY,
     MODEL_KEY_RE,
     ModelChunks,
     as_chunks,
@@ -243,6 +244,10 @@ def _restore_training_state(files: _RankFiles, ckpt: Any, layout: RankLayout, op
         optimizer.reload_model_params()  # fp32 main copies must follow the loaded weights
     if not model_only and not ckpt.no_load_rng:
         rng = rng_state_for(files.state, layout, files.path)
+        if rng is None and CONVERTED_KEY in files.state:
+            logger.info("%s was converted to this layout and holds no random-generator state: "
+                        "the generators start from --seed", files.path)
+            return scheduler_loaded
         if rng is None:
             raise CheckpointError(f"{files.path} has no RNG state (saved with --no-save-rng?): "
                                   "pass --no-load-rng")

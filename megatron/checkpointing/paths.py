@@ -20,10 +20,10 @@ BEST_FILENAME = "best_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
 MANIFEST_FILENAME = "manifest.json"
-# No resharding tool exists yet (tools/checkpoint/convert.py is planned): say what works today.
-RESHARD_HINT = ("load it with the --tensor-model-parallel-size and "
-                "--pipeline-model-parallel-size it was saved with (this framework cannot "
-                "reshard a checkpoint yet)")
+RESHARD_HINT = ("reshard it (python tools/checkpoint/convert.py --model-type GPT --loader "
+                "megatron --saver megatron --load-dir LOAD --save-dir NEW "
+                "--target-tensor-parallel-size N --target-pipeline-parallel-size M) and "
+                "--load the new folder")
 
 ITER_RE = re.compile(r"iter_(\d{7,})")
 MP_RANK_RE = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")

@@ -39,18 +39,25 @@ def test_converted_checkpoint_gives_hf_logits(hf_dir, tmp_path):
 
 
 def _finetune(rank, world_size, argv):
-    return [h["losses"]["lm loss"] for h in pretrain_gpt.main(argv).history]
+    return [h["losses"]["lm loss"] for h in pretrain_gpt.main(argv).history if h["losses"]]
 
 
-def test_converted_checkpoint_loads_in_pretrain(hf_dir, tmp_path):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+def test_converted_checkpoint_loads_in_pretrain(hf_dir, tmp_path, tp, pp):
+    """--load CONVERTED --finetune starts from GPT-2's weights, at tp 1 and at tp 2 x pp 2
+    (converted straight to that layout). The vocabulary (1000) is padded to 1000 at both
+    sizes: padding rows would enter the softmax (as in Megatron) and change the loss."""
     path, hf = hf_dir
     ckpt = str(tmp_path / "ckpt")
-    flags = convert_hf_gpt2.convert(path, ckpt, make_vocab_size_divisible_by=8).split()
+    flags = convert_hf_gpt2.convert(path, ckpt, make_vocab_size_divisible_by=4, tp=tp,
+                                    pp=pp).split()
     argv = flags + ["--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-4",
                     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "999",
                     "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0",
-                    "--num-workers", "0", "--load", ckpt, "--finetune"]
-    losses = run_distributed(_finetune, 1, argv)[0]
+                    "--num-workers", "0", "--load", ckpt, "--finetune", "--use-cpu",
+                    "--tensor-model-parallel-size", str(tp),
+                    "--pipeline-model-parallel-size", str(pp)]
+    losses = [run for run in run_distributed(_finetune, tp * pp, argv) if run][-1]
     # The first step's loss is the converted model's loss on the first mock batch (samples 0
     # and 1 of the train split, seeded by --seed 1234): HF's own loss on those tokens.
     data = MockGPTDataset(4, 32, 1000, seed=1234)

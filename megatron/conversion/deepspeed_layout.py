@@ -1,0 +1,127 @@
+"""DeepSpeed engine checkpoints (model weights), read into a ``FullCheckpoint``.
+
+DeepSpeed's ``engine.save_checkpoint(DIR)`` writes ``DIR/latest`` (``global_stepN``) and::
+
+    global_stepN/mp_rank_{tp:02d}_model_states.pt          the engine's state and the client
+                                                           state (Megatron's args/config,
+                                                           iteration); ``module``: the model's
+                                                           state dict, or None with a pipeline
+    global_stepN/layer_{i:02d}[-model_{tp:02d}]-model_states.pt  PipelineModule: one file per
+                                                           layer (index in the layer specs)
+    global_stepN/zero_pp_rank_*_optim_states.pt            ZeRO's optimizer partitions
+
+A pipeline's layer files are told apart by their entries, as Megatron-DeepSpeed's
+``GPTModelPipe`` lays them out: the embedding (``word_embeddings.weight``; its second, tied
+appearance as the LM head is skipped), transformer layers in order (``input_layernorm.*``,
+``self_attention.*``, ``mlp.*``), the final layer norm (1-D ``weight``/``bias``) and, untied, an
+output layer (a 2-D ``weight``). Only the model is read: ZeRO's flat optimizer partitions are
+not converted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+from megatron.checkpointing.contents import consumed_samples, stored_config
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.files import read_torch
+from megatron.conversion import megatron_deepspeed as mds
+from megatron.conversion.full import (
+    FullCheckpoint,
+    model_config_from_dict,
+    repad_vocab,
+    source_config,
+)
+from megatron.conversion.sharding import TIED_COPY, merge_tp
+
+LATEST_FILENAME = "latest"
+_MP_FILE_RE = re.compile(r"mp_rank_(\d{2})_model_states\.pt")
+# DeepSpeed names the tensor ("model") rank only when the topology has that axis.
+_LAYER_FILE_RE = re.compile(r"layer_(\d+)(?:-model_(\d{2}))?-model_states\.pt")
+_OLD_ATTENTION_RE = re.compile(r"(^|\.)attention\.")  # older Megatron's name of self_attention
+
+
+def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
+                              true_vocab_size: Optional[int] = None) -> FullCheckpoint:
+    """The model of a DeepSpeed checkpoint folder (``latest``'s step, or ``iteration``'s)."""
+    step_dir = _step_folder(load_dir, iteration)
+    names = os.listdir(step_dir)
+    mp_files = sorted(n for n in names if _MP_FILE_RE.fullmatch(n))
+    if not mp_files:
+        raise CheckpointError(f"{step_dir} has no mp_rank_XX_model_states.pt: not a DeepSpeed "
+                              "checkpoint")
+    states = [read_torch(os.path.join(step_dir, n)) for n in mp_files]
+    first = states[0]
+    saved = stored_config(first)
+    theirs = not (isinstance(saved, dict) and isinstance(saved.get("model"), dict))
+    config = source_config(first, theirs, true_vocab_size, os.path.join(step_dir, mp_files[0]))
+    layer_files = [m for m in map(_LAYER_FILE_RE.fullmatch, sorted(names)) if m]
+    if layer_files:
+        per_tp = [_pipeline_model(step_dir, [m for m in layer_files if int(m.group(2) or 0) == t])
+                  for t in range(len(mp_files))]
+    else:
+        per_tp = [_module(state, os.path.join(step_dir, n)) for state, n in zip(states, mp_files)]
+    model = {name: merge_tp(name, [rank[name] for rank in per_tp]) for name in per_tp[0]}
+    model = repad_vocab(model, model_config_from_dict(config["model"]).padded_vocab_size)
+    train, valid = consumed_samples(first)
+    return FullCheckpoint(
+        config=config, model=model,
+        iteration=int(first.get("iteration", first.get("global_steps", 0))),
+        consumed_train_samples=train or int(first.get("global_samples", 0) or 0),
+        consumed_valid_samples=valid)
+
+
+def _step_folder(load_dir: str, iteration: Optional[int]) -> str:
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load-dir {load_dir} is not a folder")
+    if iteration is not None:
+        tag = f"global_step{iteration}"
+    else:
+        latest = os.path.join(load_dir, LATEST_FILENAME)
+        if not os.path.isfile(latest):
+            raise CheckpointError(f"--load-dir {load_dir} holds no '{LATEST_FILENAME}' file: "
+                                  "pass the folder DeepSpeed saved into, or --iteration N")
+        with open(latest) as f:
+            tag = f.read().strip()
+    step_dir = os.path.join(load_dir, tag)
+    if not os.path.isdir(step_dir):
+        raise CheckpointError(f"{step_dir} does not exist (named by "
+                              f"{'--iteration' if iteration is not None else LATEST_FILENAME})")
+    return step_dir
+
+
+def _module(state: dict, path: str) -> dict:
+    module = state.get("module")
+    if not isinstance(module, dict):
+        raise CheckpointError(f"{path} holds no model ('module') and its folder no layer_*"
+                              "-model_states.pt files")
+    named = mds.our_names(module) if any(k.startswith("language_model.") for k in module) \
+        else dict(module)
+    named.pop(TIED_COPY, None)
+    return named
+
+
+def _pipeline_model(step_dir: str, files: list) -> dict:
+    """One tensor rank's model from its layer files, in layer-index order, under full names."""
+    out: dict = {}
+    layer = 0
+    for m in sorted(files, key=lambda m: int(m.group(1))):
+        path = os.path.join(step_dir, m.group(0))
+        state = {_OLD_ATTENTION_RE.sub(r"\1self_attention.", k): v
+                 for k, v in read_torch(path).items()}
+        if "word_embeddings.weight" in state:
+            if "embedding.word_embeddings.weight" not in out:
+                out.update({f"embedding.{k}": v for k, v in state.items()})
+        elif "input_layernorm.weight" in state:
+            out.update({f"encoder.layers.{layer}.{k}": v for k, v in state.items()})
+            layer += 1
+        elif set(state) <= {"weight", "bias"} and state["weight"].dim() == 1:
+            out.update({f"final_layernorm.{k}": v for k, v in state.items()})
+        elif set(state) == {"weight"}:
+            out["output_layer.weight"] = state["weight"]
+        else:
+            raise CheckpointError(f"{path}: cannot tell which layer it is (entries "
+                                  f"{sorted(state)[:6]})")
+    return out

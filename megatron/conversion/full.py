@@ -1,0 +1,468 @@
+"""A whole checkpoint in one process: read every shard of a folder into one tp 1 / pp 1 state
+(``load_full_checkpoint``), and write such a state at any tensor/pipeline layout
+(``save_full_checkpoint``) in the layout ``megatron/checkpointing/`` saves and loads."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any, Optional
+
+import torch
+
+from megatron.checkpointing.contents import (
+    CONVERTED_KEY,
+    check_version,
+    consumed_samples,
+    extra_entries,
+    model_keys,
+    stored_config,
+)
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.files import fsync_dir, read_torch, write_text_atomic, write_torch
+from megatron.checkpointing.manifest import (
+    build_manifest,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
+from megatron.checkpointing.paths import (
+    CHECKPOINT_VERSION,
+    DISTRIB_OPTIM_FILENAME,
+    MODEL_FILENAME,
+    TRACKER_FILENAME,
+    Tracker,
+    check_load_dir,
+    iteration_dir_name,
+    mp_rank_dir_name,
+    read_tracker,
+    resolve_iteration_dir,
+    saved_layout,
+)
+from megatron.config import ConfigError, ModelConfig, ParallelConfig
+from megatron.conversion import megatron_deepspeed as mds
+from megatron.conversion import optim_state
+from megatron.conversion.sharding import (
+    TIED_COPY,
+    VOCAB_TENSORS,
+    Chunk,
+    chunk_to_full_names,
+    chunks_from_layer_counts,
+    full_to_chunk_names,
+    layer_count,
+    merge_tp,
+    pipeline_chunks,
+    resize_vocab,
+    split_tp,
+)
+from megatron.file_modes import chmod_as_created
+
+logger = logging.getLogger(__name__)
+
+# CONVERTED_KEY: the top-level entry of a converted model_optim_rng.pt saying where it came
+# from. Its files hold no random-generator state (one rank's generators mean nothing on another
+# layout), and loading such a checkpoint starts the generators from --seed instead of asking
+# for --no-load-rng.
+
+
+@dataclasses.dataclass
+class FullCheckpoint:
+    """A checkpoint as one tensor-parallel-size-1, single-stage state.
+
+    ``config``: the run configuration as plain dicts (``{"model": {...}, "parallel": {...},
+    ...}``) with tp 1 / pp 1; ``model``: ``GPTModel``'s state dict (vocabulary padded for tp 1);
+    ``optimizer``: see ``optim_state`` (None when the source had none); ``scheduler``: the
+    LR scheduler's state dict; ``extra``: the checkpoint's other top-level entries.
+    """
+
+    config: dict
+    model: dict
+    optimizer: Optional[dict] = None
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    scheduler: Optional[dict] = None
+    extra: dict = dataclasses.field(default_factory=dict)
+    release: bool = False
+    distributed_optimizer: bool = False  # the source's optimizer kind
+
+    def model_config(self, tp: int = 1) -> ModelConfig:
+        """The model's ``ModelConfig`` at tensor-parallel size ``tp``."""
+        return model_config_from_dict(self.config.get("model", {}), tp)
+
+
+def model_config_from_dict(fields: dict, tp: int = 1) -> ModelConfig:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    kwargs = {k: v for k, v in fields.items() if k in known}
+    kwargs.update(tensor_model_parallel_size=tp,
+                  sequence_parallel=bool(kwargs.get("sequence_parallel")) and tp > 1)
+    return ModelConfig(**kwargs)
+
+
+# Reading -----------------------------------------------------------------------------------
+
+
+def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
+                         verify: bool = True,
+                         true_vocab_size: Optional[int] = None) -> FullCheckpoint:
+    """Read the checkpoint of ``load_dir`` (the tracker's, or ``iteration``'s) at whatever
+    tensor/pipeline/virtual-pipeline layout it was saved with, into one ``FullCheckpoint``.
+
+    Reads our checkpoints (checked against their manifest unless ``verify`` is False) and
+    Megatron-DeepSpeed / Megatron-LM ones (their ``language_model`` layout, model only;
+    ``true_vocab_size`` when their flags do not record the unpadded vocabulary).
+    """
+    iter_dir, tracker = _iteration_folder(load_dir, iteration)
+    manifest = read_manifest(iter_dir)
+    if manifest is not None and verify:
+        verify_files(iter_dir, manifest, list(manifest["files"]), checksums=True)
+    tp, pp = saved_layout(iter_dir)
+    states = {}
+    for t in range(tp):
+        for p in range(pp):
+            path = os.path.join(iter_dir, mp_rank_dir_name(t, p, pp), MODEL_FILENAME)
+            states[(t, p)] = read_torch(path)
+            check_version(states[(t, p)], path)
+    first = states[(0, 0)]
+    theirs = mds.is_megatron_deepspeed_model(first.get("model", first.get("model0", {})))
+    config = source_config(first, theirs, true_vocab_size, iter_dir)
+    chunk_states = {key: _chunk_states(state, theirs, os.path.join(
+        iter_dir, mp_rank_dir_name(*key, pp), MODEL_FILENAME)) for key, state in states.items()}
+    layout = chunks_from_layer_counts([[layer_count(c) for c in chunk_states[(0, p)]]
+                                       for p in range(pp)])
+    model_config = model_config_from_dict(config["model"])
+    model = _merge_model(chunk_states, layout, tp, pp, model_config)
+    optimizer, distributed = None, False
+    if not theirs and not tracker.release:
+        optimizer, distributed = _merge_optimizer(states, chunk_states, layout, tp, pp, iter_dir,
+                                                  model_config)
+    elif theirs:
+        logger.info("%s: Megatron-DeepSpeed checkpoint, converting the model only", iter_dir)
+    train, valid = consumed_samples(first)
+    return FullCheckpoint(
+        config=config, model=model, optimizer=optimizer,
+        iteration=0 if tracker.release else int(first["iteration"]),
+        consumed_train_samples=train, consumed_valid_samples=valid,
+        scheduler=None if theirs else first.get("opt_param_scheduler"),
+        extra={} if theirs else {k: v for k, v in extra_entries(first).items()
+                                 if k != CONVERTED_KEY},
+        release=tracker.release, distributed_optimizer=distributed)
+
+
+def _iteration_folder(load_dir: str, iteration: Optional[int]) -> tuple[str, Tracker]:
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load-dir {load_dir} is not a folder")
+    check_load_dir(load_dir)
+    tracker = Tracker(iteration, False) if iteration is not None else read_tracker(load_dir)
+    if tracker is None:
+        hint = "pass the folder a training run saved into (its --save)"
+        if os.path.isfile(os.path.join(load_dir, "latest")):
+            hint = "it looks like a DeepSpeed checkpoint: use --loader deepspeed"
+        elif os.path.isfile(os.path.join(load_dir, "config.json")):
+            hint = "it looks like a Hugging Face model: use --loader hf"
+        raise CheckpointError(f"--load-dir {load_dir} holds no {TRACKER_FILENAME}: {hint}")
+    return resolve_iteration_dir(load_dir, tracker), tracker
+
+
+def source_config(state: dict, theirs: bool, true_vocab_size: Optional[int],
+                  where: str) -> dict:
+    """The run configuration a file stores, as ours (``{"model": ..., ...}``), at tp 1/pp 1;
+    Megatron's flat argparse fields are mapped to our model and tokenizer fields."""
+    saved = stored_config(state)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{where} stores no run configuration (no 'config' or 'args')")
+    if not theirs and isinstance(saved.get("model"), dict):
+        config = copy.deepcopy(saved)
+    else:
+        config = {"model": mds.model_fields_from_args(saved, true_vocab_size),
+                  "data": {k: saved.get(k) for k in ("tokenizer_type", "vocab_file",
+                                                     "merge_file")}}
+    return with_layout(config, 1, 1)
+
+
+def with_layout(config: dict, tp: int, pp: int, layers_per_virtual_stage: Optional[int] = None,
+                distributed_optimizer: Optional[bool] = None) -> dict:
+    """``config`` (a copy) describing the (tp, pp, virtual) layout."""
+    config = copy.deepcopy(config)
+    model = config.setdefault("model", {})
+    num_layers = model.get("num_layers")
+    vp = None
+    if layers_per_virtual_stage and num_layers:  # checked to divide by _target_chunks
+        vp = num_layers // pp // layers_per_virtual_stage
+    parallel = config.setdefault("parallel", {})
+    parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                    world_size=tp * pp, decoder_first_pipeline_num_layers=None,
+                    decoder_last_pipeline_num_layers=None,
+                    num_layers_per_virtual_pipeline_stage=layers_per_virtual_stage if vp and vp > 1
+                    else None, virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
+                    sequence_parallel=bool(parallel.get("sequence_parallel")) and tp > 1)
+    model.update(tensor_model_parallel_size=tp, sequence_parallel=parallel["sequence_parallel"])
+    if distributed_optimizer is not None:
+        config.setdefault("optimizer", {})["use_distributed_optimizer"] = distributed_optimizer
+    return config
+
+
+def _chunk_states(state: dict, theirs: bool, path: str) -> list[dict]:
+    """The model chunks of one file under our chunk names (checked to number their layers
+    from 0)."""
+    keys = sorted((k for k in state if k == "model" or (k.startswith("model") and k[5:].isdigit())),
+                  key=lambda k: int(k[5:] or 0))
+    try:
+        if not keys:
+            raise ValueError("it holds no model ('model' entry)")
+        chunks = [mds.our_names(state[k]) if theirs else state[k] for k in keys]
+        for chunk in chunks:
+            layer_count(chunk)
+    except ValueError as error:
+        raise CheckpointError(f"{path}: {error}") from None
+    return chunks
+
+
+def _merge_model(chunk_states: dict, layout: list[list[Chunk]], tp: int, pp: int,
+                 config: ModelConfig) -> dict:
+    per_tp = [_rank_full_names(chunk_states, layout, t, pp) for t in range(tp)]
+    model = {}
+    for name in per_tp[0]:
+        model[name] = merge_tp(name, [names[name] for names in per_tp])
+    return repad_vocab(model, config.padded_vocab_size)
+
+
+def _rank_full_names(per_rank: dict, layout: list[list[Chunk]], t: int, pp: int) -> dict:
+    """Tensor rank ``t``'s entries of every stage and chunk, under full names (the last
+    stage's tied copy dropped: it equals the first stage's word embeddings)."""
+    out = {}
+    for p in range(pp):
+        for chunk, values in zip(layout[p], per_rank[(t, p)]):
+            named = chunk_to_full_names(values, chunk)
+            named.pop(TIED_COPY, None)
+            out.update(named)
+    return out
+
+
+def repad_vocab(tensors: dict, rows: int) -> dict:
+    return {k: resize_vocab(v, rows) if k in VOCAB_TENSORS else v for k, v in tensors.items()}
+
+
+def _merge_optimizer(states: dict, chunk_states: dict, layout: list[list[Chunk]], tp: int,
+                     pp: int, iter_dir: str, config: ModelConfig) -> tuple[Optional[dict], bool]:
+    """The full optimizer state of every rank's file, and whether it was distributed."""
+    first = states[(0, 0)]
+    distributed = bool(first.get("distributed_optimizer"))
+    if not distributed and "optimizer" not in first:
+        return None, False
+    per_rank, meta = {}, {}
+    for (t, p), state in states.items():
+        folder = os.path.join(iter_dir, mp_rank_dir_name(t, p, pp))
+        if distributed:
+            saved = read_torch(os.path.join(folder, DISTRIB_OPTIM_FILENAME))
+            per_rank[(t, p)] = saved["param_state"]
+            meta = {k: saved.get(k) for k in ("param_groups", "step", "grad_scaler")}
+        else:
+            per_rank[(t, p)], meta = _named_torch_state(state["optimizer"], chunk_states[(t, p)],
+                                                        os.path.join(folder, MODEL_FILENAME))
+    per_tp = [_rank_full_names(per_rank, layout, t, pp) for t in range(tp)]
+    param_state = {}
+    for name, entry in per_tp[0].items():
+        param_state[name] = {key: merge_tp(name, [names[name][key] for names in per_tp])
+                             for key in entry}
+    rows = config.padded_vocab_size
+    for name in set(param_state) & set(VOCAB_TENSORS):
+        param_state[name] = {k: resize_vocab(v, rows) for k, v in param_state[name].items()}
+    return {**meta, "param_state": param_state}, distributed
+
+
+def _named_torch_state(saved: dict, chunks: list[dict], where: str) -> tuple[list[dict], dict]:
+    """Per chunk ``{chunk name: state}`` from a rank's torch (or mixed-precision) optimizer."""
+    mixed = "fp32_from_fp16_params" in saved
+    torch_sd = saved["optimizer"] if mixed else saved
+    names = [(f"{i}/{name}", value.shape) for i, chunk in enumerate(chunks)
+             for name, value in chunk.items()]
+    state, groups, step = optim_state.named_from_torch(torch_sd, names, where)
+    if mixed:
+        _attach_mains(state, saved["fp32_from_fp16_params"], names, chunks)
+    per_chunk: list[dict] = [{} for _ in chunks]
+    for key, entry in state.items():
+        index, name = key.split("/", 1)
+        per_chunk[int(index)][name] = entry
+    meta = {"param_groups": groups, "step": step,
+            "grad_scaler": saved.get("grad_scaler") if mixed else None}
+    return per_chunk, meta
+
+
+def _attach_mains(state: dict, saved_mains: list, names: list, chunks: list[dict]) -> None:
+    """The fp32 main copies of a mixed-precision optimizer, as each parameter's ``param``."""
+    for group, mains in zip(optim_state.group_param_names(names), saved_mains):
+        half = []
+        for key in group:
+            index, name = key.split("/", 1)
+            if chunks[int(index)][name].dtype != torch.float32:
+                half.append(key)
+        for key, main in zip(half, mains):
+            state[key]["param"] = main
+
+
+# Writing -----------------------------------------------------------------------------------
+
+
+def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: int = 1, *,
+                         num_layers_per_virtual_pipeline_stage: Optional[int] = None,
+                         use_distributed_optimizer: Optional[bool] = None,
+                         source: str = "") -> str:
+    """Write ``full`` into ``save_dir`` at tensor-parallel size ``tp`` and pipeline size
+    ``pp`` (interleaved with ``num_layers_per_virtual_pipeline_stage``), as our training saves
+    it: ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` (``release/`` for a release
+    checkpoint), ``distrib_optim.pt`` with the distributed optimizer (default: as the source),
+    ``manifest.json`` and the tracker file, written to a temporary folder and renamed into
+    place. Returns the iteration folder. The vocabulary is re-padded for ``tp`` (rows past
+    the true vocabulary are padding: zero where new). No random-generator state is written.
+    """
+    distributed = full.distributed_optimizer if use_distributed_optimizer is None \
+        else use_distributed_optimizer
+    chunks = _target_chunks(full, tp, pp, num_layers_per_virtual_pipeline_stage)
+    config = with_layout(full.config, tp, pp, num_layers_per_virtual_pipeline_stage,
+                         distributed if full.optimizer is not None else None)
+    model_config = full.model_config(tp)
+    rows = model_config.padded_vocab_size
+    tied = not model_config.untie_embeddings_and_output_weights
+    model_pieces = {k: split_tp(k, v, tp) for k, v in repad_vocab(full.model, rows).items()}
+    opt_pieces = _optimizer_pieces(full, rows, tp, distributed or _mixed(config))
+    files = {}
+    for t in range(tp):
+        for p in range(pp):
+            rank_model = {k: v[t] for k, v in model_pieces.items()}
+            chunk_models = [full_to_chunk_names(rank_model, c, tied) for c in chunks[p]]
+            state = _rank_state(full, config, chunk_models, tp, pp, source)
+            folder = mp_rank_dir_name(t, p, pp)
+            if opt_pieces is not None:
+                rank_opt = {k: {key: v[t] for key, v in e.items()} for k, e in opt_pieces.items()}
+                chunk_opts = [full_to_chunk_names(rank_opt, c, tied) for c in chunks[p]]
+                if distributed:
+                    state["distributed_optimizer"] = True
+                    files[f"{folder}/{DISTRIB_OPTIM_FILENAME}"] = optim_state.gathered_from_named(
+                        chunk_opts, full.optimizer)
+                else:
+                    state["optimizer"] = _torch_optimizer(full.optimizer, chunk_models,
+                                                          chunk_opts, _mixed(config))
+            files[f"{folder}/{MODEL_FILENAME}"] = state
+    return _write_folder(save_dir, full, config, files, len(chunks[0]))
+
+
+def _target_chunks(full: FullCheckpoint, tp: int, pp: int,
+                   layers_per_virtual_stage: Optional[int]) -> list[list[Chunk]]:
+    """The chunks of each target pipeline stage, after checking the layout fits the model
+    as training would (heads and MLP over tp, layers over pp and virtual stages)."""
+    num_layers = full.config["model"]["num_layers"]
+    try:
+        full.model_config(tp)
+        parallel = ParallelConfig(world_size=tp * pp, tensor_model_parallel_size=tp,
+                                  pipeline_model_parallel_size=pp,
+                                  num_layers_per_virtual_pipeline_stage=layers_per_virtual_stage)
+        vp = parallel.check_virtual_pipeline(num_layers)
+        if layers_per_virtual_stage is not None and vp is None:
+            raise ConfigError(f"{layers_per_virtual_stage} layers per virtual stage is the "
+                              f"whole stage ({num_layers} layers over {pp} stages): drop it")
+        return pipeline_chunks(num_layers, pp, vp)
+    except ConfigError as error:
+        raise ValueError(f"cannot save at tensor-parallel size {tp}, pipeline size {pp}: "
+                         f"{error}") from None
+
+
+def _mixed(config: dict) -> bool:
+    opt = config.get("optimizer", {})
+    model = config.get("model", {})
+    return bool(model.get("fp16") or model.get("bf16") or opt.get("fp16") or opt.get("bf16")
+                or opt.get("loss_scale") is not None)
+
+
+def _optimizer_pieces(full: FullCheckpoint, rows: int, tp: int,
+                      needs_mains: bool) -> Optional[dict]:
+    if full.optimizer is None:
+        return None
+    out = {}
+    for name, entry in full.optimizer["param_state"].items():
+        entry = dict(entry)
+        if needs_mains and "param" not in entry:
+            entry["param"] = full.model[name].float()
+        if name in VOCAB_TENSORS:
+            entry = {k: resize_vocab(v, rows) for k, v in entry.items()}
+        out[name] = {k: split_tp(name, v, tp) for k, v in entry.items()}
+    return out
+
+
+def _torch_optimizer(full_opt: dict, chunk_models: list[dict], chunk_opts: list[dict],
+                     mixed: bool) -> dict:
+    names = [(f"{i}/{n}", v.shape) for i, c in enumerate(chunk_models) for n, v in c.items()]
+    state = {f"{i}/{n}": e for i, c in enumerate(chunk_opts) for n, e in c.items()}
+    torch_sd = optim_state.torch_from_named(state, full_opt["param_groups"], full_opt["step"],
+                                            names)
+    if not mixed:
+        return torch_sd
+    dtype = {f"{i}/{n}": v.dtype for i, c in enumerate(chunk_models) for n, v in c.items()}
+    mains = [[state[k]["param"] for k in group if dtype[k] != torch.float32]
+             for group in optim_state.group_param_names(names)]
+    return {"optimizer": torch_sd, "grad_scaler": full_opt.get("grad_scaler"),
+            "fp32_from_fp16_params": mains}
+
+
+def _rank_state(full: FullCheckpoint, config: dict, chunk_models: list[dict], tp: int, pp: int,
+                source: str) -> dict:
+    state: dict[str, Any] = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": full.iteration,
+        "config": config,
+        "parallel_layout": _layout_dict(tp, pp, len(chunk_models)),
+        "consumed_train_samples": full.consumed_train_samples,
+        "consumed_valid_samples": full.consumed_valid_samples,
+        CONVERTED_KEY: source or "a full checkpoint",
+    }
+    for key, chunk in zip(model_keys(len(chunk_models)), chunk_models):
+        state[key] = chunk
+    if full.scheduler is not None:
+        state["opt_param_scheduler"] = full.scheduler
+    state.update(full.extra)
+    return state
+
+
+def _layout_dict(tp: int, pp: int, num_chunks: int) -> dict:
+    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+            "data_parallel_size": 1, "num_model_chunks": num_chunks}
+
+
+def _write_folder(save_dir: str, full: FullCheckpoint, config: dict, files: dict,
+                  num_chunks: int) -> str:
+    """Write ``files`` (relative path -> dict) into a temporary folder, add the manifest,
+    rename it into place and point the tracker at it."""
+    name = iteration_dir_name(full.iteration, full.release)
+    os.makedirs(save_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=save_dir)
+    try:
+        chmod_as_created(tmp)
+        digests = {}
+        for rel, obj in files.items():
+            os.makedirs(os.path.join(tmp, os.path.dirname(rel)), exist_ok=True)
+            digests[rel] = write_torch(obj, os.path.join(tmp, rel))
+        layout = config["parallel"]
+        write_manifest(tmp, build_manifest(
+            full.iteration, _layout_dict(layout["tensor_model_parallel_size"],
+                                         layout["pipeline_model_parallel_size"], num_chunks),
+            config, digests))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = os.path.join(save_dir, name)
+    backup = None
+    if os.path.lexists(final):
+        backup = f"{final}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final, backup)
+    os.rename(tmp, final)
+    fsync_dir(save_dir)
+    write_text_atomic(os.path.join(save_dir, TRACKER_FILENAME),
+                      "release" if full.release else str(full.iteration))
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+    return final

@@ -1,0 +1,195 @@
+"""Hugging Face GPT-2 folders (``GPT2LMHeadModel``) to and from a ``FullCheckpoint``.
+
+Reading takes a local folder with ``config.json`` and ``model.safetensors`` or
+``pytorch_model.bin`` (nothing is downloaded). Writing produces ``config.json`` and
+``model.safetensors`` that ``GPT2LMHeadModel.from_pretrained`` loads, with the vocabulary
+padding removed, and the tokenizer files (``vocab.json``, ``merges.txt``) copied when they are
+known. The weight mapping itself is ``megatron/model/hf_gpt2.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zipfile
+from typing import Optional
+
+import torch
+
+from megatron.config import to_dict
+from megatron.conversion.full import FullCheckpoint, with_layout
+from megatron.model.hf_gpt2 import (
+    hf_to_megatron_state_dict,
+    megatron_to_hf_state_dict,
+    model_config_from_hf,
+)
+
+# What from_pretrained reads, in its order of preference.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+class ConversionError(Exception):
+    """The input cannot be converted; the message names the flag or the file."""
+
+
+def read_hf_config(hf_model_dir: str, flag: str = "--hf-model-dir") -> dict:
+    """``config.json`` of the folder, checked to be JSON describing a GPT-2."""
+    if not os.path.isdir(hf_model_dir):
+        raise ConversionError(f"{flag} {hf_model_dir!r} is not a folder")
+    path = os.path.join(hf_model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{flag} {hf_model_dir!r} has no config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    if config.get("model_type", "gpt2") != "gpt2":
+        raise ConversionError(f"{path}: model_type {config['model_type']!r}; this tool "
+                              "converts GPT-2 (model_type 'gpt2')")
+    return config
+
+
+def find_weights(hf_model_dir: str, flag: str = "--hf-model-dir") -> str:
+    """The weights file from_pretrained will read."""
+    for name in WEIGHT_FILES:
+        path = os.path.join(hf_model_dir, name)
+        if os.path.isfile(path):
+            return path
+    raise ConversionError(f"{flag} {hf_model_dir!r} holds no weights: none of "
+                          f"{', '.join(WEIGHT_FILES)}")
+
+
+def check_weights_file(path: str) -> None:
+    """A quick look at the container before torch or safetensors parse it, so a corrupt file
+    is named as such (their own errors suggest unsafe loading, or say nothing of the file)."""
+    if path.endswith(".index.json"):
+        return  # the shards it lists are checked by from_pretrained
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt"):
+                return
+        except Exception as e:  # SafetensorError is not importable under one stable name
+            raise ConversionError(f"{path} is not a readable safetensors file (truncated or "
+                                  f"corrupt?): {e}") from None
+    with open(path, "rb") as f:
+        head = f.read(2)
+    # torch.save writes a zip archive; before PyTorch 1.6 a pickle (protocol 2: 0x80 0x02).
+    if not zipfile.is_zipfile(path) and head != b"\x80\x02":
+        raise ConversionError(f"{path} is not a PyTorch weights file (neither a complete zip "
+                              "archive nor a pickle): truncated or corrupt?")
+
+
+def load_hf_model(hf_model_dir: str, flag: str = "--hf-model-dir"):
+    """The GPT2LMHeadModel of the folder; unreadable files raise ConversionError naming them."""
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one model's load needs none, and errors stay readable
+    read_hf_config(hf_model_dir, flag)
+    weights = find_weights(hf_model_dir, flag)
+    check_weights_file(weights)
+    try:
+        return GPT2LMHeadModel.from_pretrained(hf_model_dir, local_files_only=True)
+    except Exception as e:  # safetensors, torch's unpickler and transformers each raise their own
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConversionError(f"cannot load the model from {weights} (with "
+                              f"{os.path.join(hf_model_dir, 'config.json')}): "
+                              f"{type(e).__name__}: {reason}") from e
+
+
+def load_hf_checkpoint(hf_model_dir: str, make_vocab_size_divisible_by: int = 128,
+                       flag: str = "--load-dir") -> FullCheckpoint:
+    """A local HF GPT-2 folder as a release ``FullCheckpoint`` (weights only: train from it
+    with ``--finetune``). Tokenizer files found in the folder are recorded in its config."""
+    hf = load_hf_model(hf_model_dir, flag)
+    model_config = model_config_from_hf(
+        hf.config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        untie_embeddings_and_output_weights=not hf.config.tie_word_embeddings)
+    data = {"tokenizer_type": "GPT2BPETokenizer"}
+    for key, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
+        path = os.path.join(hf_model_dir, name)
+        if os.path.isfile(path):
+            data[key] = os.path.abspath(path)
+    config = with_layout({"model": to_dict(model_config), "data": data}, 1, 1)
+    return FullCheckpoint(config=config,
+                          model=hf_to_megatron_state_dict(hf.state_dict(), model_config),
+                          release=True)
+
+
+def hf_config_for(full: FullCheckpoint):
+    """The ``transformers.GPT2Config`` of ``full``'s model (GPT-2's shape only)."""
+    from transformers import GPT2Config
+
+    cfg = full.model_config()
+    if cfg.position_embedding_type != "learned_absolute" or not cfg.add_bias_linear:
+        raise ConversionError("a Hugging Face GPT-2 needs learned absolute positions and "
+                              "biases: this checkpoint has --position-embedding-type "
+                              f"{cfg.position_embedding_type}"
+                              f"{'' if cfg.add_bias_linear else ' and --disable-bias-linear'}")
+    if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+        raise ConversionError(f"a Hugging Face GPT-2 needs --kv-channels x heads = hidden size; "
+                              f"this checkpoint has {cfg.kv_channels} x "
+                              f"{cfg.num_attention_heads} != {cfg.hidden_size}")
+    return GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings,
+        n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_attention_heads,
+        n_inner=None if cfg.ffn_hidden_size == 4 * cfg.hidden_size else cfg.ffn_hidden_size,
+        activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+        resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
+        attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layernorm_epsilon,
+        initializer_range=cfg.init_method_std,
+        tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
+        # GPT-2's <|endoftext|> is its last id (50256); a tokenizer of ours puts its eod last.
+        bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,
+        architectures=["GPT2LMHeadModel"])
+
+
+def save_hf_checkpoint(full: FullCheckpoint, save_dir: str, vocab_file: Optional[str] = None,
+                       merge_file: Optional[str] = None) -> list[str]:
+    """Write ``full``'s model as an HF GPT-2 folder; returns the files written. Tokenizer
+    files come from the arguments, else from the paths the checkpoint's config recorded."""
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_config = hf_config_for(full)
+    state = megatron_to_hf_state_dict(full.model, full.model_config())
+    if hf_config.tie_word_embeddings:
+        state.pop("lm_head.weight")  # tied: from_pretrained sets it from wte
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(hf_config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ConversionError(f"the converted weights do not fit GPT2LMHeadModel: missing "
+                              f"{missing}, unexpected {unexpected}")
+    model.tie_weights()
+    os.makedirs(save_dir, exist_ok=True)
+    model.save_pretrained(save_dir, safe_serialization=True)
+    written = ["config.json", "model.safetensors"]
+    return written + _copy_tokenizer_files(full, save_dir, vocab_file, merge_file)
+
+
+def _copy_tokenizer_files(full: FullCheckpoint, save_dir: str, vocab_file: Optional[str],
+                          merge_file: Optional[str]) -> list[str]:
+    recorded = full.config.get("data") or {}
+    written = []
+    for given, key, flag, name in ((vocab_file, "vocab_file", "--vocab-file", "vocab.json"),
+                                   (merge_file, "merge_file", "--merge-file", "merges.txt")):
+        path = given or recorded.get(key)
+        if path is None:
+            continue
+        if not os.path.isfile(path):
+            where = flag if given else f"the checkpoint's recorded {flag}"
+            raise ConversionError(f"{where} {path} does not exist: pass {flag} with the "
+                                  "tokenizer file")
+        shutil.copyfile(path, os.path.join(save_dir, name))
+        written.append(name)
+    return written

@@ -1,0 +1,76 @@
+"""Megatron-DeepSpeed's (and Megatron-LM's legacy) GPT checkpoint layout, read into ours.
+
+Their ``model_optim_rng.pt`` (same folders and tracker as ours) holds the model as nested
+dicts::
+
+    model["language_model"]["embedding"]["word_embeddings"]["weight"]
+    model["language_model"]["embedding"]["position_embeddings"]["weight"]
+    model["language_model"]["encoder"]["layers.{i}.self_attention.query_key_value.weight"]
+    model["language_model"]["encoder"]["final_layernorm.weight"]
+    model["language_model"]["output_layer"]["weight"]          (untied embeddings)
+    model["word_embeddings_for_head"]["weight"]                (last stage, tied, pp > 1)
+
+(``transformer`` instead of ``encoder`` and ``attention`` instead of ``self_attention`` in
+older saves), and the run's flags as an argparse Namespace under ``args``. From
+``checkpoint_version`` 3.0 on, their fused QKV rows are ordered per head, as ours are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_PREFIXES = (
+    ("language_model.embedding.", "embedding."),
+    ("language_model.encoder.final_layernorm.", "final_layernorm."),
+    ("language_model.transformer.final_layernorm.", "final_layernorm."),
+    ("language_model.encoder.layers.", "encoder.layers."),
+    ("language_model.transformer.layers.", "encoder.layers."),
+    ("language_model.output_layer.", "output_layer."),
+    ("word_embeddings_for_head.", "word_embeddings."),
+)
+
+
+def is_megatron_deepspeed_model(model_state: dict) -> bool:
+    return "language_model" in model_state
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def our_names(model_state: dict) -> dict:
+    """A Megatron-DeepSpeed model chunk's state under our chunk names."""
+    out = {}
+    for name, value in _flatten(model_state).items():
+        for theirs, ours in _PREFIXES:
+            if name.startswith(theirs):
+                name = ours + name[len(theirs):]
+                break
+        else:
+            raise ValueError(f"unknown Megatron-DeepSpeed model entry {name!r}")
+        out[name.replace(".attention.", ".self_attention.")] = value
+    return out
+
+
+def model_fields_from_args(args: dict, true_vocab_size: Any = None) -> dict:
+    """Our ModelConfig fields from their flags (``vars(args)``)."""
+    fields = {k: args[k] for k in (
+        "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+        "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
+        "layernorm_epsilon", "hidden_dropout", "attention_dropout", "init_method_std",
+        "untie_embeddings_and_output_weights", "fp16", "bf16") if args.get(k) is not None}
+    fields["vocab_size"] = true_vocab_size or args.get("true_vocab_size") or \
+        args.get("padded_vocab_size")
+    if args.get("position_embedding_type") in ("learned_absolute", "rope"):
+        fields["position_embedding_type"] = args["position_embedding_type"]
+    if args.get("add_bias_linear") is False:
+        fields["add_bias_linear"] = False
+    if args.get("openai_gelu"):
+        fields["activation"] = "gelu_tanh"
+    return fields

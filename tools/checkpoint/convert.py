@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Convert and reshard GPT checkpoints (Megatron-LM's tools/checkpoint/convert.py interface).
+
+    python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver megatron \\
+        --load-dir ckpt/tp2pp2 --save-dir ckpt/tp1 \\
+        --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
+    python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megatron \\
+        --load-dir ./gpt2 --save-dir ckpt/gpt2 --target-tensor-parallel-size 2
+    python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver hf \\
+        --load-dir ckpt/gpt2 --save-dir ./gpt2-export [--vocab-file V --merge-file M]
+
+Loaders: ``megatron`` (ours, any tp/pp/virtual layout, with optimizer state),
+``megatron_deepspeed`` (Megatron-DeepSpeed's ``language_model`` layout, model only), ``hf``
+(a local GPT-2 folder), ``deepspeed`` (DeepSpeed engine checkpoints, ``global_stepN/``, with
+or without a pipeline; model only). Savers: ``megatron`` (ours, at the
+target layout; optimizer state goes along, the distributed optimizer's too) and ``hf``.
+The logic lives in ``megatron/conversion/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron.checkpointing import CheckpointError  # noqa: E402
+from megatron.conversion import ConversionError, load_full_checkpoint, save_full_checkpoint  # noqa: E402
+from megatron.conversion.deepspeed_layout import load_deepspeed_checkpoint  # noqa: E402
+from megatron.conversion.hf import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+
+LOADERS = ("megatron", "hf", "megatron_deepspeed", "deepspeed")
+SAVERS = ("megatron", "hf")
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
+    parser.add_argument("--model-type", required=True, choices=("GPT",),
+                        help="Only GPT models are converted.")
+    parser.add_argument("--loader", default="megatron", choices=LOADERS)
+    parser.add_argument("--saver", default="megatron", choices=SAVERS)
+    parser.add_argument("--load-dir", required=True, help="Checkpoint folder (with its tracker "
+                        "file) or HF model folder to read.")
+    parser.add_argument("--save-dir", required=True, help="Folder to write.")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=None,
+                        help="Tensor-parallel size of the saved checkpoint (default: 1).")
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=None,
+                        help="Pipeline-parallel size of the saved checkpoint (default: 1).")
+    parser.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                        help="Save for the interleaved schedule with this many layers per chunk.")
+    parser.add_argument("--target-distributed-optimizer", choices=("yes", "no"), default=None,
+                        help="Save the optimizer state for --use-distributed-optimizer or not "
+                        "(default: as the source was saved).")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="Iteration to read (default: the tracker file's).")
+    parser.add_argument("--true-vocab-size", type=int, default=None,
+                        help="Unpadded vocabulary of a Megatron-DeepSpeed checkpoint whose "
+                        "flags do not record it.")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        help="--loader hf: pad the vocabulary to a multiple of this x tp.")
+    parser.add_argument("--vocab-file", default=None, help="--saver hf: tokenizer vocabulary "
+                        "(default: the file the checkpoint recorded).")
+    parser.add_argument("--merge-file", default=None, help="--saver hf: BPE merges (default: "
+                        "the file the checkpoint recorded).")
+    parser.add_argument("--no-checking", action="store_true",
+                        help="Do not check the files against the checkpoint's manifest.")
+    parser.add_argument("--megatron-path", default=None,
+                        help="Accepted for Megatron-LM scripts; not needed here.")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
+                 "target_num_layers_per_virtual_pipeline_stage", "true_vocab_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConversionError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
+        raise ConversionError("--save-dir must differ from --load-dir")
+    if args.saver == "hf" and ((args.target_tensor_parallel_size or 1) *
+                               (args.target_pipeline_parallel_size or 1) != 1
+                               or args.target_num_layers_per_virtual_pipeline_stage):
+        raise ConversionError("--saver hf writes one unsharded model: drop "
+                              "--target-tensor-parallel-size/--target-pipeline-parallel-size/"
+                              "--target-num-layers-per-virtual-pipeline-stage")
+    for flag in ("vocab_file", "merge_file"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise ConversionError(f"--{flag.replace('_', '-')} {path} does not exist")
+
+
+def load(args: argparse.Namespace):
+    if args.loader == "hf":
+        return load_hf_checkpoint(args.load_dir, args.make_vocab_size_divisible_by)
+    if args.loader == "deepspeed":
+        return load_deepspeed_checkpoint(args.load_dir, args.iteration, args.true_vocab_size)
+    return load_full_checkpoint(args.load_dir, args.iteration, verify=not args.no_checking,
+                                true_vocab_size=args.true_vocab_size)
+
+
+def save(args: argparse.Namespace, full) -> str:
+    if args.saver == "hf":
+        files = save_hf_checkpoint(full, args.save_dir, args.vocab_file, args.merge_file)
+        return f"wrote {', '.join(files)} to {args.save_dir}"
+    distributed = {"yes": True, "no": False, None: None}[args.target_distributed_optimizer]
+    tp, pp = args.target_tensor_parallel_size or 1, args.target_pipeline_parallel_size or 1
+    folder = save_full_checkpoint(
+        full, args.save_dir, tp, pp,
+        num_layers_per_virtual_pipeline_stage=args.target_num_layers_per_virtual_pipeline_stage,
+        use_distributed_optimizer=distributed, source=f"{args.loader}:{args.load_dir}")
+    what = "model" if full.optimizer is None else "model and optimizer state"
+    how = " --finetune" if full.release else ""
+    return (f"wrote {what} at tp={tp}, pp={pp} to {folder}; train from it with "
+            f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
+            f"--load {args.save_dir}{how}")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+        full = load(args)
+        print(f"read {args.loader} checkpoint {args.load_dir}: iteration {full.iteration}, "
+              f"{len(full.model)} tensors, optimizer state "
+              f"{'yes' if full.optimizer is not None else 'no'}", flush=True)
+        print(save(args, full), flush=True)
+    except (ConversionError, CheckpointError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
