@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import gc
 import math
+import os
 import signal
 import sys
 import time
@@ -27,7 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.config import RunConfig, layer_range, parse_args_or_exit, print_config
+from megatron.config import (
+    ConfigError,
+    RunConfig,
+    layer_range,
+    parse_args_or_exit,
+    print_config,
+)
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
@@ -113,15 +120,37 @@ def wrap_data_parallel(chunks: Sequence[nn.Module], cfg: RunConfig) -> list[nn.M
             or not (opt.fp16 or opt.bf16),
             overlap_grad_reduce=opt.overlap_grad_reduce,
             use_distributed_optimizer=opt.use_distributed_optimizer,
-            bucket_size=opt.ddp_bucket_size)
+            bucket_size=opt.ddp_bucket_size,
+            average_gradients=cfg.parallel.dp_mode == "allreduce")
         for chunk in chunks
     ]
+
+
+def wrap_decentralized(optimizer, cfg: RunConfig):
+    """--dp-mode decentralized: the optimizer that averages with --dp-topology neighbours."""
+    from megatron.core.distributed.gossip import ParameterGossip, TopologyError
+    from megatron.core.optimizer.decentralized import DecentralizedOptimizer
+
+    p = cfg.parallel
+    groups = parallel_state.build_rank_groups(
+        dist.get_world_size() if dist.is_initialized() else 1,
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size).data
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // (
+        p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    try:
+        gossip = ParameterGossip(p.dp_topology, groups, max(per_node, 1),
+                                 full_group=parallel_state.get_data_parallel_group())
+    except TopologyError as error:
+        raise ConfigError(str(error)) from None
+    return DecentralizedOptimizer(optimizer, gossip)
 
 
 def setup_model_and_optimizer(model_provider: Callable, ctx: RunContext):
     cfg = ctx.config
     chunks = wrap_data_parallel(build_model_chunks(model_provider, ctx), cfg)
     optimizer = get_megatron_optimizer(cfg.optimizer, chunks)
+    if cfg.parallel.dp_mode == "decentralized":
+        optimizer = wrap_decentralized(optimizer, cfg)
     scheduler = build_optimizer_param_scheduler(
         cfg.scheduler, cfg.optimizer, optimizer,
         global_batch_size=cfg.training.global_batch_size,
@@ -601,6 +630,9 @@ class Trainer:
                 print_rank_0(f"  not saving a checkpoint at iteration {s.iteration}: its step "
                              f"was NaN/Inf and skipped (latest checkpoint: {s.last_saved})")
             return False
+        average = getattr(self.optimizer, "average_replicas", None)
+        if average is not None:  # --dp-mode decentralized saves the replicas' mean
+            average()
         check_finite_for_save(self.chunks, self.optimizer, s.iteration)
         folder = checkpointing.save_checkpoint(
             s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,

@@ -1,0 +1,116 @@
+"""Decentralized data parallelism (issue 15, item 2) on 4 real gloo ranks through pretrain().
+
+- complete topology + SGD (momentum 0.9, weight decay) equals all-reduce data parallelism;
+- ring and exp: the replicas differ, and by no more than the bound derived below;
+- a run saved and resumed continues exactly as one that was not stopped (ring, AccumAdamW).
+
+The bound. With ``--optimizer sgd --sgd-momentum 0 --weight-decay 0 --clip-grad c`` and a
+constant learning rate ``lr``, a replica's local step moves it by ``lr * clip(g)``, of L2 norm
+at most ``lr * c``. A round replaces each replica by the mean of its group: with 4 ranks the two
+rounds of ring ({0,1},{2,3} then {1,2},{3,0}) and of exp ({0,1},{2,3} then {0,2},{1,3}) multiply
+to the exact average ``J`` in either order. Writing ``x_T = W_T (x_{T-1} + d_T)`` with ``d_T``
+the local steps, the deviation from the mean is ``(I - J) x_T = (I - J) W_T d_T`` (the earlier
+part is ``(I - J) W_T W_{T-1} (...) = (I - J) J (...) = 0``), so two replicas differ by at most
+the largest difference of two pair-averages of local steps: ``||x_i - x_j|| <= 2 * lr * c``.
+Without the averaging the replicas would drift apart by up to ``2 * lr * c * T``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.core import parallel_state
+from megatron.training import pretrain
+from tests.dist_utils import run_distributed
+from tests.distributed.training_utils import base_argv, build_small_corpus, captured_stdout
+
+WORLD = 4
+STEPS = 5
+LR, CLIP = 0.05, 0.5
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_small_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+def _train(corpus, cache, **flags) -> dict:
+    """One pretrain() run; this rank's flat parameters, losses and log."""
+    models = []
+
+    def provider(ctx, **kwargs):
+        models.append(pretrain_gpt.model_provider(ctx, **kwargs))
+        return models[-1]
+
+    parallel_state.destroy_model_parallel()  # each pretrain() makes its own groups
+    argv = base_argv(corpus, cache, **{
+        "--micro-batch-size": 1, "--global-batch-size": WORLD, "--train-iters": STEPS,
+        "--lr": LR, "--min-lr": 0.0, "--lr-decay-style": "constant", "--lr-warmup-iters": 0,
+        "--clip-grad": 0.0, **flags})
+    with captured_stdout() as out:
+        state = pretrain(pretrain_gpt.train_valid_test_datasets_provider, provider,
+                         pretrain_gpt.forward_step, argv=argv)
+    flat = torch.cat([p.detach().reshape(-1).clone() for p in models[0].parameters()])
+    return dict(params=flat, losses=[h["losses"]["lm loss"] for h in state.history],
+                iteration=state.iteration, log=out.getvalue())
+
+
+SGD = {"--optimizer": "sgd", "--weight-decay": 0.01}
+DEC = {"--dp-mode": "decentralized"}
+BOUND_FLAGS = {**SGD, **DEC, "--sgd-momentum": 0.0, "--weight-decay": 0.0, "--clip-grad": CLIP}
+RESUME = {**DEC, "--dp-topology": "ring", "--optimizer": "accumadamw", "--accum-steps": 2,
+          "--lr": 3e-3, "--train-iters": 2 * STEPS, "--save-interval": STEPS}
+
+
+def _all_runs(rank, world_size, corpus, folder):
+    cache = f"{folder}/cache"
+    runs = {
+        "allreduce-sgd": _train(corpus, cache, **SGD),
+        "complete-sgd": _train(corpus, cache, **SGD, **DEC, **{"--dp-topology": "complete"}),
+        "ring": _train(corpus, cache, **BOUND_FLAGS, **{"--dp-topology": "ring"}),
+        "exp": _train(corpus, cache, **BOUND_FLAGS, **{"--dp-topology": "exp"}),
+        "straight": _train(corpus, cache, **RESUME, **{"--save": f"{folder}/straight"}),
+        "first": _train(corpus, cache, **RESUME, **{"--save": f"{folder}/resumed",
+                                                     "--exit-interval": STEPS}),
+        "second": _train(corpus, cache, **RESUME, **{"--save": f"{folder}/resumed",
+                                                      "--load": f"{folder}/resumed"}),
+    }
+    for run in runs.values():
+        del run["log"]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def ranks(corpus, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("decentralized"))
+    return run_distributed(_all_runs, WORLD, corpus, folder)
+
+
+def test_complete_topology_with_sgd_equals_allreduce(ranks):
+    for rank in ranks:
+        ref, dec = rank["allreduce-sgd"]["params"], rank["complete-sgd"]["params"]
+        torch.testing.assert_close(dec, ref, rtol=1e-5, atol=1e-6)
+        assert rank["complete-sgd"]["losses"] == pytest.approx(
+            rank["allreduce-sgd"]["losses"], rel=1e-5)
+    # the runs trained: the parameters moved away from where the ranks started
+    assert not torch.allclose(ranks[0]["allreduce-sgd"]["params"], ranks[0]["ring"]["params"])
+
+
+@pytest.mark.parametrize("topology", ["ring", "exp"])
+def test_ring_and_exp_replicas_stay_within_the_bound(ranks, topology):
+    params = [rank[topology]["params"] for rank in ranks]
+    gaps = [float((a - b).norm()) for i, a in enumerate(params) for b in params[i + 1:]]
+    bound = 2 * LR * CLIP  # see the module docstring
+    assert max(gaps) <= bound * (1 + 1e-4), (gaps, bound)
+    assert max(gaps) > 0  # the replicas really are separate
+    assert all(r[topology]["iteration"] == STEPS for r in ranks)
+
+
+def test_resume_is_exact(ranks):
+    for rank in ranks:
+        straight, first, second = rank["straight"], rank["first"], rank["second"]
+        assert first["iteration"] == STEPS and second["iteration"] == 2 * STEPS
+        assert first["losses"] + second["losses"] == straight["losses"]
+        assert torch.equal(second["params"], straight["params"])
