@@ -39,6 +39,8 @@ NEW_FLAGS = {
     # The non-finite guard (issue 13): Megatron-LM's switch, both spellings, and its stop.
     "--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad",
     "--max-consecutive-nonfinite-iterations",
+    # Decentralized data parallelism with AccumAdamW (issue 15).
+    "--dp-mode", "--dp-topology", "--accum-steps",
 }
 
 
