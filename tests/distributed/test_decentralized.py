@@ -1,6 +1,7 @@
 """Decentralized data parallelism (issue 15, item 2) on 4 real gloo ranks through pretrain().
 
-- complete topology + SGD (momentum 0.9, weight decay) equals all-reduce data parallelism;
+- complete topology + SGD (momentum 0.9, weight decay) equals all-reduce data parallelism, at
+  data-parallel size 4 and at tensor 2 x data 2;
 - ring and exp: the replicas differ, and by no more than the bound derived below;
 - a run saved and resumed continues exactly as one that was not stopped (ring, AccumAdamW).
 
@@ -60,6 +61,7 @@ def _train(corpus, cache, **flags) -> dict:
 SGD = {"--optimizer": "sgd", "--weight-decay": 0.01}
 DEC = {"--dp-mode": "decentralized"}
 BOUND_FLAGS = {**SGD, **DEC, "--sgd-momentum": 0.0, "--weight-decay": 0.0, "--clip-grad": CLIP}
+TP2 = {"--tensor-model-parallel-size": 2, "--global-batch-size": 2}
 RESUME = {**DEC, "--dp-topology": "ring", "--optimizer": "accumadamw", "--accum-steps": 2,
           "--lr": 3e-3, "--train-iters": 2 * STEPS, "--save-interval": STEPS}
 
@@ -69,6 +71,8 @@ def _all_runs(rank, world_size, corpus, folder):
     runs = {
         "allreduce-sgd": _train(corpus, cache, **SGD),
         "complete-sgd": _train(corpus, cache, **SGD, **DEC, **{"--dp-topology": "complete"}),
+        "tp2-allreduce-sgd": _train(corpus, cache, **SGD, **TP2),
+        "tp2-complete-sgd": _train(corpus, cache, **SGD, **DEC, **TP2),
         "ring": _train(corpus, cache, **BOUND_FLAGS, **{"--dp-topology": "ring"}),
         "exp": _train(corpus, cache, **BOUND_FLAGS, **{"--dp-topology": "exp"}),
         "straight": _train(corpus, cache, **RESUME, **{"--save": f"{folder}/straight"}),
@@ -88,12 +92,13 @@ def ranks(corpus, tmp_path_factory):
     return run_distributed(_all_runs, WORLD, corpus, folder)
 
 
-def test_complete_topology_with_sgd_equals_allreduce(ranks):
+@pytest.mark.parametrize("layout", ["", "tp2-"])
+def test_complete_topology_with_sgd_equals_allreduce(ranks, layout):
+    """dp 4, and tensor 2 x data 2 (the averaging runs over each data-parallel group)."""
     for rank in ranks:
-        ref, dec = rank["allreduce-sgd"]["params"], rank["complete-sgd"]["params"]
-        torch.testing.assert_close(dec, ref, rtol=1e-5, atol=1e-6)
-        assert rank["complete-sgd"]["losses"] == pytest.approx(
-            rank["allreduce-sgd"]["losses"], rel=1e-5)
+        ref, dec = rank[f"{layout}allreduce-sgd"], rank[f"{layout}complete-sgd"]
+        torch.testing.assert_close(dec["params"], ref["params"], rtol=1e-5, atol=1e-6)
+        assert dec["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     # the runs trained: the parameters moved away from where the ranks started
     assert not torch.allclose(ranks[0]["allreduce-sgd"]["params"], ranks[0]["ring"]["params"])
 
