@@ -3,7 +3,8 @@
 - complete topology + SGD (momentum 0.9, weight decay) equals all-reduce data parallelism, at
   data-parallel size 4 and at tensor 2 x data 2;
 - ring and exp: the replicas differ, and by no more than the bound derived below;
-- a run saved and resumed continues exactly as one that was not stopped (ring, AccumAdamW).
+- a run saved and resumed continues exactly as one that was not stopped (ring, AccumAdamW;
+  and AccumAdamW with the distributed optimizer, whose accumulated gradient is sharded).
 
 The bound. With ``--optimizer sgd --sgd-momentum 0 --weight-decay 0 --clip-grad c`` and a
 constant learning rate ``lr``, a replica's local step moves it by ``lr * clip(g)``, of L2 norm
@@ -59,9 +60,13 @@ def _train(corpus, cache, **flags) -> dict:
 
 
 SGD = {"--optimizer": "sgd", "--weight-decay": 0.01}
+DISTOPT = {"--optimizer": "accumadamw", "--accum-steps": 2, "--lr": 3e-3,
+           "--train-iters": 2 * STEPS, "--save-interval": STEPS,
+           "--use-distributed-optimizer": True}
 DEC = {"--dp-mode": "decentralized"}
 BOUND_FLAGS = {**SGD, **DEC, "--sgd-momentum": 0.0, "--weight-decay": 0.0, "--clip-grad": CLIP}
 TP2 = {"--tensor-model-parallel-size": 2, "--global-batch-size": 2}
+PP2 = {"--pipeline-model-parallel-size": 2, "--global-batch-size": 4}
 RESUME = {**DEC, "--dp-topology": "ring", "--optimizer": "accumadamw", "--accum-steps": 2,
           "--lr": 3e-3, "--train-iters": 2 * STEPS, "--save-interval": STEPS}
 
@@ -73,6 +78,8 @@ def _all_runs(rank, world_size, corpus, folder):
         "complete-sgd": _train(corpus, cache, **SGD, **DEC, **{"--dp-topology": "complete"}),
         "tp2-allreduce-sgd": _train(corpus, cache, **SGD, **TP2),
         "tp2-complete-sgd": _train(corpus, cache, **SGD, **DEC, **TP2),
+        "pp2-allreduce-sgd": _train(corpus, cache, **SGD, **PP2),
+        "pp2-complete-sgd": _train(corpus, cache, **SGD, **DEC, **PP2),
         "ring": _train(corpus, cache, **BOUND_FLAGS, **{"--dp-topology": "ring"}),
         "exp": _train(corpus, cache, **BOUND_FLAGS, **{"--dp-topology": "exp"}),
         "straight": _train(corpus, cache, **RESUME, **{"--save": f"{folder}/straight"}),
@@ -81,6 +88,11 @@ def _all_runs(rank, world_size, corpus, folder):
         "second": _train(corpus, cache, **RESUME, **{"--save": f"{folder}/resumed",
                                                       "--load": f"{folder}/resumed"}),
     }
+    # AccumAdamW's accumulated gradient is sharded and saved by the distributed optimizer too
+    for name, extra in (("straight", {}), ("first", {"--exit-interval": STEPS}),
+                        ("second", {"--load": f"{folder}/distopt-resumed"})):
+        save = f"{folder}/distopt-{'straight' if name == 'straight' else 'resumed'}"
+        runs[f"distopt-{name}"] = _train(corpus, cache, **DISTOPT, **extra, **{"--save": save})
     for run in runs.values():
         del run["log"]
     return runs
@@ -92,9 +104,10 @@ def ranks(corpus, tmp_path_factory):
     return run_distributed(_all_runs, WORLD, corpus, folder)
 
 
-@pytest.mark.parametrize("layout", ["", "tp2-"])
+@pytest.mark.parametrize("layout", ["", "tp2-", "pp2-"])
 def test_complete_topology_with_sgd_equals_allreduce(ranks, layout):
-    """dp 4, and tensor 2 x data 2 (the averaging runs over each data-parallel group)."""
+    """dp 4, tensor 2 x data 2 and pipeline 2 x data 2 (the averaging runs over each
+    data-parallel group; the two copies of the tied embedding stay equal)."""
     for rank in ranks:
         ref, dec = rank[f"{layout}allreduce-sgd"], rank[f"{layout}complete-sgd"]
         torch.testing.assert_close(dec["params"], ref["params"], rtol=1e-5, atol=1e-6)
@@ -113,9 +126,11 @@ def test_ring_and_exp_replicas_stay_within_the_bound(ranks, topology):
     assert all(r[topology]["iteration"] == STEPS for r in ranks)
 
 
-def test_resume_is_exact(ranks):
+@pytest.mark.parametrize("run", ["", "distopt-"])
+def test_resume_is_exact(ranks, run):
+    """Decentralized ring with AccumAdamW; and AccumAdamW under the distributed optimizer."""
     for rank in ranks:
-        straight, first, second = rank["straight"], rank["first"], rank["second"]
+        straight, first, second = (rank[f"{run}{k}"] for k in ("straight", "first", "second"))
         assert first["iteration"] == STEPS and second["iteration"] == 2 * STEPS
         assert first["losses"] + second["losses"] == straight["losses"]
         assert torch.equal(second["params"], straight["params"])
