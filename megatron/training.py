@@ -142,6 +142,9 @@ def wrap_decentralized(optimizer, cfg: RunConfig):
                                  full_group=parallel_state.get_data_parallel_group())
     except TopologyError as error:
         raise ConfigError(str(error)) from None
+    print_rank_0(f"> --dp-mode decentralized: gradients are not all-reduced; after each step "
+                 f"every replica averages its parameters over its --dp-topology {p.dp_topology} "
+                 f"group ({gossip.num_rounds()} round(s), data-parallel size {gossip.dp_size})")
     return DecentralizedOptimizer(optimizer, gossip)
 
 
