@@ -1,4 +1,7 @@
-"""The multi-level operators (issue 15, item 1): shapes, exact round trips, interpolation."""
+"""The multi-level operators (issue 15, item 1): shapes, exact round trips, interpolation,
+and the authors' published GPT-2 coalescing."""
+
+import re
 
 import pytest
 import torch
@@ -138,3 +141,66 @@ def test_odd_sizes_are_refused():
     with pytest.raises(MultilevelError, match="--num-layers 3"):
         coalesce(_random_state(config), config)
     coalesce(_random_state(config), config, depth=False)  # width alone is fine
+
+
+def _mean_rows(n: int) -> torch.Tensor:
+    """[n/2, n]: row i averages i and i + n/2 (the authors' default map, ``embed_F``)."""
+    eye = torch.eye(n // 2)
+    return torch.cat([eye, eye], dim=1) / 2
+
+
+def _authors_coalesce(hf: dict, n_layer: int, h: int, ffn: int) -> dict:
+    """The published GPT-2 coalescing written as matrices on the HF state dict (weights in
+    HF's [in, out] Conv1D layout): output rows ``F W``, input columns ``W F^T`` renormalised to
+    sums, embeddings ``2 W F^T``, layers averaged in pairs."""
+    Fh, Ff = _mean_rows(h), _mean_rows(ffn)
+    Sh, Sf = (Fh.t() > 0).float(), (Ff.t() > 0).float()  # [n, n/2]: sums of pairs
+
+    def linear(w, b, f_out, s_in):  # HF: w [in, out]
+        return (f_out @ w.t() @ s_in).t(), f_out @ b
+
+    out = {"transformer.wte.weight": hf["transformer.wte.weight"] @ Fh.t() * 2,
+           "transformer.wpe.weight": hf["transformer.wpe.weight"] @ Fh.t() * 2,
+           "transformer.ln_f.weight": Fh @ hf["transformer.ln_f.weight"],
+           "transformer.ln_f.bias": Fh @ hf["transformer.ln_f.bias"]}
+    layers = []
+    for i in range(n_layer):
+        p = f"transformer.h.{i}."
+        lay = {}
+        for ln in ("ln_1", "ln_2"):
+            lay[ln + ".weight"] = Fh @ hf[p + ln + ".weight"]
+            lay[ln + ".bias"] = Fh @ hf[p + ln + ".bias"]
+        qkv_w = hf[p + "attn.c_attn.weight"].chunk(3, dim=1)
+        qkv_b = hf[p + "attn.c_attn.bias"].chunk(3)
+        parts = [linear(w, b, Fh, Sh) for w, b in zip(qkv_w, qkv_b)]
+        lay["attn.c_attn.weight"] = torch.cat([w for w, _ in parts], dim=1)
+        lay["attn.c_attn.bias"] = torch.cat([b for _, b in parts])
+        for name, f_out, s_in in (("attn.c_proj", Fh, Sh), ("mlp.c_fc", Ff, Sh),
+                                  ("mlp.c_proj", Fh, Sf)):
+            lay[name + ".weight"], lay[name + ".bias"] = linear(
+                hf[p + name + ".weight"], hf[p + name + ".bias"], f_out, s_in)
+        layers.append(lay)
+    for i in range(n_layer // 2):
+        for name in layers[0]:
+            out[f"transformer.h.{i}.{name}"] = (layers[2 * i][name] + layers[2 * i + 1][name]) / 2
+    return out
+
+
+def test_halves_pairing_matches_the_authors_gpt2_coalescing():
+    transformers = pytest.importorskip("transformers")
+    from megatron.model.hf_gpt2 import hf_to_megatron_state_dict, model_config_from_hf
+
+    hf_config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4,
+                                        n_head=4)
+    torch.manual_seed(5)
+    hf = transformers.GPT2LMHeadModel(hf_config).state_dict()
+    hf = {k: v + 0.1 * torch.randn_like(v) for k, v in hf.items()
+          if not re.search(r"\.attn\.(masked_)?bias$", k)}  # buffers of older versions
+    config = model_config_from_hf(hf_config, make_vocab_size_divisible_by=8)
+    ours, small_config = coalesce(hf_to_megatron_state_dict(hf, config), config,
+                                  pairing="halves")
+    theirs = _authors_coalesce(hf, 4, 32, 128)
+    expected = hf_to_megatron_state_dict(theirs, small_config)
+    assert set(ours) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=1e-6, msg=key)
