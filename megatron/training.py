@@ -135,10 +135,12 @@ def wrap_decentralized(optimizer, cfg: RunConfig):
     groups = parallel_state.build_rank_groups(
         dist.get_world_size() if dist.is_initialized() else 1,
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size).data
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // (
-        p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    # Ranks go tensor fastest, then data, then pipeline: a node's LOCAL_WORLD_SIZE
+    # consecutive ranks hold LOCAL_WORLD_SIZE / tp consecutive data-parallel ranks of a stage.
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // p.tensor_model_parallel_size
+    per_node = min(max(per_node, 1), len(groups[0]))
     try:
-        gossip = ParameterGossip(p.dp_topology, groups, max(per_node, 1),
+        gossip = ParameterGossip(p.dp_topology, groups, per_node,
                                  full_group=parallel_state.get_data_parallel_group())
     except TopologyError as error:
         raise ConfigError(str(error)) from None

@@ -82,7 +82,7 @@ def _alternating_exp_ring(n: int, per_node: int) -> list[Round]:
         raise TopologyError(
             f"--dp-topology alternating-exp-ring needs a power-of-2 number (at least 2) of "
             f"nodes; this run has {n} data-parallel ranks, {per_node} per node "
-            "(LOCAL_WORLD_SIZE / (tensor x pipeline size)): use exp or ring on one node")
+            "(LOCAL_WORLD_SIZE / tensor-parallel size): use exp or ring on one node")
     inside = [list(range(b * per_node, (b + 1) * per_node)) for b in range(nodes)]
     rounds = []
     for k in range(nodes.bit_length() - 1):
