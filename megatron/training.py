@@ -126,6 +126,29 @@ def wrap_data_parallel(chunks: Sequence[nn.Module], cfg: RunConfig) -> list[nn.M
     ]
 
 
+def dp_ranks_per_node(cfg: RunConfig) -> int:
+    """Data-parallel ranks of one node for --dp-topology alternating-exp-ring. Ranks go tensor
+    fastest, then data, then pipeline: a node's LOCAL_WORLD_SIZE consecutive ranks hold
+    LOCAL_WORLD_SIZE / tp consecutive data-parallel ranks of one stage."""
+    p = cfg.parallel
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // p.tensor_model_parallel_size
+    return min(max(per_node, 1), p.data_parallel_size)
+
+
+def _check_dp_topology_or_exit(cfg: RunConfig) -> None:
+    """A --dp-topology this run's sizes cannot build ends the run before any process group."""
+    from megatron.core.distributed.gossip import TopologyError, topology_rounds
+
+    p = cfg.parallel
+    if p.dp_mode != "decentralized":
+        return
+    try:
+        topology_rounds(p.dp_topology, p.data_parallel_size, dp_ranks_per_node(cfg))
+    except TopologyError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def wrap_decentralized(optimizer, cfg: RunConfig):
     """--dp-mode decentralized: the optimizer that averages with --dp-topology neighbours."""
     from megatron.core.distributed.gossip import ParameterGossip, TopologyError
@@ -135,12 +158,8 @@ def wrap_decentralized(optimizer, cfg: RunConfig):
     groups = parallel_state.build_rank_groups(
         dist.get_world_size() if dist.is_initialized() else 1,
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size).data
-    # Ranks go tensor fastest, then data, then pipeline: a node's LOCAL_WORLD_SIZE
-    # consecutive ranks hold LOCAL_WORLD_SIZE / tp consecutive data-parallel ranks of a stage.
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // p.tensor_model_parallel_size
-    per_node = min(max(per_node, 1), len(groups[0]))
     try:
-        gossip = ParameterGossip(p.dp_topology, groups, per_node,
+        gossip = ParameterGossip(p.dp_topology, groups, dp_ranks_per_node(cfg),
                                  full_group=parallel_state.get_data_parallel_group())
     except TopologyError as error:
         raise ConfigError(str(error)) from None
@@ -692,6 +711,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     configure_output(cfg.logging.log_all_ranks)
     _check_checkpoint_folders_or_exit(cfg)
+    _check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
     device = initialize_megatron(cfg)
     vocab = tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)

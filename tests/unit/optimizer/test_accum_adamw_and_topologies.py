@@ -118,3 +118,24 @@ def test_decentralized_refuses_what_would_mix_replicas(flag):
     with pytest.raises(ConfigError, match=f"--dp-mode decentralized cannot be combined with "
                        f"{flag}"):
         parse_args(argv + [flag])
+
+
+def test_a_topology_the_nodes_cannot_build_stops_before_any_process_group(monkeypatch, capsys):
+    from megatron.config import parse_args
+    from megatron.training import _check_dp_topology_or_exit
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one node: no partner node for exp rounds
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "2",
+            "--mock-data", "--lr", "1e-3", "--dp-mode", "decentralized",
+            "--dp-topology", "alternating-exp-ring"]
+    cfg = parse_args(argv)
+    assert cfg.parallel.data_parallel_size == 4
+    with pytest.raises(SystemExit) as stop:
+        _check_dp_topology_or_exit(cfg)
+    assert stop.value.code == 2
+    assert "needs a power-of-2 number (at least 2) of nodes" in capsys.readouterr().err
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes of two
+    _check_dp_topology_or_exit(parse_args(argv))
