@@ -14,8 +14,10 @@ Each reads the latest checkpoint of ``--load`` (tensor and pipeline size 1) and 
 ``SAVE/release/mp_rank_00/model_optim_rng.pt``, a model-only checkpoint with a manifest: the
 optimizer state and the learning-rate schedule are reset (train on with ``--load SAVE``, which
 loads a release checkpoint's model only, or with ``--finetune``) and it prints the model flags
-to train it with. The coalesced checkpoint records how it was made so ``decoalesce`` and
-``interpolate`` undo the same thing.
+to train it with. The coalesced checkpoint records how it was made (``--pairing``,
+``--no-width``, ``--no-depth``) so ``decoalesce`` and ``interpolate`` undo the same thing when
+given it; a checkpoint saved by training the small model does not carry that record, so give
+those flags again when they were not the defaults (the tool prints what it used).
 """
 
 from __future__ import annotations
@@ -142,21 +144,25 @@ def model_flags(config: ModelConfig) -> str:
 def _how(args: argparse.Namespace, record: dict) -> dict:
     """Which dimensions and pairing: the coalesced checkpoint's record, else the flags."""
     how = {"width": not args.no_width, "depth": not args.no_depth, "pairing": args.pairing}
-    return {**how, **{k: record[k] for k in how if k in record}}
+    how = {**how, **{k: record[k] for k in how if k in record}}
+    how["source"] = "the checkpoint's record" if record else "the flags"
+    return how
 
 
 def run_coalesce(args: argparse.Namespace) -> tuple[FullCheckpoint, dict]:
     large = read_full_checkpoint(args.load, "--load")
     how = _how(args, {})
-    small, config = coalesce(large.model, large.config, **how)
-    return FullCheckpoint(small, config, large.run_config, how), how
+    record = {k: how[k] for k in ("width", "depth", "pairing")}
+    small, config = coalesce(large.model, large.config, **record)
+    return FullCheckpoint(small, config, large.run_config, record), how
 
 
 def run_decoalesce(args: argparse.Namespace) -> tuple[FullCheckpoint, dict]:
     small = read_full_checkpoint(args.load_small or args.load, "--load-small" if args.load_small
                                  else "--load")
     how = _how(args, small.record)
-    model, config = decoalesce(small.model, small.config, **how)
+    model, config = decoalesce(small.model, small.config,
+                               **{k: how[k] for k in ("width", "depth", "pairing")})
     return FullCheckpoint(model, config, small.run_config, {}), how
 
 
@@ -210,7 +216,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{args.command} ({', '.join(k for k in ('width', 'depth') if how[k])}, "
-          f"{how['pairing']} pairing): wrote {final} (model only: optimizer state reset); "
+          f"{how['pairing']} pairing, from {how['source']}): wrote {final} (model only: optimizer state reset); "
           f"train it with:\n  {model_flags(out.config)} --load {args.save}")
     return 0
 
