@@ -173,7 +173,8 @@ def run_interpolate(args: argparse.Namespace) -> tuple[FullCheckpoint, dict]:
         raise MultilevelError("interpolate needs --alpha")
     large = read_full_checkpoint(args.load, "--load")
     decoalesced, how = run_decoalesce(args)
-    if to_dict(decoalesced.config) != to_dict(large.config):
+    shapes = {k: tuple(v.shape) for k, v in large.model.items()}
+    if shapes != {k: tuple(v.shape) for k, v in decoalesced.model.items()}:
         raise MultilevelError(f"--load-small {args.load_small} de-coalesces to "
                               f"{model_flags(decoalesced.config)}, but --load {args.load} has "
                               f"{model_flags(large.config)}")
