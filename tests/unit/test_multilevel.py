@@ -204,3 +204,20 @@ def test_halves_pairing_matches_the_authors_gpt2_coalescing():
     assert set(ours) == set(expected)
     for key, value in expected.items():
         torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("variant", [
+    {"untie_embeddings_and_output_weights": True},
+    {"position_embedding_type": "rope", "add_bias_linear": False},
+])
+def test_round_trip_covers_untied_output_rope_and_no_biases(variant):
+    small_config = _config(num_layers=2, hidden_size=16, num_attention_heads=2, kv_channels=8,
+                           **variant)
+    small = _random_state(small_config, seed=6)
+    equal, config = decoalesce(small, small_config)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(7))
+    again, again_config = decoalesce(*coalesce(equal, config))
+    torch.testing.assert_close(_logits(again, again_config, ids), _logits(equal, config, ids),
+                               atol=1e-5, rtol=0)
+    assert ("output_layer.weight" in small) == bool(
+        variant.get("untie_embeddings_and_output_weights"))
