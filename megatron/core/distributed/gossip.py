@@ -95,11 +95,12 @@ class ParameterGossip:
 
     Every rank of the world must build it with the same arguments (``new_group`` is
     collective): ``data_parallel_groups`` lists the global ranks of every data-parallel group
-    (``parallel_state.build_rank_groups(...).data``).
+    (``parallel_state.build_rank_groups(...).data``); ``full_group`` is this rank's
+    data-parallel process group (``average_all`` reduces over it).
     """
 
     def __init__(self, topology: str, data_parallel_groups: Sequence[Sequence[int]],
-                 ranks_per_node: int = 1, full_group: Any = None) -> None:
+                 ranks_per_node: int = 1, *, full_group: Any) -> None:
         self.topology = topology
         dp_size = len(data_parallel_groups[0])
         self.rounds = topology_rounds(topology, dp_size, ranks_per_node)
