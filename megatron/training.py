@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import gc
 import math
+import os
 import signal
 import sys
 import time
@@ -27,7 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.config import RunConfig, layer_range, parse_args_or_exit, print_config
+from megatron.config import (
+    ConfigError,
+    RunConfig,
+    layer_range,
+    parse_args_or_exit,
+    print_config,
+)
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
@@ -114,15 +121,61 @@ def wrap_data_parallel(chunks: Sequence[nn.Module], cfg: RunConfig) -> list[nn.M
             or not (opt.fp16 or opt.bf16),
             overlap_grad_reduce=opt.overlap_grad_reduce,
             use_distributed_optimizer=opt.use_distributed_optimizer,
-            bucket_size=opt.ddp_bucket_size)
+            bucket_size=opt.ddp_bucket_size,
+            average_gradients=cfg.parallel.dp_mode == "allreduce")
         for chunk in chunks
     ]
+
+
+def dp_ranks_per_node(cfg: RunConfig) -> int:
+    """Data-parallel ranks of one node for --dp-topology alternating-exp-ring. Ranks go tensor
+    fastest, then data, then pipeline: a node's LOCAL_WORLD_SIZE consecutive ranks hold
+    LOCAL_WORLD_SIZE / tp consecutive data-parallel ranks of one stage."""
+    p = cfg.parallel
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // p.tensor_model_parallel_size
+    return min(max(per_node, 1), p.data_parallel_size)
+
+
+def _check_dp_topology_or_exit(cfg: RunConfig) -> None:
+    """A --dp-topology this run's sizes cannot build ends the run before any process group."""
+    from megatron.core.distributed.gossip import TopologyError, topology_rounds
+
+    p = cfg.parallel
+    if p.dp_mode != "decentralized":
+        return
+    try:
+        topology_rounds(p.dp_topology, p.data_parallel_size, dp_ranks_per_node(cfg))
+    except TopologyError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def wrap_decentralized(optimizer, cfg: RunConfig):
+    """--dp-mode decentralized: the optimizer that averages with --dp-topology neighbours."""
+    from megatron.core.distributed.gossip import ParameterGossip, TopologyError
+    from megatron.core.optimizer.decentralized import DecentralizedOptimizer
+
+    p = cfg.parallel
+    groups = parallel_state.build_rank_groups(
+        dist.get_world_size() if dist.is_initialized() else 1,
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size).data
+    try:
+        gossip = ParameterGossip(p.dp_topology, groups, dp_ranks_per_node(cfg),
+                                 full_group=parallel_state.get_data_parallel_group())
+    except TopologyError as error:
+        raise ConfigError(str(error)) from None
+    print_rank_0(f"> --dp-mode decentralized: gradients are not all-reduced; after each step "
+                 f"every replica averages its parameters over its --dp-topology {p.dp_topology} "
+                 f"group ({gossip.num_rounds()} round(s), data-parallel size {gossip.dp_size})")
+    return DecentralizedOptimizer(optimizer, gossip)
 
 
 def setup_model_and_optimizer(model_provider: Callable, ctx: RunContext):
     cfg = ctx.config
     chunks = wrap_data_parallel(build_model_chunks(model_provider, ctx), cfg)
     optimizer = get_megatron_optimizer(cfg.optimizer, chunks)
+    if cfg.parallel.dp_mode == "decentralized":
+        optimizer = wrap_decentralized(optimizer, cfg)
     scheduler = build_optimizer_param_scheduler(
         cfg.scheduler, cfg.optimizer, optimizer,
         global_batch_size=cfg.training.global_batch_size,
@@ -613,6 +666,9 @@ class Trainer:
                 print_rank_0(f"  not saving a checkpoint at iteration {s.iteration}: its step "
                              f"was NaN/Inf and skipped (latest checkpoint: {s.last_saved})")
             return False
+        average = getattr(self.optimizer, "average_replicas", None)
+        if average is not None:  # --dp-mode decentralized saves the replicas' mean
+            average()
         check_finite_for_save(self.chunks, self.optimizer, s.iteration)
         folder = checkpointing.save_checkpoint(
             s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
@@ -667,6 +723,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     configure_output(cfg.logging.log_all_ranks)
     _check_checkpoint_folders_or_exit(cfg)
+    _check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
     if cfg.training.dry_run:
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))

@@ -23,7 +23,7 @@ from megatron.config.base import (
     set_field,
 )
 
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "accumadamw")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
@@ -37,7 +37,11 @@ class OptimizerConfig(Slice):
     """
 
     optimizer: str = option(default="adam", choices=OPTIMIZERS,
-                            help="adam (decoupled weight decay, i.e. AdamW) or sgd.")
+                            help="adam (decoupled weight decay, i.e. AdamW), sgd, or accumadamw "
+                            "(AdamW whose moments take the mean gradient of every "
+                            "--accum-steps steps; for --dp-mode decentralized).")
+    accum_steps: int = option(default=8, help="--optimizer accumadamw: steps whose mean "
+                              "gradient updates the moment estimates at once.")
     lr: Optional[float] = option(default=None, help="Peak learning rate (required to train).")
     min_lr: float = option(default=0.0, help="Learning rate at the end of the decay.")
     weight_decay: float = option(default=0.01, help="Decoupled weight decay (biases and norms "
@@ -86,7 +90,7 @@ class OptimizerConfig(Slice):
             require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) is larger than "
                     f"--lr ({self.lr})")
         probability(self, "adam_beta1", "adam_beta2", "sgd_momentum")
-        positive(self, "adam_eps", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+        positive(self, "accum_steps", "adam_eps", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
                  "hysteresis", "max_skips_at_min_loss_scale")
         optional_positive(self, "loss_scale", "ddp_bucket_size")
         require(self.min_loss_scale <= self.initial_loss_scale,

@@ -15,12 +15,16 @@ from megatron.config.base import (
     ConfigError,
     Slice,
     internal,
+    one_of,
     option,
     optional_positive,
     positive,
     require,
     set_field,
 )
+
+DP_MODES = ("allreduce", "decentralized")
+DP_TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,16 @@ class ParallelConfig(Slice):
     sequence_parallel: bool = option(
         default=False, help="Shard layer-norm and dropout activations over the tensor-parallel "
         "ranks along the sequence (turned off at tensor-parallel size 1, as in Megatron).")
+    # Decentralized data parallelism (issue 15): megatron/core/distributed/gossip.py.
+    dp_mode: str = option(
+        default="allreduce", choices=DP_MODES, help="How data-parallel replicas agree: "
+        "allreduce (average the gradients every step) or decentralized (each replica steps on "
+        "its own gradients, then averages its parameters with its --dp-topology neighbours).")
+    dp_topology: str = option(
+        default="complete", choices=DP_TOPOLOGIES, help="With --dp-mode decentralized, who "
+        "averages with whom: complete (everyone), ring (the left, then the right neighbour), "
+        "exp (the rank 2^k away, k cycling), alternating-exp-ring (inside each node, then exp "
+        "between nodes).")
 
     def __post_init__(self) -> None:
         positive(self, "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
@@ -61,6 +75,20 @@ class ParallelConfig(Slice):
                 f"({tp}) x --pipeline-model-parallel-size ({pp})")
         if self.sequence_parallel and tp == 1:
             set_field(self, "sequence_parallel", False)
+        one_of(self, "dp_mode", DP_MODES)
+        one_of(self, "dp_topology", DP_TOPOLOGIES)
+        self._check_dp_topology()
+
+    def _check_dp_topology(self) -> None:
+        """The sizes ring and exp need (alternating-exp-ring's nodes are checked at start-up,
+        where LOCAL_WORLD_SIZE is known)."""
+        dp, name = self.data_parallel_size, self.dp_topology
+        if self.dp_mode != "decentralized" or dp == 1:
+            return
+        require(name != "ring" or dp % 2 == 0,
+                f"--dp-topology ring needs an even data-parallel size, got {dp}")
+        require(name != "exp" or dp & (dp - 1) == 0,
+                f"--dp-topology exp needs a power-of-2 data-parallel size, got {dp}")
 
     @property
     def data_parallel_size(self) -> int:

@@ -63,6 +63,7 @@ class RunConfig:
         self._check_schedule_units()
         self._check_warmup_fits_decay()
         self._check_eval_only()
+        self._check_decentralized()
 
     def _set(self, slice_name: str, **changes: Any) -> None:
         current = getattr(self, slice_name)
@@ -85,6 +86,18 @@ class RunConfig:
                     changes[f.name] = getattr(getattr(self, owner), name)
             if changes:
                 self._set(slice_name, **changes)
+
+    def _check_decentralized(self) -> None:
+        """--dp-mode decentralized keeps whole replicas apart: no sharded optimizer state, no
+        DeepSpeed engine, no fp16 loss scale (whose skips would differ between replicas)."""
+        if self.parallel.dp_mode != "decentralized":
+            return
+        for on, flag_name in ((self.optimizer.use_distributed_optimizer,
+                               "--use-distributed-optimizer"),
+                              (self.deepspeed.deepspeed, "--deepspeed"),
+                              (self.optimizer.fp16, "--fp16")):
+            require(not on, f"--dp-mode decentralized cannot be combined with {flag_name} "
+                    "(use --dp-mode allreduce, or leave the flag out; --bf16 works)")
 
     def _check_pipeline(self) -> None:
         stages = self.pipeline_stage_num_layers

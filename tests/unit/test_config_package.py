@@ -44,6 +44,8 @@ NEW_FLAGS = {
     # Evaluate a checkpoint without training (issue 14); --skip-train is Megatron-LM's name.
     "--eval-only", "--skip-train",
     "--dry-run",  # the planner behind pretrain_gpt.py (issue 12)
+    # Decentralized data parallelism with AccumAdamW (issue 15).
+    "--dp-mode", "--dp-topology", "--accum-steps",
 }
 
 

@@ -56,7 +56,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, data_parallel_group: Optional[Any] = None,
                  accumulate_allreduce_grads_in_fp32: bool = True,
                  overlap_grad_reduce: bool = False, use_distributed_optimizer: bool = False,
-                 bucket_size: Optional[int] = None) -> None:
+                 bucket_size: Optional[int] = None, average_gradients: bool = True) -> None:
         super().__init__()
         self.module = module
         if data_parallel_group is None:
@@ -70,6 +70,9 @@ class DistributedDataParallel(nn.Module):
             bucket_size = max(_DEFAULT_OVERLAP_BUCKET_SIZE, 1_000_000 * self.data_parallel_size)
         self.bucket_size = bucket_size
         self.is_last_microbatch = True
+        # False under --dp-mode decentralized: each replica keeps its own gradients, and the
+        # optimizer averages parameters with neighbours instead (core/optimizer/decentralized).
+        self.average_gradients = average_gradients
 
         self.buffers: list[ParamAndGradBuffer] = []
         self._bucket_of: dict[nn.Parameter, Any] = {}
@@ -99,7 +102,8 @@ class DistributedDataParallel(nn.Module):
         for (_, grad_dtype), group_params in by_dtype.items():
             buffer = ParamAndGradBuffer(
                 group_params, grad_dtype, self.bucket_size, self.data_parallel_group,
-                self.data_parallel_size, shard_over_dp=self.use_distributed_optimizer,
+                self.data_parallel_size if self.average_gradients else 1,
+                shard_over_dp=self.use_distributed_optimizer,
                 isolate=[p for p in group_params if id(p) in deferred],
             )
             self.buffers.append(buffer)

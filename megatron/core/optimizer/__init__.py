@@ -7,6 +7,8 @@
 - ``--fp16`` / ``--bf16`` -> ``MixedPrecisionOptimizer`` (fp32 main copies);
 - otherwise ``FP32Optimizer``.
 
+AccumAdamW (``accum_adamw.py``) is the optimizer of decentralized GPT-2 training; under
+``--dp-mode decentralized`` the training loop wraps the result in ``DecentralizedOptimizer``.
 Adam is decoupled-weight-decay Adam (``torch.optim.AdamW``, fused on CUDA and CPU; apex's
 FusedAdam when apex is installed and the parameters are on CUDA), SGD is ``torch.optim.SGD``.
 """
@@ -22,6 +24,7 @@ from torch import nn
 
 from megatron.config import ConfigError, OptimizerConfig
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
+from megatron.core.optimizer.accum_adamw import AccumAdamW
 from megatron.core.optimizer.clip_grads import (
     clip_grad_norm_fp32,
     count_zeros_fp32,
@@ -100,6 +103,10 @@ def build_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.
         kwargs = {"fused": True} if on_cuda or on_cpu else {"foreach": True}
         return torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
                                  betas=betas, eps=config.adam_eps, **kwargs)
+    if config.optimizer == "accumadamw":
+        return AccumAdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                          eps=config.adam_eps, weight_decay=config.weight_decay,
+                          accum_steps=config.accum_steps)
     return torch.optim.SGD(groups, lr=config.lr, weight_decay=config.weight_decay,
                            momentum=config.sgd_momentum)
 
@@ -141,6 +148,7 @@ def get_megatron_optimizer(config: OptimizerConfig,
 
 
 __all__ = [
+    "AccumAdamW",
     "ConstantGradScaler",
     "DistributedOptimizer",
     "DynamicGradScaler",

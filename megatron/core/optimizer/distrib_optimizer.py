@@ -55,7 +55,7 @@ SHARDED_FORMAT = "megatron-distributed-optimizer/sharded-v1"
 _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 # Optimizer state tensors that have the shape of the parameter (and are sharded like it).
-_SHARDED_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+_SHARDED_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "accum_grad")
 
 
 @dataclass(eq=False)

@@ -1,0 +1,70 @@
+"""The optimizer of ``--dp-mode decentralized``: a local step, then a neighbour average.
+
+Wraps any ``MegatronOptimizer`` except the distributed one. The data-parallel wrapper does
+not average gradients in this mode (``DistributedDataParallel(average_gradients=False)``), so
+``step()`` updates this replica from its own gradient (clipped by its own norm), and then the
+replica's parameters (fp32 main copies where there are any) are averaged over its group of
+the round (``megatron/core/distributed/gossip.py``). With the ``complete`` topology and SGD
+(momentum and weight decay included: they are linear in the gradient) this is the same
+algorithm as all-reduce data parallelism.
+
+Checkpoints hold the average of the replicas: ``average_replicas()`` (the training loop calls
+it on every rank before a save) replaces every replica's parameters and optimizer state by
+their mean over the whole data-parallel group, and the run continues from there, so a run
+resumed from that checkpoint continues exactly as the run that saved it. The number of rounds
+done is saved with the optimizer state, so a resumed run is in the same round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron.core.distributed.gossip import ParameterGossip
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+ROUNDS_KEY = "decentralized_rounds_done"
+
+
+class DecentralizedOptimizer:
+    """``MegatronOptimizer``'s interface; everything but the methods below is the wrapped
+    optimizer's own."""
+
+    def __init__(self, inner: MegatronOptimizer, gossip: ParameterGossip) -> None:
+        self.inner = inner
+        self.gossip = gossip
+        self.rounds_done = 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, Any, Any]:
+        # A step skipped here (fp16 overflow, a NaN gradient) still averages: every replica
+        # must join every round.
+        result = self.inner.step()
+        self.gossip.average(self.inner.get_main_params(), self.rounds_done)
+        self.rounds_done += 1
+        self.inner._copy_main_params_to_model_params()
+        return result
+
+    @torch.no_grad()
+    def average_replicas(self) -> None:
+        """Every replica's parameters and optimizer state become their mean over the whole
+        data-parallel group (before a checkpoint is saved)."""
+        self.gossip.average_all(self.inner.get_main_params())
+        state = [t for s in self.inner.state.values() for key, t in sorted(s.items())
+                 if torch.is_tensor(t) and t.is_floating_point() and key != "step"]
+        self.gossip.average_all(state)
+        self.inner._copy_main_params_to_model_params()
+
+    def state_dict(self) -> dict:
+        return {**self.inner.state_dict(), ROUNDS_KEY: self.rounds_done}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        self.rounds_done = int(state_dict.pop(ROUNDS_KEY, 0))
+        self.inner.load_state_dict(state_dict)
