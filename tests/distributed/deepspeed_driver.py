@@ -5,7 +5,8 @@ their trainings one after the other in the same ranks: ``deepspeed --num_gpus N
 tests/distributed/deepspeed_driver.py`` with ``DS_TEST_SPEC`` naming a JSON file
 ``{"out": path, "runs": [{"name": ..., "argv": [...]}, ...]}``. Between runs the
 model-parallel groups are torn down (the process group stays). Rank 0 writes
-``{name: [[iteration, lm loss, grad norm], ...]}`` to ``out``.
+``{name: {"train": [[iteration, lm loss, grad norm], ...], "valid": last validation lm loss}}``
+to ``out``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ def main() -> None:
     results = {}
     for run in spec["runs"]:
         state = pretrain_gpt.main(run["argv"])
-        results[run["name"]] = [[h["iteration"], h["losses"].get("lm loss"), h["grad_norm"]]
-                                for h in state.history]
+        results[run["name"]] = {
+            "train": [[h["iteration"], h["losses"].get("lm loss"), h["grad_norm"]]
+                      for h in state.history],
+            "valid": state.last_valid_losses.get("lm loss")}
         parallel_state.destroy_model_parallel()
     if dist.get_rank() == 0:
         with open(spec["out"], "w") as f:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def argv(**overrides) -> list[str]:
         "--global-batch-size": 8, "--train-iters": ITERS, "--lr-decay-iters": ITERS,
         "--lr": 1e-3, "--min-lr": 1e-4, "--lr-warmup-iters": 1, "--lr-decay-style": "cosine",
         "--clip-grad": 1.0, "--hidden-dropout": 0.0, "--attention-dropout": 0.0,
-        "--log-interval": 1, "--eval-interval": 1000, "--eval-iters": 0, "--num-workers": 0,
+        "--log-interval": 1, "--eval-interval": 5, "--eval-iters": 2, "--num-workers": 0,
         "--mock-data": True, "--tokenizer-type": "NullTokenizer", "--vocab-size": 127,
         "--make-vocab-size-divisible-by": 64, "--seed": 1234, "--use-cpu": True,
     }
@@ -55,7 +56,7 @@ def zero(stage: int, **more) -> list[str]:
 
 def launch(num_ranks: int, runs: dict[str, list[str]], tmp_path: Path) -> tuple[dict, str]:
     """Run ``runs`` (name -> argv) in one ``deepspeed --num_gpus N`` launch; returns each
-    run's [[iteration, loss, grad norm]] and the launch's output."""
+    run's {"train": [[iteration, loss, grad norm]], "valid": loss} and the launch's output."""
     out = tmp_path / f"results{num_ranks}.json"
     spec = tmp_path / f"spec{num_ranks}.json"
     spec.write_text(json.dumps({"out": str(out), "runs": [
@@ -72,21 +73,26 @@ def launch(num_ranks: int, runs: dict[str, list[str]], tmp_path: Path) -> tuple[
 
 def _train(rank, world_size, args):
     state = pretrain_gpt.main(args)
-    return [[h["iteration"], h["losses"]["lm loss"], h["grad_norm"]] for h in state.history]
+    return {"train": [[h["iteration"], h["losses"]["lm loss"], h["grad_norm"]]
+                      for h in state.history],
+            "valid": state.last_valid_losses["lm loss"]}
 
 
 def assert_same(got, expected, rel=1e-5):
-    assert [g[0] for g in got] == [e[0] for e in expected]
-    for (it, loss, norm), (_, ref_loss, ref_norm) in zip(got, expected):
+    """Training losses and grad norms, and the validation loss at iteration 5."""
+    assert [g[0] for g in got["train"]] == [e[0] for e in expected["train"]]
+    for (it, loss, norm), (_, ref_loss, ref_norm) in zip(got["train"], expected["train"]):
         assert math.isclose(loss, ref_loss, rel_tol=rel), (it, loss, ref_loss)
         assert math.isclose(norm, ref_norm, rel_tol=rel), (it, norm, ref_norm)
+    if expected["valid"] is not None:
+        assert math.isclose(got["valid"], expected["valid"], rel_tol=rel)
 
 
 @pytest.fixture(scope="module")
 def reference():
     """The built-in engine in one process."""
     run = run_distributed(_train, 1, argv())[0]
-    assert len(run) == ITERS
+    assert len(run["train"]) == ITERS and run["valid"] is not None
     return run
 
 
@@ -105,20 +111,23 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
     results, log = launch(2, runs, tmp_path)
     for stage in (1, 2, 3):
         assert_same(results[f"zero{stage}"], reference)
-        # DeepSpeed's own line for its ZeRO optimizer, and ours naming the stage.
-        assert f"ZeRO stage {stage} optimizer" in log or f"stage {stage}" in log
-        assert f"> DeepSpeed engine" in log and f"ZeRO stage {stage}, plain model" in log
+        # DeepSpeed's own configuration print, and our line naming the stage.
+        assert re.search(rf"\[config.py:\d+:print\] +zero_optimization_stage \.+ {stage}\n",
+                         log), stage
+        assert re.search(rf"> DeepSpeed engine \S+: ZeRO stage {stage}, plain model", log)
     assert "[Rank 0] step=5, skipped=0" in log  # DeepSpeed's engine stepped
     # Pipeline engine: DeepSpeed's PipelineModule at pp 2 against the built-in 1F1B at pp 2.
-    assert "pipeline engine (PipelineModule)" in log and "STAGE=1 LAYERS=" in log
+    # DeepSpeed's partition: stage 0 holds the embedding and the first layer.
+    assert "pipeline engine (PipelineModule)" in log and "STAGE=0 LAYERS=2 [0, 2)" in log
     assert_same(results["pipe_pp2"], results["native_pp2"])
     assert_same(results["native_pp2"], reference)
     # Resume: iterations 4 and 5 after loading iteration 3 are those of the unbroken run.
     assert (ckpt / "latest").read_text().strip() == "global_step3"
     assert "loaded DeepSpeed checkpoint" in log
     resumed = results["zero1_resumed"]
-    assert [r[0] for r in resumed] == [4, 5]
-    assert resumed == results["zero1"][3:]  # bit for bit
+    assert [r[0] for r in resumed["train"]] == [4, 5]
+    assert resumed["train"] == results["zero1"]["train"][3:]  # bit for bit
+    assert resumed["valid"] == results["zero1"]["valid"]
     # The built-in engine refuses DeepSpeed's checkpoint, saying what to do.
     from megatron.checkpointing import CheckpointError, check_load_dir
 
@@ -128,9 +137,20 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
 
 def test_tensor_parallel_2_with_zero1_four_ranks(reference, tmp_path):
     tp2 = {"--tensor-model-parallel-size": 2}
-    results, log = launch(4, {"tp2_zero1": zero(1, **tp2)}, tmp_path)
-    assert "ZeRO stage 1, plain model" in log
+    dropout = {**tp2, "--hidden-dropout": 0.1, "--attention-dropout": 0.1}
+    results, log = launch(4, {
+        "tp2_zero1": zero(1, **tp2),
+        # DeepSpeed's activation checkpointing replays dropout from our RNG tracker: the
+        # recomputed layers give the gradients of the built-in run without recompute.
+        "tp2_ds_recompute": zero(1, **dropout, **{
+            "--deepspeed-activation-checkpointing": True, "--partition-activations": True,
+            "--recompute-granularity": "full", "--recompute-method": "uniform"}),
+        "tp2_native_dropout": argv(**dropout),
+    }, tmp_path)
+    assert re.search(r"> DeepSpeed engine \S+: ZeRO stage 1, plain model", log)
     assert_same(results["tp2_zero1"], reference)
+    assert_same(results["tp2_ds_recompute"], results["tp2_native_dropout"])
+    assert results["tp2_native_dropout"] != reference  # dropout was on
 
 
 if __name__ == "__main__":
