@@ -98,6 +98,8 @@ def reference():
 
 def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
     ckpt = tmp_path / "ds_ckpt"
+    dropout = {"--tensor-model-parallel-size": 2, "--hidden-dropout": 0.1,
+               "--attention-dropout": 0.1}
     runs = {
         "zero1": zero(1), "zero2": zero(2), "zero3": zero(3),
         # Stopped (and saved) at iteration 3, then the same command with --load.
@@ -107,6 +109,12 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
         "pipe_pp2": argv(**{"--deepspeed": True, "--zero-stage": 1,
                             "--pipeline-model-parallel-size": 2}),
         "native_pp2": argv(**{"--pipeline-model-parallel-size": 2}),
+        # DeepSpeed's activation checkpointing (tp 2) replays dropout from our RNG tracker:
+        # the recomputed layers give the gradients of the built-in run without recompute.
+        "tp2_ds_recompute": zero(1, **dropout, **{
+            "--deepspeed-activation-checkpointing": True, "--partition-activations": True,
+            "--recompute-granularity": "full", "--recompute-method": "uniform"}),
+        "tp2_native_dropout": argv(**dropout),
     }
     results, log = launch(2, runs, tmp_path)
     for stage in (1, 2, 3):
@@ -133,24 +141,16 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
 
     with pytest.raises(CheckpointError, match="DeepSpeed checkpoint.*add --deepspeed"):
         check_load_dir(str(ckpt))
+    assert "----Partition Activations True" in log  # DeepSpeed's checkpoint ran
+    assert_same(results["tp2_ds_recompute"], results["tp2_native_dropout"])
+    assert results["tp2_native_dropout"]["train"] != reference["train"]  # dropout was on
 
 
 def test_tensor_parallel_2_with_zero1_four_ranks(reference, tmp_path):
-    tp2 = {"--tensor-model-parallel-size": 2}
-    dropout = {**tp2, "--hidden-dropout": 0.1, "--attention-dropout": 0.1}
-    results, log = launch(4, {
-        "tp2_zero1": zero(1, **tp2),
-        # DeepSpeed's activation checkpointing replays dropout from our RNG tracker: the
-        # recomputed layers give the gradients of the built-in run without recompute.
-        "tp2_ds_recompute": zero(1, **dropout, **{
-            "--deepspeed-activation-checkpointing": True, "--partition-activations": True,
-            "--recompute-granularity": "full", "--recompute-method": "uniform"}),
-        "tp2_native_dropout": argv(**dropout),
-    }, tmp_path)
+    results, log = launch(4, {"tp2_zero1": zero(1, **{"--tensor-model-parallel-size": 2})},
+                          tmp_path)
     assert re.search(r"> DeepSpeed engine \S+: ZeRO stage 1, plain model", log)
     assert_same(results["tp2_zero1"], reference)
-    assert_same(results["tp2_ds_recompute"], results["tp2_native_dropout"])
-    assert results["tp2_native_dropout"] != reference  # dropout was on
 
 
 if __name__ == "__main__":

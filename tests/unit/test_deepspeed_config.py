@@ -121,3 +121,13 @@ def test_cli_stops_before_any_process_group(tmp_path):
                      RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "error: ZeRO stage 3" in proc.stderr and "compute device" not in proc.stdout
+
+
+def test_only_the_adapter_imports_deepspeed():
+    importers = []
+    for path in [*(REPO / "megatron").rglob("*.py"), *(REPO / "tools").rglob("*.py"),
+                 REPO / "pretrain_gpt.py"]:
+        text = path.read_text()
+        if "import deepspeed" in text or "from deepspeed" in text:
+            importers.append(path.relative_to(REPO).as_posix())
+    assert importers == ["megatron/integrations/deepspeed.py"]
