@@ -97,7 +97,8 @@ def reference():
 
 
 def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
-    ckpt = tmp_path / "ds_ckpt"
+    ckpt, pipe_ckpt = tmp_path / "ds_ckpt", tmp_path / "ds_pipe_ckpt"
+    pipe = {"--deepspeed": True, "--zero-stage": 1, "--pipeline-model-parallel-size": 2}
     dropout = {"--tensor-model-parallel-size": 2, "--hidden-dropout": 0.1,
                "--attention-dropout": 0.1}
     runs = {
@@ -106,8 +107,10 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
         "zero1_first3": zero(1, **{"--exit-interval": 3, "--save": ckpt,
                                    "--save-interval": 100}),
         "zero1_resumed": zero(1, **{"--load": ckpt}),
-        "pipe_pp2": argv(**{"--deepspeed": True, "--zero-stage": 1,
-                            "--pipeline-model-parallel-size": 2}),
+        "pipe_pp2": argv(**pipe),
+        "pipe_pp2_first3": argv(**pipe, **{"--exit-interval": 3, "--save": pipe_ckpt,
+                                           "--save-interval": 100}),
+        "pipe_pp2_resumed": argv(**pipe, **{"--load": pipe_ckpt}),
         "native_pp2": argv(**{"--pipeline-model-parallel-size": 2}),
         # DeepSpeed's activation checkpointing (tp 2) replays dropout from our RNG tracker:
         # the recomputed layers give the gradients of the built-in run without recompute.
@@ -136,6 +139,11 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
     assert [r[0] for r in resumed["train"]] == [4, 5]
     assert resumed["train"] == results["zero1"]["train"][3:]  # bit for bit
     assert resumed["valid"] == results["zero1"]["valid"]
+    # The same through the pipeline engine's checkpoints (one file per layer).
+    assert (pipe_ckpt / "latest").read_text().strip() == "global_step3"
+    resumed = results["pipe_pp2_resumed"]
+    assert resumed["train"] == results["pipe_pp2"]["train"][3:]
+    assert resumed["valid"] == results["pipe_pp2"]["valid"]
     # The built-in engine refuses DeepSpeed's checkpoint, saying what to do.
     from megatron.checkpointing import CheckpointError, check_load_dir
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -127,7 +128,16 @@ def test_only_the_adapter_imports_deepspeed():
     importers = []
     for path in [*(REPO / "megatron").rglob("*.py"), *(REPO / "tools").rglob("*.py"),
                  REPO / "pretrain_gpt.py"]:
-        text = path.read_text()
-        if "import deepspeed" in text or "from deepspeed" in text:
+        if re.search(r"^\s*(import deepspeed|from deepspeed[\s.])", path.read_text(), re.M):
             importers.append(path.relative_to(REPO).as_posix())
     assert importers == ["megatron/integrations/deepspeed.py"]
+
+
+def test_a_megatron_checkpoint_under_deepspeed_says_what_to_do(tmp_path):
+    from megatron.integrations.deepspeed import check_load_folder
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    with pytest.raises(DeepSpeedSetupError, match="Megatron checkpoint.*drop --deepspeed"):
+        check_load_folder(parse_args([*BASE, "--load", str(tmp_path)], world_size=1))
+    (tmp_path / "latest").write_text("global_step10")  # DeepSpeed's own tracker beside it
+    check_load_folder(parse_args([*BASE, "--load", str(tmp_path)], world_size=1))
