@@ -263,8 +263,11 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
 def engine_train_step(engine, forward_step: Callable, data_iterator, ctx: RunContext,
                       num_microbatches: int) -> StepResult:
     """One iteration through DeepSpeed's engine, reported as ``train_step`` reports it."""
+    timers = ctx.timers
+    timers("forward-backward-optimizer", log_level=1).start()
     losses, applied, grad_norm = engine.train_step(forward_step, data_iterator,
                                                    num_microbatches)
+    timers("forward-backward-optimizer").stop()
     nonfinite = None
     if ctx.config.optimizer.check_for_nan_in_loss_and_grad:
         bad_loss = locate_nonfinite_loss(losses)

@@ -181,7 +181,9 @@ class RunConfig:
                 (p.sequence_parallel, "--sequence-parallel is not wired into DeepSpeed's "
                  "engine; drop it or train without --deepspeed"),
                 (self.training.rampup_batch_size, "--rampup-batch-size: DeepSpeed's engine "
-                 "keeps one gradient-accumulation count for the whole run")):
+                 "keeps one gradient-accumulation count for the whole run"),
+                (self.logging.log_bubble, "--log-bubble measures the built-in pipeline "
+                 "schedules, not DeepSpeed's")):
             require(not given, f"{why} (with --deepspeed)")
         require(not (self.deepspeed.no_pipeline_parallel and pp > 1),
                 f"--no-pipeline-parallel runs the plain model in DeepSpeed's engine, which has "

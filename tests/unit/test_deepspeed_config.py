@@ -101,6 +101,7 @@ def test_combinations_deepspeed_cannot_run():
                                               "--deepspeed-activation-checkpointing",
                                               "--checkpoint-activations")
     assert "--reset-attention-mask" in error("--reset-attention-mask")
+    assert "--log-bubble" in error("--log-bubble")
 
 
 def _pretrain(*flags: str, **env) -> subprocess.CompletedProcess:
