@@ -42,6 +42,7 @@ from megatron.core.pipeline_parallel import bubble
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.dataset_utils import train_valid_test_num_samples as data_sample_counts
 from megatron.initialize import initialize_megatron
+from megatron.integrations.deepspeed import deepspeed_config_or_exit
 from megatron.microbatches import NumMicroBatchesCalculator
 from megatron.model.transformer import flash_attn_installed
 from megatron.nonfinite import (
@@ -184,7 +185,8 @@ def setup_model_and_optimizer(model_provider: Callable, ctx: RunContext):
 
 
 def num_parameters(chunks: Sequence[nn.Module]) -> int:
-    return sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    # ZeRO-3 leaves each rank a shard; ds_numel is the whole parameter's size.
+    return sum(getattr(p, "ds_numel", p.numel()) for chunk in chunks for p in chunk.parameters())
 
 
 # Data ------------------------------------------------------------------------------------
@@ -312,19 +314,39 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
     return StepResult(_reduce_losses(losses), not updated, grad_norm, num_zeros, nonfinite)
 
 
+def engine_train_step(engine, forward_step: Callable, data_iterator, ctx: RunContext,
+                      num_microbatches: int) -> StepResult:
+    """One iteration through DeepSpeed's engine, reported as ``train_step`` reports it."""
+    timers = ctx.timers
+    timers("forward-backward-optimizer", log_level=1).start()
+    losses, applied, grad_norm = engine.train_step(forward_step, data_iterator,
+                                                   num_microbatches)
+    timers("forward-backward-optimizer").stop()
+    nonfinite = None
+    if ctx.config.optimizer.check_for_nan_in_loss_and_grad:
+        bad_loss = locate_nonfinite_loss(losses)
+        if bad_loss is not None:  # DeepSpeed applied the step: say so, the guard counts it
+            nonfinite = describe_nonfinite_loss(*bad_loss, num_microbatches)
+    return StepResult(_reduce_losses(losses), not applied, grad_norm, None, nonfinite)
+
+
 def evaluate(forward_step: Callable, data_iterator, chunks, ctx: RunContext,
-             num_microbatches: int, eval_iters: int) -> dict[str, float]:
-    """Mean loss over ``eval_iters`` forward-only iterations."""
+             num_microbatches: int, eval_iters: int, engine=None) -> dict[str, float]:
+    """Mean loss over ``eval_iters`` forward-only iterations (through DeepSpeed's ``engine``
+    where it trains)."""
     for chunk in chunks:
         chunk.eval()
     totals: dict[str, float] = {}
     schedule = get_forward_backward_func()
     for _ in range(eval_iters):
-        losses = schedule(forward_step_func=forward_step, data_iterator=data_iterator,
-                          model=chunks, num_microbatches=num_microbatches,
-                          seq_length=ctx.config.model.seq_length,
-                          micro_batch_size=ctx.config.training.micro_batch_size,
-                          forward_only=True)
+        if engine is not None:
+            losses = engine.eval_step(forward_step, data_iterator, num_microbatches)
+        else:
+            losses = schedule(forward_step_func=forward_step, data_iterator=data_iterator,
+                              model=chunks, num_microbatches=num_microbatches,
+                              seq_length=ctx.config.model.seq_length,
+                              micro_batch_size=ctx.config.training.micro_batch_size,
+                              forward_only=True)
         for name, value in _reduce_losses(losses).items():
             totals[name] = totals.get(name, 0.0) + value
     for chunk in chunks:
@@ -363,8 +385,11 @@ class Trainer:
     """Holds what the loop needs between iterations; ``train()`` runs to the end or an exit."""
 
     def __init__(self, ctx: RunContext, forward_step, chunks, optimizer, scheduler,
-                 iterators, state: TrainState) -> None:
+                 iterators, state: TrainState, engine=None) -> None:
         self.ctx, self.cfg = ctx, ctx.config
+        # DeepSpeed's engine (megatron/integrations/deepspeed.py DeepSpeedRun) where it
+        # trains: it replaces the schedule, the step and the checkpoint files, nothing else.
+        self.engine = engine
         self.forward_step, self.chunks = forward_step, chunks
         self.optimizer, self.scheduler = optimizer, scheduler
         self.train_iter, self.valid_iter, self.test_iter = iterators
@@ -437,8 +462,12 @@ class Trainer:
             self.calculator.update(s.consumed_train_samples)
             num_micro = self.calculator.num_microbatches
             gbs = self.calculator.current_global_batch_size
-            result = train_step(self.forward_step, self.train_iter, self.chunks,
-                                self.optimizer, self.scheduler, self.ctx, num_micro)
+            if self.engine is not None:
+                result = engine_train_step(self.engine, self.forward_step, self.train_iter,
+                                           self.ctx, num_micro)
+            else:
+                result = train_step(self.forward_step, self.train_iter, self.chunks,
+                                    self.optimizer, self.scheduler, self.ctx, num_micro)
             s.iteration += 1
             s.consumed_train_samples += gbs
             empty_cuda_cache(self.ctx, level=1)
@@ -578,7 +607,7 @@ class Trainer:
         num_micro = self.cfg.num_microbatches
         self._collect_garbage(at_evaluation=True)
         losses = evaluate(self.forward_step, data_iterator, self.chunks, self.ctx, num_micro,
-                          eval_iters)
+                          eval_iters, self.engine)
         self._collect_garbage(at_evaluation=True)
         empty_cuda_cache(self.ctx, level=1)
         print_rank_0(format_eval(prefix, losses))
@@ -669,6 +698,11 @@ class Trainer:
         average = getattr(self.optimizer, "average_replicas", None)
         if average is not None:  # --dp-mode decentralized saves the replicas' mean
             average()
+        if self.engine is not None:
+            folder = self.engine.save(self.cfg.checkpoint.save, s.iteration,
+                                      s.consumed_train_samples, s.consumed_valid_samples)
+            s.last_saved, s.last_checkpoint = s.iteration, folder
+            return True
         check_finite_for_save(self.chunks, self.optimizer, s.iteration)
         folder = checkpointing.save_checkpoint(
             s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
@@ -725,6 +759,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     _check_checkpoint_folders_or_exit(cfg)
     _check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
+    ds_config = deepspeed_config_or_exit(cfg)
     if cfg.training.dry_run:
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
     device = initialize_megatron(cfg)
@@ -739,16 +774,25 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                      "runs through PyTorch's scaled_dot_product_attention (its flash kernel on "
                      "a GPU in bf16/fp16)")
 
-    chunks, optimizer, scheduler = setup_model_and_optimizer(model_provider, ctx)
+    engine = None
+    if ds_config is not None:
+        from megatron.integrations import deepspeed as ds_integration
+
+        engine = ds_integration.setup_engine(model_provider, ctx, ds_config)
+        chunks, optimizer, scheduler = engine.chunks, engine.optimizer, engine.scheduler
+    else:
+        chunks, optimizer, scheduler = setup_model_and_optimizer(model_provider, ctx)
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                  f"({parallel_state.get_tensor_model_parallel_rank()}, "
                  f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_parameters(chunks)}")
     state = TrainState()
-    if cfg.checkpoint.load:
+    if cfg.checkpoint.load and engine is not None:
+        engine.load(state)
+    elif cfg.checkpoint.load:
         load_into(state, chunks, optimizer, scheduler, _eval_only_load(cfg))
     forward_step = functools.partial(forward_step_func, ctx)
     iterators = build_data_iterators(train_valid_test_datasets_provider, ctx, state)
-    trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state)
+    trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state, engine)
     if cfg.training.eval_only:
         trainer.evaluate_only()
         trainer.tensorboard.close()
@@ -860,7 +904,7 @@ def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
 
     try:
         if cfg.checkpoint.load:
-            checkpointing.check_load_dir(cfg.checkpoint.load)
+            checkpointing.check_load_dir(cfg.checkpoint.load, cfg.deepspeed.deepspeed)
         if cfg.checkpoint.save:
             checkpointing.check_save_dir(cfg.checkpoint.save)
     except checkpointing.CheckpointError as error:

@@ -143,9 +143,10 @@ def check_layout(iter_dir: str, tp_size: int, pp_size: int) -> None:
 # --load and --save, checked before the model is built.
 
 
-def check_load_dir(load_dir: str) -> None:
+def check_load_dir(load_dir: str, deepspeed: bool = False) -> None:
     """``--load`` must be the folder that holds the tracker file, or not exist yet (a first
-    run with ``--save`` and ``--load`` the same folder starts from scratch)."""
+    run with ``--save`` and ``--load`` the same folder starts from scratch). ``deepspeed``:
+    the run trains with DeepSpeed's engine, which reads DeepSpeed's checkpoints."""
     if not os.path.exists(load_dir):
         return
     if not os.path.isdir(load_dir):
@@ -154,6 +155,13 @@ def check_load_dir(load_dir: str) -> None:
                               "that wrote it)")
     if os.path.isfile(os.path.join(load_dir, TRACKER_FILENAME)):
         return
+    if os.path.isfile(os.path.join(load_dir, "latest")):  # DeepSpeed's tracker file
+        if deepspeed:
+            return
+        raise CheckpointError(f"--load {load_dir} holds a DeepSpeed checkpoint (its 'latest' "
+                              "file names the tag), which the built-in engine does not read: "
+                              "add --deepspeed (with the --zero-stage and --deepspeed_config "
+                              "it was saved with) to resume it")
     name = os.path.basename(os.path.normpath(load_dir))
     has_ranks = any(MP_RANK_RE.fullmatch(n) for n in os.listdir(load_dir))
     if has_ranks or ITER_RE.fullmatch(name) or name == "release":

@@ -1,9 +1,10 @@
-"""Megatron-DeepSpeed's DeepSpeed flags.
+"""Megatron-DeepSpeed's DeepSpeed flags: the engine behind ``--deepspeed``.
 
-DeepSpeed's engine is not wired into this framework yet. Users' scripts pass these flags, and a
-run that silently ignored them would train with something else than they asked for, so each
-is refused with a message saying so; the built-in engine (data parallel with
-``--use-distributed-optimizer`` for ZeRO-1-style sharding) is what trains today.
+The flags select DeepSpeed's engine (``megatron/integrations/deepspeed.py``, the one module
+that imports deepspeed): ZeRO stages 0-3, its pipeline engine, its activation checkpointing
+and its checkpoints. The JSON file named by ``--deepspeed_config`` is read and checked against
+these flags by that module, before any process group exists; the rules that need only flags
+are here and in ``RunConfig``.
 """
 
 from __future__ import annotations
@@ -11,31 +12,57 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.config.base import Slice, check_refused, option
+from megatron.config.base import Slice, flag, option, require
 
-_NOT_YET = ("DeepSpeed's engine is not wired into this framework yet; drop the DeepSpeed "
-            "flags (--deepspeed, --deepspeed_config, --zero-stage, "
-            "--deepspeed-activation-checkpointing, --no-pipeline-parallel) to train with the "
-            "built-in engine, which shards optimizer state with --use-distributed-optimizer")
+_NEEDS_DEEPSPEED = ("zero_stage", "deepspeed_config", "deepspeed_activation_checkpointing",
+                    "no_pipeline_parallel")
+_ACTIVATION_SWITCHES = ("partition_activations", "contigious_checkpointing",
+                        "checkpoint_in_cpu", "synchronize_each_layer")
 
 
 @dataclass(frozen=True)
 class DeepSpeedConfig(Slice):
-    """DeepSpeed engine switches (refused until the engine is wired)."""
+    """DeepSpeed engine switches (Megatron-DeepSpeed's spellings)."""
 
-    deepspeed: bool = option(default=False, help="Train with DeepSpeed's engine (not "
-                             "available yet).", refused=_NOT_YET)
+    deepspeed: bool = option(default=False, help="Train with DeepSpeed's engine (ZeRO, its "
+                             "pipeline engine and checkpoints) instead of the built-in one.")
     deepspeed_config: Optional[str] = option(
         "--deepspeed_config", "--deepspeed-config", default=None,
-        help="DeepSpeed JSON config (not available yet).", refused=_NOT_YET)
-    zero_stage: Optional[int] = option(default=None, choices=(0, 1, 2, 3),
-                                       help="ZeRO stage (not available yet).", refused=_NOT_YET)
+        help="DeepSpeed's JSON config; batch sizes and precision must agree with the flags "
+        "(generated from the flags when unset) (default: None)")
+    zero_stage: Optional[int] = option(
+        default=None, choices=(0, 1, 2, 3), help="ZeRO stage; overrides the JSON file's "
+        "zero_optimization.stage (default: the file's, else 0)")
     deepspeed_activation_checkpointing: bool = option(
-        default=False, help="DeepSpeed's activation checkpointing (not available yet).",
-        refused=_NOT_YET)
+        default=False, help="Recompute activations with DeepSpeed's checkpointing (needs "
+        "--recompute-granularity full / --checkpoint-activations).")
+    partition_activations: bool = option(
+        default=False, help="DeepSpeed activation checkpointing: split each checkpointed "
+        "activation over the tensor-parallel ranks.")
+    contigious_checkpointing: bool = option(
+        default=False, help="DeepSpeed activation checkpointing: copy checkpointed "
+        "activations into one contiguous buffer (needs --partition-activations).")
+    checkpoint_in_cpu: bool = option(
+        default=False, help="DeepSpeed activation checkpointing: keep checkpointed "
+        "activations in host memory (needs --partition-activations).")
+    synchronize_each_layer: bool = option(
+        default=False, help="DeepSpeed activation checkpointing: synchronize the device "
+        "at the start and end of each checkpointed layer.")
     no_pipeline_parallel: bool = option(
-        default=False, help="DeepSpeed engine without its pipeline module (not available "
-        "yet).", refused=_NOT_YET)
+        default=False, help="Under --deepspeed: the plain model in DeepSpeed's engine, not "
+        "its PipelineModule (needs --pipeline-model-parallel-size 1; ZeRO 2 and 3 need it).")
 
     def __post_init__(self) -> None:
-        check_refused(self)
+        if not self.deepspeed:
+            for name in _NEEDS_DEEPSPEED + _ACTIVATION_SWITCHES:
+                value = getattr(self, name)
+                require(value in (None, False),
+                        f"{flag(name) if name != 'deepspeed_config' else '--deepspeed_config'}"
+                        " applies to DeepSpeed's engine: add --deepspeed")
+        if not self.deepspeed_activation_checkpointing:
+            for name in _ACTIVATION_SWITCHES:
+                require(not getattr(self, name), f"{flag(name)} is a setting of DeepSpeed's "
+                        "activation checkpointing: add --deepspeed-activation-checkpointing")
+        for name in ("contigious_checkpointing", "checkpoint_in_cpu"):
+            require(not getattr(self, name) or self.partition_activations,
+                    f"{flag(name)} needs --partition-activations (DeepSpeed's rule)")

@@ -64,6 +64,7 @@ class RunConfig:
         self._check_warmup_fits_decay()
         self._check_eval_only()
         self._check_decentralized()
+        self._check_deepspeed()
 
     def _set(self, slice_name: str, **changes: Any) -> None:
         current = getattr(self, slice_name)
@@ -186,6 +187,33 @@ class RunConfig:
         require(not warmup or warmup < decay,
                 f"{flag('lr_warmup_' + unit)} ({warmup}) must be shorter than the learning-rate "
                 f"decay, {decay_text}")
+
+    def _check_deepspeed(self) -> None:
+        """What DeepSpeed's engine cannot combine with (the rules that need its JSON file are
+        in megatron/integrations/deepspeed.py)."""
+        if not self.deepspeed.deepspeed:
+            return
+        p, pp = self.parallel, self.parallel.pipeline_model_parallel_size
+        for given, why in (
+                (p.num_layers_per_virtual_pipeline_stage, "--num-layers-per-virtual-pipeline-"
+                 "stage: DeepSpeed's pipeline engine has no interleaved schedule"),
+                (self.optimizer.use_distributed_optimizer, "--use-distributed-optimizer: "
+                 "under --deepspeed ZeRO shards the optimizer state; use --zero-stage 1"),
+                (p.sequence_parallel, "--sequence-parallel is not wired into DeepSpeed's "
+                 "engine; drop it or train without --deepspeed"),
+                (self.training.rampup_batch_size, "--rampup-batch-size: DeepSpeed's engine "
+                 "keeps one gradient-accumulation count for the whole run"),
+                (self.logging.log_bubble, "--log-bubble measures the built-in pipeline "
+                 "schedules, not DeepSpeed's")):
+            require(not given, f"{why} (with --deepspeed)")
+        require(not (self.deepspeed.no_pipeline_parallel and pp > 1),
+                f"--no-pipeline-parallel runs the plain model in DeepSpeed's engine, which has "
+                f"no pipeline stages: it needs --pipeline-model-parallel-size 1, got {pp}")
+        if self.deepspeed.deepspeed_activation_checkpointing:
+            require(self.model.recompute_granularity == "full",
+                    "--deepspeed-activation-checkpointing recomputes whole layers: add "
+                    "--recompute-granularity full --recompute-method uniform (or "
+                    "--checkpoint-activations)")
 
     @property
     def pipeline_stage_num_layers(self) -> tuple[int, ...]:

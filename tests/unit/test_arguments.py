@@ -136,14 +136,15 @@ def test_gpt3_175b_interleaved_virtual_pipeline():
     assert c.parallel.virtual_pipeline_model_parallel_size == 3  # 96 / 8 stages / 4 per chunk
 
 
-def test_megatron_deepspeed_flags_are_refused_until_the_engine_is_wired():
-    # Accepted and ignored, they trained with another engine than asked: each is refused.
-    for flags in (["--deepspeed"], ["--deepspeed_config", "ds.json"],
-                  ["--deepspeed-config", "ds.json"], ["--zero-stage", "1"],
-                  ["--deepspeed-activation-checkpointing"], ["--no-pipeline-parallel"]):
+def test_deepspeed_flags_need_deepspeed():
+    # Without --deepspeed they would train with another engine than asked: each is refused.
+    for flags in (["--deepspeed_config", "ds.json"], ["--deepspeed-config", "ds.json"],
+                  ["--zero-stage", "1"], ["--deepspeed-activation-checkpointing"],
+                  ["--no-pipeline-parallel"], ["--partition-activations"]):
         assert_names(error_of([*BASE, *flags]), flags[0].replace("-config", "_config"),
-                     "not wired", "--use-distributed-optimizer")
+                     "add --deepspeed")
     assert parse().deepspeed == DeepSpeedConfig()
+    assert parse("--deepspeed", "--zero-stage", "2").deepspeed.zero_stage == 2
 
 
 # ----------------------------------------------------------------------------- defaults, aliases

@@ -46,6 +46,9 @@ NEW_FLAGS = {
     "--dry-run",  # the planner behind pretrain_gpt.py (issue 12)
     # Decentralized data parallelism with AccumAdamW (issue 15).
     "--dp-mode", "--dp-topology", "--accum-steps",
+    # DeepSpeed's activation checkpointing settings, Megatron-DeepSpeed's spellings (issue 12).
+    "--partition-activations", "--contigious-checkpointing", "--checkpoint-in-cpu",
+    "--synchronize-each-layer",
 }
 
 
@@ -137,6 +140,7 @@ def test_refused_flags_stop_the_run_naming_the_flag():
                if f.metadata.get("refused")]
     assert {f.name for f, _ in refused} >= {"deepspeed", "deepspeed_config", "zero_stage",
                                              "ckpt_format"}
+    assert {f.name for f, _ in refused} >= {"wandb_project", "ckpt_format"}
     for f, _ in refused:
         default = field_default(f)
         value = [] if isinstance(default, bool) else [

@@ -169,6 +169,18 @@ class _CheckpointFunction(torch.autograd.Function):
         return (None, None) + input_grads + (None,) * len(ctx.other_args)
 
 
+# An engine with its own recompute (DeepSpeed's activation checkpointing, configured with the
+# tracker above by megatron/integrations/deepspeed.py) replaces the built-in one here; None:
+# the built-in one.
+_CHECKPOINT_IMPL: Optional[Callable[..., Any]] = None
+
+
+def set_checkpoint_implementation(impl: Optional[Callable[..., Any]]) -> None:
+    """Route ``checkpoint`` through ``impl(fn, *tensors)`` (None: the built-in recompute)."""
+    global _CHECKPOINT_IMPL
+    _CHECKPOINT_IMPL = impl
+
+
 def checkpoint(fn: Callable[..., Any], *tensors: torch.Tensor, **_unused) -> Any:
     """Recompute ``fn(*tensors)`` in backward instead of storing its activations.
 
@@ -176,4 +188,6 @@ def checkpoint(fn: Callable[..., Any], *tensors: torch.Tensor, **_unused) -> Any
     both the default generator and the tensor-parallel tracker. All arguments must be tensors
     (wrap other values in ``fn``'s closure); at least one should require grad.
     """
+    if _CHECKPOINT_IMPL is not None:
+        return _CHECKPOINT_IMPL(fn, *tensors)
     return _CheckpointFunction.apply(fn, len(tensors), *tensors)

@@ -1,0 +1,1 @@
+"""Bridges to outside engines (DeepSpeed), each behind one module."""

@@ -1,0 +1,522 @@
+"""DeepSpeed's engine behind ``--deepspeed``: the one module that imports deepspeed.
+
+- **Config**: ``deepspeed_config_or_exit`` reads ``--deepspeed_config`` (or generates the JSON
+  from our flags), checks it against the flags (batch sizes, precision, ZeRO with the pipeline
+  engine) and ends the run naming the file and flag, before any process group exists.
+- **Engine**: ``setup_engine`` builds the model, our optimizer and LR schedule (or DeepSpeed's
+  when the JSON names them) and calls ``deepspeed.initialize`` with our parallel state as its
+  ``mpu``, so ZeRO shards over the data-parallel group and tensor parallelism stays ours.
+  Without ``--no-pipeline-parallel`` the model is GPT's layers as a DeepSpeed
+  ``PipelineModule`` (tied LM head, a topology matching our groups), run with
+  ``train_batch``/``eval_batch``.
+- **Recompute and checkpoints**: DeepSpeed's activation checkpointing configured with our RNG
+  tracker; ``engine.save_checkpoint``/``load_checkpoint`` with the iteration, consumed samples,
+  our LR schedule and every data-parallel rank's RNG states as client state.
+
+The training loop (megatron/training.py) is the same as without DeepSpeed: it calls the
+``DeepSpeedRun`` below where it would run its own schedule, step and checkpoint code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.config import RunConfig
+from megatron.core import parallel_state
+
+# DeepSpeed's own files: `latest` names the tag (global_stepN) of the last save.
+DEEPSPEED_LATEST_FILE = "latest"
+
+
+class DeepSpeedSetupError(ValueError):
+    """The DeepSpeed JSON file or its combination with the flags cannot run."""
+
+
+# Config ----------------------------------------------------------------------------------
+
+
+def read_config_file(path: str) -> dict:
+    """The JSON object in ``path``; errors name the file (and the line of a syntax error)."""
+    if not os.path.isfile(path):
+        raise DeepSpeedSetupError(f"--deepspeed_config {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as error:
+        raise DeepSpeedSetupError(f"--deepspeed_config {path}: not valid JSON (line "
+                                  f"{error.lineno}, column {error.colno}: {error.msg})") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise DeepSpeedSetupError(f"--deepspeed_config {path}: cannot be read ({error})") from None
+    if not isinstance(value, dict):
+        raise DeepSpeedSetupError(f"--deepspeed_config {path}: must hold a JSON object, "
+                                  f"not {type(value).__name__}")
+    return value
+
+
+def _agree(ds: dict, key: str, ours: Any, flag_text: str, source: str) -> None:
+    """``ds[key]`` must equal ``ours`` where the file sets it; set it from ``ours`` if not."""
+    if key in ds and ds[key] != "auto" and ds[key] != ours:
+        raise DeepSpeedSetupError(f"{source} has {key} = {ds[key]!r} but {flag_text} gives "
+                                  f"{ours}: make them agree (or drop {key} from the file)")
+    ds[key] = ours
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled", False))
+
+
+def _resolve_precision(ds: dict, cfg: RunConfig, source: str) -> None:
+    opt = cfg.optimizer
+    if "bfloat16" in ds and "bf16" not in ds:  # DeepSpeed's older spelling
+        ds["bf16"] = ds.pop("bfloat16")
+    for key, flag_text, on in (("fp16", "--fp16", opt.fp16), ("bf16", "--bf16", opt.bf16)):
+        if key in ds and _enabled(ds[key]) != on:
+            given = "given" if on else "not given"
+            raise DeepSpeedSetupError(
+                f"{source} has {key}.enabled = {str(_enabled(ds[key])).lower()} but {flag_text} "
+                f"is {given}: make them agree")
+    if opt.fp16:
+        fp16 = dict(ds.get("fp16", {}))
+        fp16.setdefault("enabled", True)
+        fp16.setdefault("loss_scale", opt.loss_scale or 0)  # 0: dynamic
+        fp16.setdefault("initial_scale_power", int(round(math.log2(opt.initial_loss_scale))))
+        fp16.setdefault("loss_scale_window", opt.loss_scale_window)
+        fp16.setdefault("hysteresis", opt.hysteresis)
+        fp16.setdefault("min_loss_scale", opt.min_loss_scale)
+        ds["fp16"] = fp16
+    if opt.bf16:
+        ds["bf16"] = {**ds.get("bf16", {}), "enabled": True}
+
+
+def _resolve_zero(ds: dict, cfg: RunConfig, source: str) -> int:
+    zero = dict(ds.get("zero_optimization", {}))
+    if cfg.deepspeed.zero_stage is not None:
+        zero["stage"] = cfg.deepspeed.zero_stage
+    stage = zero.setdefault("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise DeepSpeedSetupError(f"{source} has zero_optimization.stage = {stage!r}: "
+                                  "must be 0, 1, 2 or 3")
+    ds["zero_optimization"] = zero
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if stage >= 2 and not cfg.deepspeed.no_pipeline_parallel:
+        where = (f"--pipeline-model-parallel-size {pp}: use --zero-stage 1 (or 0), which shards "
+                 "the optimizer state and works with pipeline stages" if pp > 1 else
+                 "add --no-pipeline-parallel to run the plain model in the engine, or use "
+                 "--zero-stage 1")
+        raise DeepSpeedSetupError(
+            f"ZeRO stage {stage} partitions gradients (and, at 3, parameters), which "
+            f"DeepSpeed's pipeline engine does not support; with {where}")
+    return stage
+
+
+def _check_pipeline_engine(cfg: RunConfig) -> None:
+    """What GPT's layers in DeepSpeed's PipelineModule cannot do (only the hidden state
+    travels between its stages; it balances whole layers)."""
+    if cfg.deepspeed.no_pipeline_parallel:
+        return
+    m, p, d = cfg.model, cfg.parallel, cfg.data
+    pp = p.pipeline_model_parallel_size
+    rules = (
+        (d.reset_attention_mask, "--reset-attention-mask: only the hidden state travels "
+         "between DeepSpeed's pipeline stages, so the mask must be the causal one"),
+        (m.untie_embeddings_and_output_weights, "--untie-embeddings-and-output-weights: the "
+         "pipeline model ties the LM head to the embedding"),
+        (p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers,
+         "--decoder-first/last-pipeline-num-layers: DeepSpeed balances the layers itself"),
+        (m.num_layers % pp, f"--num-layers ({m.num_layers}) not divisible by "
+         f"--pipeline-model-parallel-size ({pp}): DeepSpeed would split the layers unlike "
+         "the built-in engine"),
+    )
+    for broken, why in rules:
+        if broken:
+            raise DeepSpeedSetupError(f"{why} (DeepSpeed's pipeline engine; "
+                                      "--no-pipeline-parallel runs the plain model at "
+                                      "--pipeline-model-parallel-size 1)")
+
+
+def build_deepspeed_config(cfg: RunConfig) -> dict:
+    """DeepSpeed's config dict for this run: the ``--deepspeed_config`` file completed from
+    the flags (or generated from them), checked against them."""
+    d, t, opt = cfg.deepspeed, cfg.training, cfg.optimizer
+    path = d.deepspeed_config
+    ds = read_config_file(path) if path else {}
+    source = f"--deepspeed_config {path}" if path else "the generated DeepSpeed config"
+    dp = cfg.data_parallel_size
+    _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size,
+           f"--micro-batch-size {t.micro_batch_size}", source)
+    _agree(ds, "train_batch_size", t.global_batch_size,
+           f"--global-batch-size {t.global_batch_size}", source)
+    _agree(ds, "gradient_accumulation_steps", cfg.num_microbatches,
+           f"--global-batch-size / (--micro-batch-size x data-parallel size {dp})", source)
+    _resolve_precision(ds, cfg, source)
+    ds.setdefault("gradient_clipping", opt.clip_grad)
+    ds.setdefault("steps_per_print", cfg.logging.log_interval)
+    ds.setdefault("wall_clock_breakdown", False)
+    _resolve_zero(ds, cfg, source)
+    _check_pipeline_engine(cfg)
+    return ds
+
+
+def check_load_folder(cfg: RunConfig) -> None:
+    """--deepspeed loads DeepSpeed's checkpoints only: a Megatron checkpoint says so."""
+    from megatron.checkpointing.paths import TRACKER_FILENAME
+
+    load = cfg.checkpoint.load
+    if not load or not os.path.isdir(load):
+        return
+    megatron = os.path.isfile(os.path.join(load, TRACKER_FILENAME))
+    if megatron and not os.path.isfile(os.path.join(load, DEEPSPEED_LATEST_FILE)):
+        raise DeepSpeedSetupError(
+            f"--load {load} holds a Megatron checkpoint ({TRACKER_FILENAME}), which DeepSpeed's "
+            "engine does not read: drop --deepspeed to resume it with the built-in engine")
+
+
+def deepspeed_config_or_exit(cfg: RunConfig) -> Optional[dict]:
+    """None without --deepspeed; else the checked DeepSpeed config. Bad input ends the run
+    with ``error: ...`` and status 2, before any process group exists."""
+    if not cfg.deepspeed.deepspeed:
+        return None
+    try:
+        ds = build_deepspeed_config(cfg)
+        check_load_folder(cfg)
+    except DeepSpeedSetupError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return ds
+
+
+# Our parallel state as DeepSpeed's mpu --------------------------------------------------
+
+
+class ParallelStateMPU:
+    """The methods DeepSpeed calls on ``mpu``, answered from megatron.core.parallel_state.
+
+    Used by the plain engine (pipeline size 1), where DeepSpeed's "model parallel" group
+    (gradient-norm reduction, checkpoint file names) is our tensor-parallel group.
+    """
+
+    get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
+    get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
+    get_data_parallel_group_ranks = staticmethod(parallel_state.get_data_parallel_group_ranks)
+    get_tensor_model_parallel_group = staticmethod(
+        parallel_state.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(
+        parallel_state.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_src_rank = staticmethod(
+        parallel_state.get_tensor_model_parallel_src_rank)
+    get_model_parallel_group = get_tensor_model_parallel_group
+    get_model_parallel_rank = get_tensor_model_parallel_rank
+    get_model_parallel_world_size = get_tensor_model_parallel_world_size
+    get_pipeline_model_parallel_group = staticmethod(
+        parallel_state.get_pipeline_model_parallel_group)
+    get_pipeline_model_parallel_rank = staticmethod(
+        parallel_state.get_pipeline_model_parallel_rank)
+    get_pipeline_model_parallel_world_size = staticmethod(
+        parallel_state.get_pipeline_model_parallel_world_size)
+
+
+# Activation checkpointing -----------------------------------------------------------------
+
+
+def configure_activation_checkpointing(cfg: RunConfig) -> None:
+    """Recompute through DeepSpeed's checkpointing (with --deepspeed-activation-
+    checkpointing), drawing dropout from our RNG tracker; else the built-in recompute."""
+    from megatron.core.tensor_parallel.random import get_rng_tracker, set_checkpoint_implementation
+
+    d = cfg.deepspeed
+    if not d.deepspeed_activation_checkpointing:
+        set_checkpoint_implementation(None)
+        return
+    import deepspeed
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+    deepspeed.checkpointing.configure(
+        ParallelStateMPU(), partition_activations=d.partition_activations,
+        contiguous_checkpointing=d.contigious_checkpointing,
+        num_checkpoints=cfg.model.num_layers, checkpoint_in_cpu=d.checkpoint_in_cpu,
+        synchronize=d.synchronize_each_layer, profile=False)
+    # DeepSpeed saves and restores its module's tracker around a recompute; ours is the one
+    # dropout in tensor-parallel regions draws from (get_states/set_states alike).
+    ds_checkpointing._CUDA_RNG_STATE_TRACKER = get_rng_tracker()
+    set_checkpoint_implementation(deepspeed.checkpointing.checkpoint)
+
+
+# Models ---------------------------------------------------------------------------------
+
+
+def build_pipeline_module(cfg: RunConfig, device: torch.device):
+    """GPT as DeepSpeed's PipelineModule: embedding, layers, final norm, LM head tied to the
+    embedding; stages over a topology laid out as our groups (tensor fastest, then data, then
+    pipeline), layers split evenly."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    from megatron.model.gpt_model_pipe import (
+        EmbeddingPipe,
+        FinalLayerNormPipe,
+        TransformerLayerPipe,
+        lm_logits,
+        lm_loss,
+    )
+
+    m, p = cfg.model, cfg.parallel
+    tied = dict(tied_weight_attr="word_embeddings.weight")
+    specs = [TiedLayerSpec("embed", EmbeddingPipe, m, device=device, **tied)]
+    specs += [LayerSpec(TransformerLayerPipe, m, i, device=device) for i in range(m.num_layers)]
+    specs += [LayerSpec(FinalLayerNormPipe, m, device=device),
+              TiedLayerSpec("embed", EmbeddingPipe, m, device=device, forward_fn=lm_logits,
+                            **tied)]
+    topology = PipeModelDataParallelTopology(num_pp=p.pipeline_model_parallel_size,
+                                             num_mp=p.tensor_model_parallel_size,
+                                             num_dp=cfg.data_parallel_size)
+    return PipelineModule(layers=specs, loss_fn=lm_loss, topology=topology,
+                          partition_method="type:TransformerLayerPipe")
+
+
+def _check_topology(engine) -> None:
+    """DeepSpeed's grid must put this rank where our groups do."""
+    grid = engine.grid
+    ours = (parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
+    theirs = (grid.get_stage_id(), grid.get_data_parallel_rank(), grid.get_slice_parallel_rank())
+    if ours != theirs:
+        raise RuntimeError(f"DeepSpeed's pipeline topology places rank {dist.get_rank()} at "
+                           f"(stage, data, tensor) {theirs}, our groups at {ours}")
+
+
+def _show_deepspeed_log() -> None:
+    """DeepSpeed's own INFO lines (engine, ZeRO stage) in the log, as users know them."""
+    from deepspeed.utils import logger
+
+    if dist.get_rank() == 0:  # its per-rank INFO lines would repeat on every rank
+        logger.setLevel(logging.INFO)
+        for handler in logger.handlers:
+            handler.setLevel(logging.INFO)
+
+
+# The engine ---------------------------------------------------------------------------
+
+
+class _PipeBatches:
+    """Our micro-batches as DeepSpeed's pipeline engine reads them:
+    ``((tokens, position_ids), (labels, loss_mask))``, each ``[b, s]``."""
+
+    def __init__(self, iterator: Iterator, cfg: RunConfig, eod: Optional[int],
+                 device: torch.device) -> None:
+        self.iterator, self.data, self.eod, self.device = iterator, cfg.data, eod, device
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from megatron.utils import get_ltor_masks_and_position_ids
+
+        sample = next(self.iterator)["text"].to(self.device, non_blocking=True).long()
+        tokens, labels = sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
+        _, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens, self.eod, self.data.reset_position_ids, False, self.data.eod_mask_loss)
+        return (tokens, position_ids), (labels, loss_mask)
+
+
+class EngineOptimizer:
+    """What the training loop reads from an optimizer, from DeepSpeed's."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.engine.optimizer.param_groups
+
+    def get_loss_scale(self) -> Optional[float]:
+        inner = self.engine.optimizer
+        for name in ("cur_scale", "loss_scale"):
+            value = getattr(inner, name, None)
+            if isinstance(value, (int, float, torch.Tensor)):
+                return float(value)
+        return None
+
+    def params_norm(self) -> Optional[float]:
+        return None  # --log-params-norm: DeepSpeed's (possibly sharded) parameters are its own
+
+
+class DeepSpeedRun:
+    """DeepSpeed's engine in the shape the training loop calls: one training step, one
+    evaluation step, save and load."""
+
+    def __init__(self, engine, scheduler, cfg: RunConfig, ctx: Any, pipeline: bool) -> None:
+        self.engine, self.scheduler, self.cfg, self.ctx = engine, scheduler, cfg, ctx
+        self.pipeline = pipeline
+        self.optimizer = EngineOptimizer(engine)
+        self.chunks = [engine.module]
+
+    # Steps.
+    def _batches(self, data_iterator) -> Optional[_PipeBatches]:
+        if data_iterator is None:
+            return None
+        eod = self.ctx.tokenizer.eod if self.ctx.tokenizer is not None else None
+        return _PipeBatches(data_iterator, self.cfg, eod, self.ctx.device)
+
+    def _forward(self, forward_step: Callable, data_iterator):
+        from megatron.core.pipeline_parallel.schedules import StageInfo, takes_stage
+
+        if takes_stage(forward_step):
+            return forward_step(data_iterator, self.engine, stage=StageInfo())
+        return forward_step(data_iterator, self.engine)
+
+    def train_step(self, forward_step: Callable, data_iterator, num_microbatches: int):
+        """One iteration; returns (per-micro-batch loss dicts, applied, grad norm)."""
+        engine = self.engine
+        if self.pipeline:
+            loss = engine.train_batch(data_iter=self._batches(data_iterator))
+            losses = ([{"lm loss": loss.detach()}]
+                      if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else [])
+        else:
+            losses = []
+            for _ in range(num_microbatches):
+                output, loss_func = self._forward(forward_step, data_iterator)
+                loss, reported = loss_func(output)
+                engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
+                engine.step()  # applies the update at the accumulation boundary only
+                losses.append(reported)
+        applied = engine.was_step_applied()
+        norm = engine.get_global_grad_norm()
+        if applied and self.scheduler is not None:
+            t = self.cfg.training
+            self.scheduler.step(increment=num_microbatches * t.micro_batch_size
+                                * parallel_state.get_data_parallel_world_size())
+        return losses, applied, float(norm) if norm is not None else None
+
+    def eval_step(self, forward_step: Callable, data_iterator, num_microbatches: int):
+        """One forward-only iteration; returns the per-micro-batch loss dicts."""
+        if self.pipeline:
+            loss = self.engine.eval_batch(self._batches(data_iterator), return_logits=False,
+                                          compute_loss=True, reduce_output="avg")
+            last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            return [{"lm loss": loss.detach()}] if last else []
+        losses = []
+        with torch.no_grad():
+            for _ in range(num_microbatches):
+                output, loss_func = self._forward(forward_step, data_iterator)
+                losses.append(loss_func(output)[1])
+        return losses
+
+    # Checkpoints.
+    def save(self, save_dir: str, iteration: int, consumed_train_samples: int,
+             consumed_valid_samples: int) -> str:
+        """DeepSpeed's checkpoint of ``iteration`` (tag ``global_step{iteration}``) with our
+        state as client state; every rank must call it. Returns its folder."""
+        from megatron.checkpointing.rng import capture_rng_state
+
+        rng_states = [None] * parallel_state.get_data_parallel_world_size()
+        dist.all_gather_object(rng_states, capture_rng_state(),
+                               group=parallel_state.get_data_parallel_group())
+        client = {
+            "iteration": iteration, "consumed_train_samples": consumed_train_samples,
+            "consumed_valid_samples": consumed_valid_samples,
+            "opt_param_scheduler": (self.scheduler.state_dict()
+                                    if self.scheduler is not None else None),
+            "rng_states": rng_states, "config": self.cfg.to_dict(),
+        }
+        tag = f"global_step{iteration}"
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client)
+        from megatron.utils import print_rank_0
+
+        print_rank_0(f"  successfully saved DeepSpeed checkpoint at iteration {iteration} "
+                     f"to {save_dir}/{tag}")
+        return os.path.join(save_dir, tag)
+
+    def load(self, state: Any) -> None:
+        """--load: DeepSpeed's latest checkpoint into the engine and our ``state``."""
+        from megatron.checkpointing.rng import restore_rng_state
+        from megatron.utils import print_rank_0
+
+        ck = self.cfg.checkpoint
+        path, client = self.engine.load_checkpoint(
+            ck.load, load_optimizer_states=not (ck.no_load_optim or ck.finetune),
+            load_lr_scheduler_states=not (ck.no_load_lr_state or ck.finetune),
+            load_module_only=ck.finetune)
+        if path is None:
+            print_rank_0(f"WARNING: --load {ck.load}: no DeepSpeed checkpoint there "
+                         f"('{DEEPSPEED_LATEST_FILE}' file missing); training from scratch")
+            return
+        reset = []
+        if ck.finetune:
+            reset.append("iteration, data position, optimizer (--finetune)")
+        else:
+            state.iteration = client["iteration"]
+            state.consumed_train_samples = client["consumed_train_samples"]
+            state.consumed_valid_samples = client["consumed_valid_samples"]
+            state.last_saved, state.last_checkpoint = state.iteration, path
+            sched = client.get("opt_param_scheduler")
+            if self.scheduler is not None and sched is not None and not ck.no_load_lr_state:
+                self.scheduler.load_state_dict(sched)
+        if not ck.no_load_rng and not ck.finetune:
+            restore_rng_state(client["rng_states"][parallel_state.get_data_parallel_rank()])
+        else:
+            reset.append("random states")
+        print_rank_0(f" loaded DeepSpeed checkpoint {path} at iteration {state.iteration} "
+                     f"(consumed samples {state.consumed_train_samples})"
+                     + (f"; starting anew: {', '.join(reset)}" if reset else ""))
+
+
+def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpeedRun:
+    """The model, optimizer and LR schedule inside DeepSpeed's engine for this run."""
+    import deepspeed
+
+    from megatron.core.optimizer import build_torch_optimizer, get_param_groups
+    from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
+    from megatron.utils import print_rank_0
+
+    cfg = ctx.config
+    _show_deepspeed_log()
+    # DeepSpeed reads the launcher's variables; a plain `python pretrain_gpt.py` (or srun)
+    # sets none of them.
+    from megatron.initialize import distributed_env
+
+    env = distributed_env()
+    os.environ.setdefault("LOCAL_RANK", str(env["local_rank"]))
+    os.environ.setdefault("RANK", str(env["rank"]))
+    os.environ.setdefault("WORLD_SIZE", str(env["world_size"]))
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    configure_activation_checkpointing(cfg)
+    pipeline = not cfg.deepspeed.no_pipeline_parallel
+    if pipeline:
+        model = build_pipeline_module(cfg, ctx.device)
+    else:
+        model = model_provider(ctx, pre_process=True, post_process=True, first_layer=0,
+                               num_layers=cfg.model.num_layers)
+    opt = cfg.optimizer
+    groups = get_param_groups([model], opt.weight_decay, opt.lr)
+    optimizer = None if "optimizer" in ds_config else build_torch_optimizer(opt, groups)
+    stage = ds_config["zero_optimization"]["stage"]
+    if stage == 3 and not pipeline and model.shared_embedding_or_output_weight() is not None:
+        # The LM head reads the embedding's weight outside the embedding's forward.
+        deepspeed.zero.register_external_parameter(model,
+                                                   model.shared_embedding_or_output_weight())
+    engine, _, _, ds_scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
+        mpu=None if pipeline else ParallelStateMPU(), config=ds_config)
+    if pipeline:
+        _check_topology(engine)
+    scheduler = None
+    if ds_scheduler is None:
+        scheduler = build_optimizer_param_scheduler(
+            cfg.scheduler, opt, engine.optimizer, global_batch_size=cfg.training.global_batch_size,
+            train_iters=cfg.training.train_iters, train_samples=cfg.training.train_samples)
+    print_rank_0(f"> DeepSpeed engine {deepspeed.__version__}: ZeRO stage {stage}, "
+                 f"{'pipeline engine (PipelineModule)' if pipeline else 'plain model'}, "
+                 f"optimizer {'from the JSON file' if optimizer is None else 'ours'}, "
+                 f"LR schedule {'from the JSON file' if scheduler is None else 'ours'}")
+    return DeepSpeedRun(engine, scheduler, cfg, ctx, pipeline)

@@ -1,0 +1,180 @@
+"""DeepSpeed's engine behind --deepspeed, through the real ``deepspeed`` launcher on CPU
+(gloo): ZeRO 1, 2 and 3 (2 ranks) and tensor parallel 2 + ZeRO-1 (4 ranks) give the
+one-process built-in losses and grad norms within 1e-5 relative over 5 iterations, and the
+log shows DeepSpeed's own engine lines; its pipeline engine at pp 2 equals the built-in pp 2;
+a DeepSpeed checkpoint resumes bit for bit; DeepSpeed's recompute replays dropout. Two
+launches in all: tests/distributed/deepspeed_driver.py runs the 2-rank trainings one after
+the other in one launch; the 4-rank one is the user's own `deepspeed pretrain_gpt.py` command."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pretrain_gpt
+from tests.dist_utils import free_port, run_distributed
+from tests.distributed.training_utils import parse_log_lines
+
+REPO = Path(__file__).resolve().parents[2]
+ITERS = 5
+pytestmark = pytest.mark.skipif(shutil.which("deepspeed") is None,
+                                reason="the deepspeed launcher is not installed")
+
+
+def argv(**overrides) -> list[str]:
+    """A tiny fp32 GPT on mock data, 5 iterations of global batch 8."""
+    flags = {
+        "--num-layers": 2, "--hidden-size": 32, "--num-attention-heads": 4,
+        "--seq-length": 32, "--max-position-embeddings": 32, "--micro-batch-size": 2,
+        "--global-batch-size": 8, "--train-iters": ITERS, "--lr-decay-iters": ITERS,
+        "--lr": 1e-3, "--min-lr": 1e-4, "--lr-warmup-iters": 1, "--lr-decay-style": "cosine",
+        "--clip-grad": 1.0, "--hidden-dropout": 0.0, "--attention-dropout": 0.0,
+        "--log-interval": 1, "--eval-interval": 5, "--eval-iters": 2, "--num-workers": 0,
+        "--mock-data": True, "--tokenizer-type": "NullTokenizer", "--vocab-size": 127,
+        "--make-vocab-size-divisible-by": 64, "--seed": 1234, "--use-cpu": True,
+    }
+    flags.update(overrides)
+    out = []
+    for name, value in flags.items():
+        if value is True:
+            out.append(name)
+        elif value is not None and value is not False:
+            out += [name, str(value)]
+    return out
+
+
+def zero(stage: int, **more) -> list[str]:
+    return argv(**{"--deepspeed": True, "--no-pipeline-parallel": True,
+                   "--zero-stage": stage, **more})
+
+
+def launch(num_ranks: int, runs: dict[str, list[str]], tmp_path: Path) -> tuple[dict, str]:
+    """Run ``runs`` (name -> argv) in one ``deepspeed --num_gpus N`` launch; returns each
+    run's {"train": [[iteration, loss, grad norm]], "valid": loss} and the launch's output."""
+    out = tmp_path / f"results{num_ranks}.json"
+    spec = tmp_path / f"spec{num_ranks}.json"
+    spec.write_text(json.dumps({"out": str(out), "runs": [
+        {"name": name, "argv": a} for name, a in runs.items()]}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "DS_TEST_SPEC": str(spec)}
+    cmd = [shutil.which("deepspeed"), "--num_gpus", str(num_ranks), "--master_port",
+           str(free_port()), "tests/distributed/deepspeed_driver.py"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-8000:]
+    return json.loads(out.read_text()), log
+
+
+def _train(rank, world_size, args):
+    state = pretrain_gpt.main(args)
+    return {"train": [[h["iteration"], h["losses"]["lm loss"], h["grad_norm"]]
+                      for h in state.history],
+            "valid": state.last_valid_losses["lm loss"]}
+
+
+def assert_same(got, expected, rel=1e-5):
+    """Training losses and grad norms, and the validation loss at iteration 5."""
+    assert [g[0] for g in got["train"]] == [e[0] for e in expected["train"]]
+    for (it, loss, norm), (_, ref_loss, ref_norm) in zip(got["train"], expected["train"]):
+        assert math.isclose(loss, ref_loss, rel_tol=rel), (it, loss, ref_loss)
+        assert math.isclose(norm, ref_norm, rel_tol=rel), (it, norm, ref_norm)
+    if expected["valid"] is not None:
+        assert math.isclose(got["valid"], expected["valid"], rel_tol=rel)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The built-in engine in one process."""
+    run = run_distributed(_train, 1, argv())[0]
+    assert len(run["train"]) == ITERS and run["valid"] is not None
+    return run
+
+
+def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
+    ckpt, pipe_ckpt = tmp_path / "ds_ckpt", tmp_path / "ds_pipe_ckpt"
+    pipe = {"--deepspeed": True, "--zero-stage": 1, "--pipeline-model-parallel-size": 2}
+    dropout = {"--tensor-model-parallel-size": 2, "--hidden-dropout": 0.1,
+               "--attention-dropout": 0.1}
+    runs = {
+        "zero1": zero(1), "zero2": zero(2), "zero3": zero(3),
+        # Stopped (and saved) at iteration 3, then the same command with --load.
+        "zero1_first3": zero(1, **{"--exit-interval": 3, "--save": ckpt,
+                                   "--save-interval": 100}),
+        "zero1_resumed": zero(1, **{"--load": ckpt}),
+        "pipe_pp2": argv(**pipe),
+        "pipe_pp2_first3": argv(**pipe, **{"--exit-interval": 3, "--save": pipe_ckpt,
+                                           "--save-interval": 100}),
+        "pipe_pp2_resumed": argv(**pipe, **{"--load": pipe_ckpt}),
+        "native_pp2": argv(**{"--pipeline-model-parallel-size": 2}),
+        # DeepSpeed's activation checkpointing (tp 2) replays dropout from our RNG tracker:
+        # the recomputed layers give the gradients of the built-in run without recompute.
+        "tp2_ds_recompute": zero(1, **dropout, **{
+            "--deepspeed-activation-checkpointing": True, "--partition-activations": True,
+            "--recompute-granularity": "full", "--recompute-method": "uniform"}),
+        "tp2_native_dropout": argv(**dropout),
+    }
+    results, log = launch(2, runs, tmp_path)
+    for stage in (1, 2, 3):
+        assert_same(results[f"zero{stage}"], reference)
+        # DeepSpeed's own configuration print, and our line naming the stage.
+        assert re.search(rf"\[config.py:\d+:print\] +zero_optimization_stage \.+ {stage}\n",
+                         log), stage
+        assert re.search(rf"> DeepSpeed engine \S+: ZeRO stage {stage}, plain model", log)
+    assert "[Rank 0] step=5, skipped=0" in log  # DeepSpeed's engine stepped
+    # Pipeline engine: DeepSpeed's PipelineModule at pp 2 against the built-in 1F1B at pp 2.
+    # DeepSpeed's partition: stage 0 holds the embedding and the first layer.
+    assert "pipeline engine (PipelineModule)" in log and "STAGE=0 LAYERS=2 [0, 2)" in log
+    assert_same(results["pipe_pp2"], results["native_pp2"])
+    assert_same(results["native_pp2"], reference)
+    # Resume: iterations 4 and 5 after loading iteration 3 are those of the unbroken run.
+    assert (ckpt / "latest").read_text().strip() == "global_step3"
+    assert "loaded DeepSpeed checkpoint" in log
+    resumed = results["zero1_resumed"]
+    assert [r[0] for r in resumed["train"]] == [4, 5]
+    assert resumed["train"] == results["zero1"]["train"][3:]  # bit for bit
+    assert resumed["valid"] == results["zero1"]["valid"]
+    # The same through the pipeline engine's checkpoints (one file per layer).
+    assert (pipe_ckpt / "latest").read_text().strip() == "global_step3"
+    resumed = results["pipe_pp2_resumed"]
+    assert resumed["train"] == results["pipe_pp2"]["train"][3:]
+    assert resumed["valid"] == results["pipe_pp2"]["valid"]
+    # The built-in engine refuses DeepSpeed's checkpoint, saying what to do.
+    from megatron.checkpointing import CheckpointError, check_load_dir
+
+    with pytest.raises(CheckpointError, match="DeepSpeed checkpoint.*add --deepspeed"):
+        check_load_dir(str(ckpt))
+    assert "----Partition Activations True" in log  # DeepSpeed's checkpoint ran
+    assert_same(results["tp2_ds_recompute"], results["tp2_native_dropout"])
+    assert results["tp2_native_dropout"]["train"] != reference["train"]  # dropout was on
+
+
+def test_tensor_parallel_2_with_zero1_four_ranks(reference, tmp_path):
+    # The user's own command: `deepspeed --num_gpus 4 pretrain_gpt.py ... --deepspeed`
+    # (the launcher adds --local_rank); the numbers are read from the Megatron log lines.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [shutil.which("deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()),
+           "pretrain_gpt.py", *zero(1, **{"--tensor-model-parallel-size": 2})]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-8000:]
+    assert re.search(r"> DeepSpeed engine \S+: ZeRO stage 1, plain model", log)
+    assert re.search(r"\[config.py:\d+:print\] +zero_optimization_stage \.+ 1\n", log)
+    lines = parse_log_lines(log)
+    assert [line["iteration"] for line in lines] == list(range(1, ITERS + 1))
+    for line, (_, ref_loss, ref_norm) in zip(lines, reference["train"]):
+        assert math.isclose(line["lm loss"], ref_loss, rel_tol=1e-5), (line, ref_loss)
+        assert abs(line["grad norm"] - ref_norm) <= 1e-3  # the log prints 3 decimals
+    valid = re.search(r"validation loss at iteration 5 \| lm loss value: (\S+)", log)
+    assert math.isclose(float(valid.group(1)), reference["valid"], rel_tol=1e-5)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-x"]))
