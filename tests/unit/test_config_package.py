@@ -138,9 +138,7 @@ def test_a_planted_unread_field_is_found():
 def test_refused_flags_stop_the_run_naming_the_flag():
     refused = [(f, cls) for cls in SLICE_CLASSES.values() for f in option_fields(cls)
                if f.metadata.get("refused")]
-    assert {f.name for f, _ in refused} >= {"deepspeed", "deepspeed_config", "zero_stage",
-                                             "ckpt_format"}
-    assert {f.name for f, _ in refused} >= {"wandb_project", "ckpt_format"}
+    assert {f.name for f, _ in refused} >= {"ckpt_format"}
     for f, _ in refused:
         default = field_default(f)
         value = [] if isinstance(default, bool) else [
