@@ -80,7 +80,8 @@ def generate_tokens(model: GPTModel, prompts: Sequence[Sequence[int]], max_new_t
         chosen = torch.zeros(len(prompts), 2, dtype=torch.float64, device=device)
         if logits is not None:
             new = sample(logits, params, cfg.vocab_size, generator)  # [b]
-            logprob = torch.log_softmax(logits.float(), dim=-1).gather(1, new[:, None])
+            real = logits[:, :cfg.vocab_size].float()  # the padding is no token
+            logprob = torch.log_softmax(real, dim=-1).gather(1, new[:, None])
             chosen = torch.cat([new[:, None].double(), logprob.double()], dim=1)
         chosen = broadcast_from_last_stage(chosen)
         state.take(pos, chosen[:, 0].long(), chosen[:, 1], stop)

@@ -54,11 +54,11 @@ def _keep_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingParams, vocab_size: Optional[int] = None,
            generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Next token ids ``[b]`` (int64) from logits ``[b, V]`` (any float dtype; computed in
-    fp32). Ids at or beyond ``vocab_size`` (the padding of the embedding) are never drawn."""
-    logits = logits.float()
-    if vocab_size is not None and vocab_size < logits.size(-1):
-        logits = logits.clone()
-        logits[:, vocab_size:] = float("-inf")
+    fp32). Ids at or beyond ``vocab_size`` (the padding of the embedding) are never drawn, and
+    the draw does not depend on the padding."""
+    # Cut rather than mask the padding: draws then do not depend on how much padding the
+    # tensor-parallel size added.
+    logits = logits[:, :vocab_size].float()
     if params.greedy:
         return logits.argmax(dim=-1)
     logits = logits / params.temperature

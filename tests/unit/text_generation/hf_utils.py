@@ -15,7 +15,8 @@ def tiny_hf_model(seed: int = 0, n_positions: int = 48):
 
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=n_positions, n_embd=32,
                                   n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0)
+                                  attn_pdrop=0.0, bos_token_id=VOCAB - 1,
+                                  eos_token_id=VOCAB - 1)
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(cfg).eval()
 
