@@ -1,4 +1,4 @@
-"""Generation at tensor parallel 2 and pipeline parallel 2 (real gloo groups) gives the
+"""Generation at tensor parallel 2 and at tensor 2 x pipeline 2 (real gloo groups) gives the
 tokens and log-probabilities of one process, on every rank."""
 
 import pytest
@@ -17,9 +17,7 @@ SETTINGS = [(SamplingParams(top_k=1), True), (SamplingParams(top_k=1), False),
             (SamplingParams(top_p=0.9, temperature=1.2), True)]
 
 
-def _generate_all(tp: int, pp: int) -> list:
-    hf = tiny_hf_model()
-    config, full = converted(hf, tp, pp)
+def _generate_all(config, full) -> list:
     model = build_inference_model(config, device=torch.device("cpu"), full_state_dict=full)
     out = []
     for params, use_cache in SETTINGS:
@@ -28,18 +26,25 @@ def _generate_all(tp: int, pp: int) -> list:
     return out
 
 
-def _on_ranks(rank, world_size, tp, pp):
-    parallel_state.initialize_model_parallel(tp, pp)
-    return _generate_all(tp, pp)
+def _on_ranks(rank, world_size, layouts):
+    """Each (tp, pp, config, weights) in turn on the same 4 ranks (tp 2 alone runs as two
+    data-parallel replicas)."""
+    results = []
+    for tp, pp, config, full in layouts:
+        parallel_state.initialize_model_parallel(tp, pp)
+        results.append(_generate_all(config, full))
+        parallel_state.destroy_model_parallel()
+    return results
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
-def test_parallel_generation_equals_one_process(tp, pp):
-    reference = _generate_all(1, 1)
-    results = run_distributed(_on_ranks, tp * pp, tp, pp)
-    for rank, got in enumerate(results):
-        for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, reference):
-            assert tokens == ref_tokens, rank
-            for a, b in zip(logprobs, ref_logprobs):
-                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5,
-                                           rtol=1e-5)
+def test_parallel_generation_equals_one_process():
+    hf = tiny_hf_model()
+    reference = _generate_all(*converted(hf))
+    layouts = [(tp, pp, *converted(hf, tp, pp)) for tp, pp in ((2, 1), (2, 2))]
+    for rank, per_layout in enumerate(run_distributed(_on_ranks, 4, layouts)):
+        for (tp, pp, _, _), got in zip(layouts, per_layout):
+            for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, reference):
+                assert tokens == ref_tokens, (rank, tp, pp)
+                for a, b in zip(logprobs, ref_logprobs):
+                    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5,
+                                               rtol=1e-5)
