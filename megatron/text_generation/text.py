@@ -32,6 +32,14 @@ def tokenize_prompt(tokenizer: Any, prompt: str, add_bos: bool = False) -> list[
     return [tokenizer.eod] + ids if add_bos or not ids else ids
 
 
+def new_text(tokenizer: Any, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text the new ids add after the prompt's: detokenized together, so that spacing
+    between the prompt and the continuation comes out as the tokenizer writes it."""
+    head = tokenizer.detokenize(prompt_ids)
+    whole = tokenizer.detokenize(list(prompt_ids) + list(new_ids))
+    return whole[len(head):] if whole.startswith(head) else tokenizer.detokenize(new_ids)
+
+
 def _cut_at_stop(text: str, stop_strings: Sequence[str]) -> tuple[str, bool]:
     cuts = [text.find(s) for s in stop_strings if s and s in text]
     return (text[:min(cuts)], True) if cuts else (text, False)
@@ -49,7 +57,7 @@ def generate_text(model: GPTModel, tokenizer: Any, prompts: Sequence[str], max_n
     eod = tokenizer.eod if stop_on_eod else None
 
     def stop(i: int, new_ids: list[int]) -> bool:
-        return _cut_at_stop(tokenizer.detokenize(new_ids), stop_strings)[1]
+        return _cut_at_stop(new_text(tokenizer, ids[i], new_ids), stop_strings)[1]
 
     out = generate_tokens(model, ids, max_new_tokens, params=params, seed=seed, eod=eod,
                           stop=stop if stop_strings else None, use_cache=use_cache,
@@ -58,7 +66,7 @@ def generate_text(model: GPTModel, tokenizer: Any, prompts: Sequence[str], max_n
     for i, prompt in enumerate(prompts):
         new = out.new_tokens(i)
         shown = new[:-1] if new and eod is not None and new[-1] == eod else new
-        text, _ = _cut_at_stop(tokenizer.detokenize(shown), stop_strings)
+        text, _ = _cut_at_stop(new_text(tokenizer, ids[i], shown), stop_strings)
         completions.append(Completion(prompt, text, out.tokens[i], out.prompt_lengths[i],
                                       out.logprobs[i]))
     return completions
