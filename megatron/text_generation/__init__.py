@@ -6,7 +6,8 @@ tensor/pipeline layout, model loading for inference, and the REST server's reque
 - ``text``: ``generate_text`` (strings in, completions out; stop strings).
 - ``forward``: one step across pipeline stages; the chosen tokens sent to every stage.
 - ``model_loading``: ``build_inference_model`` (this rank's stage, weights loaded).
-- ``server``: Megatron's REST API (PUT /api) and its validation.
+- ``setup``: the tools' model/tokenizer flags and start-up.
+- ``request_checks``, ``server``: Megatron's REST API (PUT /api), each request checked.
 """
 
 from megatron.text_generation.generation import GREEDY, GenerationOutput, generate_tokens
