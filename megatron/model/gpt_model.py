@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel.cross_entropy import (
     LogitsWorkspace,
     linear_vocab_parallel_cross_entropy,
 )
-from megatron.core.tensor_parallel.layers import matmul_nt
+from megatron.core.tensor_parallel.layers import linear
 from megatron.model.init import InitRNG
 from megatron.model.kv_cache import KVCache
 from megatron.model.layer_norm import build_layer_norm
@@ -188,10 +188,9 @@ class GPTModel(nn.Module):
                 hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
             else:
                 hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-            s, b, h = hidden.shape
-            # oneDNN's matmul on CPU fp32 (see matmul_nt): the LM head is most of the time of
-            # a generation step.
-            logits = matmul_nt(hidden.reshape(s * b, h), weight).view(s, b, -1)  # [s, b, V/tp]
+            # Through oneDNN's matmul on CPU fp32 (layers.linear): the LM head is most of the
+            # time of a generation step.
+            logits = linear(hidden, weight)  # [s, b, V/tp]
         else:
             logits = self.output_layer(hidden)  # [s, b, V/tp]
         if not self.parallel_output:
