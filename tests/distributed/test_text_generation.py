@@ -48,3 +48,54 @@ def test_parallel_generation_equals_one_process():
                 for a, b in zip(logprobs, ref_logprobs):
                     torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5,
                                                rtol=1e-5)
+
+
+def _serve_tp2(rank, world_size, config, full):
+    """Rank 0 serves HTTP on 127.0.0.1 and hands each request to rank 1 (tensor parallel 2)."""
+    import json
+    import threading
+
+    from werkzeug.serving import make_server
+
+    from megatron.text_generation.server import build_app, serve_other_ranks, stop_other_ranks
+    from megatron.text_generation.setup import GenerationModel
+    from megatron.tokenizer import build_tokenizer
+    from tools.text_generation_cli import put
+
+    parallel_state.initialize_model_parallel(world_size)
+    model = build_inference_model(config, device=torch.device("cpu"), full_state_dict=full)
+    gm = GenerationModel(model, build_tokenizer("NullTokenizer", vocab_size=299),
+                         torch.device("cpu"), config)
+    if rank != 0:
+        serve_other_ranks(gm)
+        return None
+    server = make_server("127.0.0.1", 0, build_app(gm), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/api"
+    try:
+        replies = [put(url, {"prompts": ["5 6 7", "8"], "tokens_to_generate": 5, "top_k": 1}),
+                   put(url, {"prompts": ["5 6 7"], "top_k": 1.5}),
+                   put(url, {"prompts": ["9 9"], "tokens_to_generate": 3, "top_p": 0.8,
+                             "random_seed": 4})]
+    finally:
+        server.shutdown()
+        stop_other_ranks()
+    return [(status, json.loads(body) if status == 200 else body) for status, body in replies]
+
+
+def test_server_on_two_tensor_parallel_ranks():
+    from megatron.text_generation import generate_text
+    from megatron.tokenizer import build_tokenizer
+
+    hf = tiny_hf_model()
+    config, full = converted(hf)
+    model = build_inference_model(config, device=torch.device("cpu"), full_state_dict=full)
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=299)
+    greedy = generate_text(model, tokenizer, ["5 6 7", "8"], 5)
+    sampled = generate_text(model, tokenizer, ["9 9"], 3, seed=4,
+                            params=SamplingParams(top_p=0.8))
+    replies = run_distributed(_serve_tp2, 2, *converted(hf, 2))[0]
+    assert replies[0] == (200, {"text": [c.prompt + c.text for c in greedy],
+                                "segments": replies[0][1]["segments"]})
+    assert replies[1][0] == 400 and "top_k" in replies[1][1]
+    assert replies[2][1]["text"] == [sampled[0].prompt + sampled[0].text]
