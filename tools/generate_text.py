@@ -67,22 +67,24 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def complete(gm, args: argparse.Namespace, params: SamplingParams, prompts: list[str]) -> None:
-    """Generate on every rank; rank 0 prints each prompt followed by its new text."""
-    too_long = [p for p in prompts if len(gm.tokenizer.tokenize(p)) >= gm.context]
-    if too_long:
+def complete(gm, args: argparse.Namespace, params: SamplingParams, prompts: list[str]) -> bool:
+    """Generate on every rank; rank 0 prints each prompt followed by its new text. A prompt
+    the model cannot take (too long, ids outside its vocabulary) is reported, on every rank
+    alike before any step runs; returns whether the prompts were completed."""
+    try:
+        completions = generate_text(gm.model, gm.tokenizer, prompts, args.max_new_tokens,
+                                    params=params, seed=args.seed, stop_strings=args.stop,
+                                    stop_on_eod=not args.ignore_eod,
+                                    use_cache=not args.no_kv_cache, device=gm.device)
+    except ValueError as e:
         if is_rank_0():
-            print(f"error: a prompt has at least the model's context of {gm.context} tokens: "
-                  f"{too_long[0][:60]!r}...", file=sys.stderr)
-        return
-    completions = generate_text(gm.model, gm.tokenizer, prompts, args.max_new_tokens,
-                                params=params, seed=args.seed, stop_strings=args.stop,
-                                stop_on_eod=not args.ignore_eod,
-                                use_cache=not args.no_kv_cache, device=gm.device)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return False
     if is_rank_0():
         for c in completions:
             print(c.prompt + c.text, flush=True)
             print(flush=True)
+    return True
 
 
 def interactive(gm, args: argparse.Namespace, params: SamplingParams) -> None:
@@ -110,9 +112,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if prompts:
-        complete(gm, args, params, prompts)
-    else:
-        interactive(gm, args, params)
+        return 0 if complete(gm, args, params, prompts) else 1
+    interactive(gm, args, params)
     return 0
 
 

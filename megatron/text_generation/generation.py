@@ -38,13 +38,19 @@ class GenerationOutput:
         return self.tokens[i][self.prompt_lengths[i]:]
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], max_sequence_length: int) -> None:
-    """Raise ValueError for an empty batch, an empty prompt, or one with no room to grow."""
+def check_prompts(prompts: Sequence[Sequence[int]], max_sequence_length: int,
+                  vocab_size: Optional[int] = None) -> None:
+    """Raise ValueError for an empty batch, an empty prompt, a token id outside the
+    vocabulary, or a prompt with no room to grow."""
     if not prompts:
         raise ValueError("no prompts given")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} has no tokens")
+        outside = [t for t in p if not 0 <= t < (vocab_size or t + 1)]
+        if outside:
+            raise ValueError(f"prompt {i} has token id {outside[0]}, outside the model's "
+                             f"vocabulary of {vocab_size}")
         if len(p) >= max_sequence_length:
             raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is "
                              f"{max_sequence_length}, which leaves no room to generate")
@@ -66,7 +72,7 @@ def generate_tokens(model: GPTModel, prompts: Sequence[Sequence[int]], max_new_t
     """
     cfg = model.config
     context = max_sequence_length or cfg.max_position_embeddings
-    check_prompts(prompts, context)
+    check_prompts(prompts, context, cfg.vocab_size)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = device or next(model.parameters()).device

@@ -113,7 +113,7 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
 def parse_request(body: dict, *, max_prompts: int = MAX_PROMPTS,
                   max_tokens_to_generate: int = 1024) -> GenerationRequest:
     """Check every field of ``body``; raise RequestError with the reason for the first that
-    is wrong. The prompts' lengths are checked against the context by ``check_lengths``."""
+    is wrong. The prompts themselves are checked by ``check_prompts_fit``."""
     unknown = sorted(set(body) - _KNOWN)
     _require(not unknown, f"unknown field(s): {', '.join(unknown)}")
     for name, neutral in _NEUTRAL.items():
@@ -133,10 +133,16 @@ def parse_request(body: dict, *, max_prompts: int = MAX_PROMPTS,
                              _flag(body, "add_BOS"), _stop_strings(body))
 
 
-def check_lengths(request: GenerationRequest, tokenize: Any, context: int) -> None:
-    """Each prompt and its new tokens must fit the model's context."""
+def check_prompts_fit(request: GenerationRequest, tokenize: Any, context: int,
+                      vocab_size: int) -> None:
+    """Each prompt's ids must be in the model's vocabulary, and the prompt with its new
+    tokens must fit the model's context."""
     for i, prompt in enumerate(request.prompts):
-        n = len(tokenize(prompt)) + int(request.add_bos or not prompt)
+        ids = tokenize(prompt)
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        _require(not outside, f"prompt {i} has token id {outside[:1]}, outside the model's "
+                 f"vocabulary of {vocab_size}")
+        n = len(ids) + int(request.add_bos or not prompt)
         _require(n + request.tokens_to_generate <= context,
                  f"prompt {i} has {n} tokens; with tokens_to_generate "
                  f"{request.tokens_to_generate} that exceeds the model's context of {context}")

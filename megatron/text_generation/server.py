@@ -20,7 +20,7 @@ from megatron.text_generation.request_checks import (
     MAX_PROMPTS,
     GenerationRequest,
     RequestError,
-    check_lengths,
+    check_prompts_fit,
     decode_body,
     parse_request,
 )
@@ -56,7 +56,10 @@ def serve_other_ranks(gm: GenerationModel) -> None:
         request = broadcast_object(None)
         if request is None:
             return
-        run_request(gm, request)
+        try:
+            run_request(gm, request)
+        except Exception:  # noqa: BLE001 - rank 0 fails alike and answers 500; keep serving
+            logger.exception("generation failed")
 
 
 def stop_other_ranks() -> None:
@@ -78,7 +81,7 @@ def build_app(gm: GenerationModel, *, max_prompts: int = MAX_PROMPTS,
         try:
             req = parse_request(decode_body(request.get_data()), max_prompts=max_prompts,
                                 max_tokens_to_generate=max_tokens_to_generate)
-            check_lengths(req, gm.tokenizer.tokenize, gm.context)
+            check_prompts_fit(req, gm.tokenizer.tokenize, gm.context, gm.config.model.vocab_size)
         except RequestError as e:
             return str(e), 400
         with lock:

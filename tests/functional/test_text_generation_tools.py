@@ -78,6 +78,8 @@ def test_generate_text_refuses_bad_input(checkpoint, tmp_path):
         assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     result = _run(["tools/generate_text.py", "--load", tmp_path, "--prompt", "1"])
     assert result.returncode == 2 and "holds no checkpoint" in result.stderr
+    result = _run(["tools/generate_text.py", "--load", checkpoint, "--prompt", "3 4 5000"])
+    assert result.returncode == 1 and "token id 5000, outside" in result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +127,7 @@ MALFORMED = [
     (json.dumps({"prompts": ["1"], "tokens": 4}).encode(), "unknown field"),
     (json.dumps({"prompts": [" ".join(["5"] * 40)], "tokens_to_generate": 16}).encode(),
      "exceeds the model's context of 48"),
+    (json.dumps({"prompts": ["5 900"]}).encode(), "outside the model's vocabulary of 201"),
 ]
 
 

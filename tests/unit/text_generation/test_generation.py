@@ -82,6 +82,8 @@ def test_stops_at_eod_and_at_stop_check_and_context(models):
     assert len(near_end.tokens[0]) == 48
     with pytest.raises(ValueError, match="no room"):
         generate_tokens(ours, [[1] * 48], 1)
+    with pytest.raises(ValueError, match="token id 300, outside the model's vocabulary"):
+        generate_tokens(ours, [[1, 300]], 1)
 
 
 def test_sampling_rules():
