@@ -16,8 +16,9 @@ greedily with exactly ``--new-tokens`` new tokens (no end-of-document stop) by:
 - HF: ``model.generate(do_sample=False, use_cache=True)``.
 
 Each is warmed up once, then timed ``--repeats`` times alternately; the table gives the
-median tokens/s (new tokens of the batch / wall time) and whether ours produced HF's tokens.
-The CPU is usually shared: compare within one run. It prints a table; it is not a test.
+median tokens/s (new tokens of the batch / wall time), tokens per CPU-second of this process
+(on a shared CPU, with ``--threads 1``, the steadier measure of the work each side does), and
+whether ours produced HF's tokens. Compare within one run. It prints a table; not a test.
 """
 
 from __future__ import annotations
@@ -59,14 +60,15 @@ def build_models(args: argparse.Namespace, device: torch.device):
     return hf.to(device=device, dtype=DTYPES[args.dtype]), ours
 
 
-def _timed(fn) -> tuple[float, object]:
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start, out
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def runners(hf, ours, prompts: torch.Tensor, new_tokens: int) -> dict:
@@ -96,15 +98,17 @@ def bench_batch(hf, ours, batch: int, args: argparse.Namespace, device) -> list[
     prompts = torch.randint(0, args.vocab, (batch, args.prompt_length), generator=g)
     fns = runners(hf, ours, prompts.to(device), args.new_tokens)
     outputs = {name: fn() for name, fn in fns.items()}  # warm-up, and the tokens to compare
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(args.repeats):
         for name, fn in fns.items():
-            times[name].append(_timed(fn)[0])
+            times[name].append(_timed(fn))
     reference = outputs["HF generate"]
     rows = []
     for name in fns:
-        rate = batch * args.new_tokens / statistics.median(times[name])
-        rows.append((batch, name, rate, outputs[name] == reference))
+        tokens = batch * args.new_tokens
+        wall = statistics.median(t[0] for t in times[name])
+        cpu = statistics.median(t[1] for t in times[name])
+        rows.append((batch, name, tokens / wall, tokens / cpu, outputs[name] == reference))
     return rows
 
 
@@ -135,12 +139,14 @@ def main(argv=None) -> int:
           f"{args.vocab}, prompt {args.prompt_length} + {args.new_tokens} new tokens, "
           f"{args.dtype} on {device} ({torch.get_num_threads()} threads), median of "
           f"{args.repeats}; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'batch':>5}  {'generator':<16} {'tokens/s':>10}  {'vs HF':>6}  same tokens as HF")
+    print(f"{'batch':>5}  {'generator':<16} {'tokens/s':>9} {'vs HF':>6}  "
+          f"{'tokens/CPU-s':>12} {'vs HF':>6}  same tokens as HF")
     for batch in args.batch_sizes:
         rows = bench_batch(hf, ours, batch, args, device)
-        hf_rate = next(r[2] for r in rows if r[1] == "HF generate")
-        for b, name, rate, same in rows:
-            print(f"{b:>5}  {name:<16} {rate:>10.1f}  {rate / hf_rate:>5.2f}x  "
+        hf_row = next(r for r in rows if r[1] == "HF generate")
+        for b, name, rate, cpu_rate, same in rows:
+            print(f"{b:>5}  {name:<16} {rate:>9.1f} {rate / hf_row[2]:>5.2f}x  "
+                  f"{cpu_rate:>12.1f} {cpu_rate / hf_row[3]:>5.2f}x  "
                   f"{'yes' if same else 'NO'}", flush=True)
     return 0
 

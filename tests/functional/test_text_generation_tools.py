@@ -207,3 +207,23 @@ def test_cli_client_against_the_server(server):
     refused = _run(["tools/text_generation_cli.py", address, "--prompt", "4",
                     "--tokens-to-generate", 99])
     assert refused.returncode == 1 and "Error 400" in refused.stderr
+
+
+def test_generate_text_from_a_hugging_face_folder(tmp_path):
+    """--hf-model: a local GPT-2 folder converted in memory; greedy output is HF's."""
+    import torch
+
+    from tests.unit.text_generation.hf_utils import tiny_hf_model
+
+    hf = tiny_hf_model()
+    hf.save_pretrained(tmp_path / "gpt2")
+    result = _run(["tools/generate_text.py", "--hf-model", tmp_path / "gpt2", "--top-k", 1,
+                   "--max-new-tokens", 7, "--tokenizer-type", "NullTokenizer",
+                   "--vocab-size", 299, "--ignore-eod", "--prompt", "11 12 13"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = hf.generate(torch.tensor([[11, 12, 13]]), max_new_tokens=7, do_sample=False,
+                           pad_token_id=0)[0].tolist()
+    assert _completions(result.stdout) == [" ".join(map(str, expected))]
+    no_tokenizer = _run(["tools/generate_text.py", "--hf-model", tmp_path / "gpt2",
+                         "--prompt", "1"])
+    assert no_tokenizer.returncode == 2 and "holds no tokenizer" in no_tokenizer.stderr
