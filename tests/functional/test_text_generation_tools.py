@@ -221,6 +221,7 @@ def test_generate_text_from_a_hugging_face_folder(tmp_path):
                    "--max-new-tokens", 7, "--tokenizer-type", "NullTokenizer",
                    "--vocab-size", 299, "--ignore-eod", "--prompt", "11 12 13"])
     assert result.returncode == 0, result.stderr[-3000:]
+    hf.generation_config.eos_token_id = None  # as --ignore-eod
     expected = hf.generate(torch.tensor([[11, 12, 13]]), max_new_tokens=7, do_sample=False,
                            pad_token_id=0)[0].tolist()
     assert _completions(result.stdout) == [" ".join(map(str, expected))]
