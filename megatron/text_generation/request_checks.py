@@ -138,7 +138,10 @@ def check_prompts_fit(request: GenerationRequest, tokenize: Any, context: int,
     """Each prompt's ids must be in the model's vocabulary, and the prompt with its new
     tokens must fit the model's context."""
     for i, prompt in enumerate(request.prompts):
-        ids = tokenize(prompt)
+        try:
+            ids = tokenize(prompt)
+        except ValueError as e:  # e.g. NullTokenizer's ids outside its range, lone surrogates
+            raise RequestError(f"prompt {i} cannot be tokenized: {e}") from None
         outside = [t for t in ids if not 0 <= t < vocab_size]
         _require(not outside, f"prompt {i} has token id {outside[:1]}, outside the model's "
                  f"vocabulary of {vocab_size}")

@@ -84,6 +84,9 @@ def build_app(gm: GenerationModel, *, max_prompts: int = MAX_PROMPTS,
             check_prompts_fit(req, gm.tokenizer.tokenize, gm.context, gm.config.model.vocab_size)
         except RequestError as e:
             return str(e), 400
+        except Exception as e:  # noqa: BLE001 - a bug in the checks; answered, not raised
+            logger.exception("checking a request failed")
+            return f"cannot check the request: {type(e).__name__}: {e}", 500
         with lock:
             try:
                 if gm.device.type == "cuda":  # the current GPU is per thread
