@@ -21,8 +21,8 @@ def _model(device: str, dtype=None):
                                  dtype=dtype)
 
 
-def test_fp32_on_gpu_equals_cpu():
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_fp32_on_gpu_equals_cpu(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     cpu = generate_tokens(_model("cpu"), prompts(), 12).tokens
     gpu = generate_tokens(_model("cuda"), prompts(), 12).tokens
     assert gpu == cpu
