@@ -31,12 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser)
     gen = parser.add_argument_group("generation")
+    # The second spellings are Megatron-DeepSpeed's generate_samples_gpt.py flags.
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    gen.add_argument("--prompts-file", help="a text file with one prompt per line")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    gen.add_argument("--prompts-file", "--sample-input-file", dest="prompts_file",
+                     help="a text file with one prompt per line")
+    gen.add_argument("--max-new-tokens", "--out-seq-length", dest="max_new_tokens", type=int,
+                     default=64, help="tokens to generate")
     gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (1: greedy)")
-    gen.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling (0: off)")
+    gen.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0,
+                     help="keep the k likeliest (1: greedy)")
+    gen.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=0.0,
+                     help="nucleus sampling (0: off)")
+    gen.add_argument("--greedy", action="store_const", const=1, dest="top_k",
+                     help="the same as --top-k 1")
     gen.add_argument("--seed", type=int, default=1234, help="seed of the sampling")
     gen.add_argument("--stop", action="append", default=[],
                      help="end a completion at this string (repeatable; cut before it)")

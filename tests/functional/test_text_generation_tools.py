@@ -65,7 +65,9 @@ def test_generate_text_from_flags_file_and_prompt(checkpoint, tmp_path):
     assert len(lines) == 3
     for line, prompt in zip(lines, ["1 2 3", "7 8 9", "10 11 12 13"]):
         assert line.startswith(prompt + " ") and len(line.split()) == len(prompt.split()) + 6
-    interactive = _greedy(checkpoint, stdin="7 8 9\n1 2 3\n")
+    # Megatron-DeepSpeed's spellings of --top-k 1 and --max-new-tokens, at the >> prompt.
+    interactive = _run(["tools/generate_text.py", "--load", checkpoint, "--greedy",
+                        "--out-seq-length", 6], stdin="7 8 9\n1 2 3\n")
     assert interactive.returncode == 0, interactive.stderr[-3000:]
     assert interactive.stdout.count(">> ") == 3
     assert _completions(interactive.stdout.replace(">> ", "\n")) == [lines[1], lines[0]]
