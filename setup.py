@@ -43,6 +43,7 @@ setup(
         "deepspeed",
         "tomli-w",  # --dump-config writes TOML (reading uses the standard library's tomllib)
         "tomli; python_version < '3.11'",
+        "flask>=2.2",  # tools/run_text_generation_server.py (Megatron's REST API)
     ],
     extras_require={
         "test": ["pytest", "ruff", "datasets", "pyarrow", "wandb"],

@@ -9,7 +9,9 @@
 # 3. tokenizes it with tools/preprocess_data.py into Megatron .bin/.idx files;
 # 4. trains a 4-layer GPT with tensor parallelism 2 through torchrun, with the Megatron log
 #    line, evaluation, TensorBoard and checkpoints: on the CPU (gloo), or on GPUs (NCCL) when
-#    the machine has one per process (DEVICE=cpu keeps it on the CPU).
+#    the machine has one per process (DEVICE=cpu keeps it on the CPU);
+# 5. samples a few lines from the checkpoint it trained (tools/generate_text.py, at the
+#    checkpoint's tensor x pipeline layout).
 #
 # Everything goes into OUT_DIR (default ./quickstart). Re-running reuses what was built; a
 # finished training run is not repeated (raise TRAIN_ITERS to train on from its checkpoint).
@@ -27,6 +29,7 @@
 #   MICRO_BATCH=4 GLOBAL_BATCH=8 LR=1e-3 MIN_LR=1e-4
 #   EVAL_INTERVAL=50 EVAL_ITERS=10 SAVE_INTERVAL=50 LOG_INTERVAL=10
 #   DEVICE=auto               auto: GPUs when there are TP*PP*DP of them, else the CPU; cpu
+#   SAMPLE_TOKENS=40          new tokens per sampled line at the end (0: no sampling)
 #   PYTHON=python             the interpreter with this package installed
 # Extra Megatron flags can follow on the command line: bash examples/quickstart_cpu.sh --seed 7
 set -euo pipefail
@@ -56,6 +59,7 @@ EVAL_ITERS="${EVAL_ITERS:-10}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-50}"
 LOG_INTERVAL="${LOG_INTERVAL:-10}"
 DEVICE="${DEVICE:-auto}"
+SAMPLE_TOKENS="${SAMPLE_TOKENS:-40}"
 NPROC=$((TP * PP * DP))
 START=$(date +%s)
 
@@ -175,6 +179,31 @@ train() {
         2>&1 | tee -a "$LOG"
 }
 
+# Ends as a user goes on: a few lines sampled from the trained checkpoint, one process per
+# tensor x pipeline rank (the layout it was saved with), on the device training used.
+sample() {
+    if [ "$SAMPLE_TOKENS" = 0 ]; then
+        stage "sampling: skipped (SAMPLE_TOKENS=0)"
+        return
+    fi
+    if [ ! -f "$CKPT/latest_checkpointed_iteration.txt" ]; then
+        stage "sampling: skipped (no checkpoint in $CKPT)"
+        return
+    fi
+    local nproc=$((TP * PP)) gpus device_args=()
+    gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
+    if [ "$DEVICE" = "cpu" ] || [ "$gpus" -lt "$nproc" ]; then
+        device_args=(--use-cpu)
+    fi
+    stage "sampling: $SAMPLE_TOKENS tokens after each of 3 prompts from $CKPT" \
+          "(tools/generate_text.py on $nproc process(es); serve it with" \
+          "tools/run_text_generation_server.py)"
+    OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
+        "$REPO/tools/generate_text.py" --load "$CKPT" "${device_args[@]}" \
+        --max-new-tokens "$SAMPLE_TOKENS" --top-k 10 --temperature 0.8 --seed 1234 \
+        --prompt "The" --prompt "In the" --prompt "It is"
+}
+
 report() {
     local last
     last="$(grep -a "validation loss at" "$LOG" 2>/dev/null | tail -n 1 || true)"
@@ -199,6 +228,7 @@ main() {
     build_tokenizer
     preprocess
     train "$@"
+    sample
     report
 }
 

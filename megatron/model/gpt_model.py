@@ -20,7 +20,9 @@ from megatron.core.tensor_parallel.cross_entropy import (
     LogitsWorkspace,
     linear_vocab_parallel_cross_entropy,
 )
+from megatron.core.tensor_parallel.layers import linear
 from megatron.model.init import InitRNG
+from megatron.model.kv_cache import KVCache
 from megatron.model.layer_norm import build_layer_norm
 from megatron.model.rotary import rotary_freqs
 from megatron.model.transformer import ParallelTransformer, dropout
@@ -72,6 +74,10 @@ class GPTModel(nn.Module):
     ``forward(input_ids [b, s], position_ids, attention_mask, labels [b, s])`` returns, on the
     last stage, the per-token loss ``[b, s]`` (fp32) when labels are given, else logits;
     on other stages the hidden state ``[s, b, h]`` for the next stage.
+
+    With ``inference_cache`` (a ``KVCache``; generation, no sequence parallelism) the input is
+    the next ``s`` positions after those already cached, positions default to where the cache
+    stands, and the last stage returns the logits of the last position only (``[b, 1, V/tp]``).
     """
 
     def __init__(self, config: ModelConfig, *, pre_process: bool = True,
@@ -122,17 +128,22 @@ class GPTModel(nn.Module):
             return self.word_embeddings.weight
         return None
 
-    def _rotary(self, seq_length: int, device) -> Optional[torch.Tensor]:
+    def _rotary(self, seq_length: int, device, offset: int = 0) -> Optional[torch.Tensor]:
+        """Rotary angles of positions ``[offset, offset + seq_length)``, if RoPE is used."""
         cfg = self.config
         if cfg.position_embedding_type != "rope":
             return None
-        return rotary_freqs(seq_length, cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base,
-                            device=device)
+        freqs = rotary_freqs(offset + seq_length, cfg.kv_channels, cfg.rotary_percent,
+                             cfg.rotary_base, device=device)
+        return freqs[offset:]
 
     def forward(self, input_ids: Optional[torch.Tensor],
                 position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None,
+                inference_cache: Optional[KVCache] = None) -> torch.Tensor:
+        if inference_cache is not None:
+            return self._forward_cached(input_ids, position_ids, inference_cache)
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
         else:
@@ -145,6 +156,29 @@ class GPTModel(nn.Module):
         hidden = self.final_layernorm(hidden)
         return self._lm_head(hidden, labels)
 
+    def _forward_cached(self, input_ids: Optional[torch.Tensor],
+                        position_ids: Optional[torch.Tensor], cache: KVCache) -> torch.Tensor:
+        """Positions ``[cache.offset, cache.offset + s)`` through this stage; moves the cache
+        on. Returns the hidden state ``[s, b, h]``, or on the last stage the last position's
+        logits ``[b, 1, V/tp]``."""
+        if self.config.sequence_parallel:
+            raise ValueError("generation with a KV cache runs without sequence parallelism: "
+                             "build the model with sequence_parallel=False")
+        if self.pre_process:
+            if position_ids is None and self.embedding.position_embeddings is not None:
+                s = input_ids.size(1)
+                position_ids = torch.arange(cache.offset, cache.offset + s,
+                                            device=input_ids.device)
+            hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
+        else:
+            hidden = self.input_tensor
+        s = hidden.size(0)
+        hidden = self.encoder(hidden, self._rotary(s, hidden.device, cache.offset), None, cache)
+        cache.advance(s)
+        if not self.post_process:
+            return hidden
+        return self._lm_head(self.final_layernorm(hidden[-1:]), None)  # [b, 1, V/tp]
+
     def _lm_head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         if labels is not None:
             return self._lm_loss(hidden, labels)
@@ -154,7 +188,9 @@ class GPTModel(nn.Module):
                 hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
             else:
                 hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-            logits = torch.nn.functional.linear(hidden, weight)  # [s, b, V/tp]
+            # Through oneDNN's matmul on CPU fp32 (layers.linear): the LM head is most of the
+            # time of a generation step.
+            logits = linear(hidden, weight)  # [s, b, V/tp]
         else:
             logits = self.output_layer(hidden)  # [s, b, V/tp]
         if not self.parallel_output:

@@ -18,6 +18,7 @@ from megatron.config import ModelConfig
 from megatron.core import tensor_parallel
 from megatron.core.utils import divide
 from megatron.model.init import InitRNG
+from megatron.model.kv_cache import KVCache
 from megatron.model.layer_norm import build_layer_norm
 from megatron.model.rotary import apply_rotary_emb
 
@@ -87,10 +88,12 @@ class ParallelAttention(nn.Module):
     across tensor ranks gives each rank whole heads.
     """
 
-    def __init__(self, config: ModelConfig, init: InitRNG, *, device=None) -> None:
+    def __init__(self, config: ModelConfig, init: InitRNG, *, device=None,
+                 layer_number: int = 1) -> None:
         super().__init__()
         tp = config.tensor_model_parallel_size
         self.config = config
+        self.layer_number = layer_number
         self.heads_per_rank = divide(config.num_attention_heads, tp)
         self.head_dim = config.kv_channels
         common = dict(params_dtype=config.params_dtype, device=device,
@@ -104,7 +107,8 @@ class ParallelAttention(nn.Module):
         self.recompute_core = config.recompute_granularity == "selective"
 
     def forward(self, x: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor] = None,
+                inference_cache: Optional[KVCache] = None) -> torch.Tensor:
         qkv = self.query_key_value(x)  # [s, b, 3 * n/tp * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim)
@@ -112,7 +116,9 @@ class ParallelAttention(nn.Module):
         if rotary_freqs is not None:
             q, k = apply_rotary_emb(q, rotary_freqs), apply_rotary_emb(k, rotary_freqs)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n/tp, s, d]
-        if self.recompute_core and self.training:
+        if inference_cache is not None:
+            out = self._attend_cached(q, k, v, inference_cache)
+        elif self.recompute_core and self.training:
             if attention_mask is None:
                 out = tensor_parallel.checkpoint(self.core_attention, q, k, v)
             else:
@@ -121,6 +127,21 @@ class ParallelAttention(nn.Module):
             out = self.core_attention(q, k, v, attention_mask)  # [b, n/tp, s, d]
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.dense(out)  # [s, b, h]
+
+    def _attend_cached(self, q, k, v, cache: KVCache) -> torch.Tensor:
+        """Attention of the new positions ``[offset, offset + s)`` over every cached one.
+
+        SDPA's ``is_causal`` aligns the mask to the top left, right only when queries and
+        keys start together, so later chunks of several positions get an explicit mask.
+        """
+        start, s = cache.offset, q.size(2)
+        keys, values = cache.append(self.layer_number, k, v)  # [b, n/tp, start + s, d]
+        if s == 1:
+            return F.scaled_dot_product_attention(q, keys, values)
+        if start == 0:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        allowed = torch.ones(s, start + s, dtype=torch.bool, device=q.device).tril(start)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
 
 
 class ParallelMLP(nn.Module):
@@ -150,16 +171,19 @@ class ParallelTransformerLayer(nn.Module):
         self.layer_number = layer_number
         init = InitRNG(config, f"layer{layer_number}")
         self.input_layernorm = build_layer_norm(config, device=device)
-        self.self_attention = ParallelAttention(config, init, device=device)
+        self.self_attention = ParallelAttention(config, init, device=device,
+                                                layer_number=layer_number)
         self.post_attention_layernorm = build_layer_norm(config, device=device)
         self.mlp = ParallelMLP(config, init, device=device)
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor] = None,
+                inference_cache: Optional[KVCache] = None) -> torch.Tensor:
         drop = self.hidden_dropout
-        y = self.self_attention(self.input_layernorm(x), rotary_freqs, attention_mask)
+        y = self.self_attention(self.input_layernorm(x), rotary_freqs, attention_mask,
+                                inference_cache)
         x = x + dropout(y, drop, self.training, self.sequence_parallel)
         y = self.mlp(self.post_attention_layernorm(x))
         return x + dropout(y, drop, self.training, self.sequence_parallel)
@@ -178,18 +202,23 @@ class ParallelTransformer(nn.Module):
             for i in range(num_layers)
         )
 
-    def _segment(self, start: int, end: int, freqs, mask) -> Callable:
+    def _segment(self, start: int, end: int, freqs, mask,
+                 cache: Optional[KVCache] = None) -> Callable:
         """Layers [start, end) as a function of the hidden state alone, for checkpointing
         (the rotary table and mask never need gradients, so the closure may hold them)."""
         def run(x: torch.Tensor) -> torch.Tensor:
             for layer in self.layers[start:end]:
-                x = layer(x, freqs, mask)
+                x = layer(x, freqs, mask, cache)
             return x
         return run
 
     def forward(self, x: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor] = None,
+                inference_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """``inference_cache``: decode incrementally (see ``KVCache``); no recompute then."""
         cfg, n = self.config, len(self.layers)
+        if inference_cache is not None:
+            return self._segment(0, n, rotary_freqs, attention_mask, inference_cache)(x)
         if cfg.recompute_granularity != "full" or not self.training:
             return self._segment(0, n, rotary_freqs, attention_mask)(x)
         k = cfg.recompute_num_layers or 1

@@ -460,7 +460,8 @@ def test_quickstart_builds_everything_and_launches_tp2(fake_launchers, tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     stages = re.findall(r"==> \[\d+s\] ([a-z ]+)", done.stdout)
     assert stages == ["building corpus", "training tokenizer", "preprocessing", "training",
-                      "done in "], done.stdout
+                      "sampling", "done in "], done.stdout
+    assert "sampling: skipped (no checkpoint" in done.stdout  # the stand-in trained nothing
     vocab = json.loads((out / "tokenizer" / "bpe300-my corpus" / "vocab.json").read_text())
     assert len(vocab) == 300 and vocab["<|endoftext|>"] == 299
     [call] = calls()
@@ -480,6 +481,17 @@ def test_quickstart_builds_everything_and_launches_tp2(fake_launchers, tmp_path)
     call = calls()[-1]
     assert _launcher_option(call["argv"], "--nproc_per_node", "") == "4"
     assert _pretrain_config(call, 4).parallel.pipeline_model_parallel_size == 2
+    # With a finished checkpoint, training is skipped and the run ends by sampling from it
+    # at its layout (issue 14).
+    (out / "checkpoints").mkdir(exist_ok=True)
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("3")
+    third = _run(["bash", "examples/quickstart_cpu.sh"], timeout=120, PP="2", **settings)
+    assert third.returncode == 0, third.stderr
+    argv = calls()[-1]["argv"]
+    assert _launcher_option(argv, "--nproc_per_node", "") == "4"
+    script = next(i for i, a in enumerate(argv) if a.endswith("tools/generate_text.py"))
+    assert argv[script + 1:script + 3] == ["--load", str(out / "checkpoints")]
+    assert "--max-new-tokens" in argv and "--prompt" in argv
 
 
 def test_quickstart_corpus_falls_back_to_python_docs(tmp_path):

@@ -1,0 +1,18 @@
+"""Text generation from a trained GPT: sampling, a KV-cached decoding loop that runs at any
+tensor/pipeline layout, model loading for inference, and the REST server's request handling.
+
+- ``sampling``: greedy, temperature, top-k, top-p.
+- ``generation``: ``generate_tokens`` (ids in, ids out; batched prompts of any lengths).
+- ``text``: ``generate_text`` (strings in, completions out; stop strings).
+- ``forward``: one step across pipeline stages; the chosen tokens sent to every stage.
+- ``model_loading``: ``build_inference_model`` (this rank's stage, weights loaded).
+- ``setup``: the tools' model/tokenizer flags and start-up.
+- ``request_checks``, ``server``: Megatron's REST API (PUT /api), each request checked.
+"""
+
+from megatron.text_generation.generation import GREEDY, GenerationOutput, generate_tokens
+from megatron.text_generation.sampling import SamplingParams, sample
+from megatron.text_generation.text import Completion, generate_text
+
+__all__ = ["GREEDY", "Completion", "GenerationOutput", "SamplingParams", "generate_text",
+           "generate_tokens", "sample"]

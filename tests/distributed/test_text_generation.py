@@ -1,0 +1,101 @@
+"""Generation at tensor parallel 2 and at tensor 2 x pipeline 2 (real gloo groups) gives the
+tokens and log-probabilities of one process, on every rank."""
+
+import pytest
+import torch
+
+from megatron.core import parallel_state
+from megatron.text_generation import SamplingParams, generate_tokens
+from megatron.text_generation.model_loading import build_inference_model
+from tests.dist_utils import run_distributed
+from tests.unit.text_generation.hf_utils import converted, prompts, tiny_hf_model
+
+pytest.importorskip("transformers")
+
+# (sampling, KV cache): greedy both ways, and nucleus sampling with the cache.
+SETTINGS = [(SamplingParams(top_k=1), True), (SamplingParams(top_k=1), False),
+            (SamplingParams(top_p=0.9, temperature=1.2), True)]
+
+
+def _generate_all(config, full) -> list:
+    model = build_inference_model(config, device=torch.device("cpu"), full_state_dict=full)
+    out = []
+    for params, use_cache in SETTINGS:
+        r = generate_tokens(model, prompts(), 12, params=params, seed=5, use_cache=use_cache)
+        out.append((r.tokens, r.logprobs))
+    return out
+
+
+def _on_ranks(rank, world_size, layouts):
+    """Each (tp, pp, config, weights) in turn on the same 4 ranks (tp 2 alone runs as two
+    data-parallel replicas)."""
+    results = []
+    for tp, pp, config, full in layouts:
+        parallel_state.initialize_model_parallel(tp, pp)
+        results.append(_generate_all(config, full))
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+def test_parallel_generation_equals_one_process():
+    hf = tiny_hf_model()
+    reference = _generate_all(*converted(hf))
+    layouts = [(tp, pp, *converted(hf, tp, pp)) for tp, pp in ((2, 1), (2, 2))]
+    for rank, per_layout in enumerate(run_distributed(_on_ranks, 4, layouts)):
+        for (tp, pp, _, _), got in zip(layouts, per_layout):
+            for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, reference):
+                assert tokens == ref_tokens, (rank, tp, pp)
+                for a, b in zip(logprobs, ref_logprobs):
+                    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5,
+                                               rtol=1e-5)
+
+
+def _serve_tp2(rank, world_size, config, full):
+    """Rank 0 serves HTTP on 127.0.0.1 and hands each request to rank 1 (tensor parallel 2)."""
+    import json
+    import threading
+
+    from werkzeug.serving import make_server
+
+    from megatron.text_generation.server import build_app, serve_other_ranks, stop_other_ranks
+    from megatron.text_generation.setup import GenerationModel
+    from megatron.tokenizer import build_tokenizer
+    from tools.text_generation_cli import put
+
+    parallel_state.initialize_model_parallel(world_size)
+    model = build_inference_model(config, device=torch.device("cpu"), full_state_dict=full)
+    gm = GenerationModel(model, build_tokenizer("NullTokenizer", vocab_size=299),
+                         torch.device("cpu"), config)
+    if rank != 0:
+        serve_other_ranks(gm)
+        return None
+    server = make_server("127.0.0.1", 0, build_app(gm), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/api"
+    try:
+        replies = [put(url, {"prompts": ["5 6 7", "8"], "tokens_to_generate": 5, "top_k": 1}),
+                   put(url, {"prompts": ["5 6 7"], "top_k": 1.5}),
+                   put(url, {"prompts": ["9 9"], "tokens_to_generate": 3, "top_p": 0.8,
+                             "random_seed": 4})]
+    finally:
+        server.shutdown()
+        stop_other_ranks()
+    return [(status, json.loads(body) if status == 200 else body) for status, body in replies]
+
+
+def test_server_on_two_tensor_parallel_ranks():
+    from megatron.text_generation import generate_text
+    from megatron.tokenizer import build_tokenizer
+
+    hf = tiny_hf_model()
+    config, full = converted(hf)
+    model = build_inference_model(config, device=torch.device("cpu"), full_state_dict=full)
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=299)
+    greedy = generate_text(model, tokenizer, ["5 6 7", "8"], 5)
+    sampled = generate_text(model, tokenizer, ["9 9"], 3, seed=4,
+                            params=SamplingParams(top_p=0.8))
+    replies = run_distributed(_serve_tp2, 2, *converted(hf, 2))[0]
+    assert replies[0] == (200, {"text": [c.prompt + c.text for c in greedy],
+                                "segments": replies[0][1]["segments"]})
+    assert replies[1][0] == 400 and "top_k" in replies[1][1]
+    assert replies[2][1]["text"] == [sampled[0].prompt + sampled[0].text]

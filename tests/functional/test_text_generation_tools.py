@@ -1,0 +1,232 @@
+"""The generation tools as users run them, on a tiny checkpoint trained by pretrain_gpt.py
+(NullTokenizer, recorded in the checkpoint): tools/generate_text.py (flags, a prompts file,
+the interactive prompt), tools/run_text_generation_server.py answering real HTTP on
+127.0.0.1 (400 with a reason for each malformed request, staying up, concurrent requests
+kept apart) and tools/text_generation_cli.py against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tools.text_generation_cli import put
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONTEXT = 48
+
+
+def _env() -> dict:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(args, stdin=None, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *map(str, args)], input=stdin, capture_output=True,
+                          text=True, cwd=REPO, env=_env(), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    result = _run(["pretrain_gpt.py", "--num-layers", 2, "--hidden-size", 32,
+                   "--num-attention-heads", 4, "--seq-length", 32, "--max-position-embeddings",
+                   CONTEXT, "--micro-batch-size", 2, "--train-iters", 2, "--lr", "1e-3",
+                   "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 200,
+                   "--eval-iters", 0, "--num-workers", 0, "--save", ckpt, "--save-interval", 2,
+                   "--make-vocab-size-divisible-by", 8])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return str(ckpt)
+
+
+def _greedy(checkpoint, *extra, stdin=None):
+    return _run(["tools/generate_text.py", "--load", checkpoint, "--top-k", 1,
+                 "--max-new-tokens", 6, *extra], stdin=stdin)
+
+
+def _completions(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line]
+
+
+def test_generate_text_from_flags_file_and_prompt(checkpoint, tmp_path):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("7 8 9\n\n10 11 12 13\n")
+    result = _greedy(checkpoint, "--prompt", "1 2 3", "--prompts-file", prompts_file)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = _completions(result.stdout)
+    assert len(lines) == 3
+    for line, prompt in zip(lines, ["1 2 3", "7 8 9", "10 11 12 13"]):
+        assert line.startswith(prompt + " ") and len(line.split()) == len(prompt.split()) + 6
+    # Megatron-DeepSpeed's spellings of --top-k 1 and --max-new-tokens, at the >> prompt.
+    interactive = _run(["tools/generate_text.py", "--load", checkpoint, "--greedy",
+                        "--out-seq-length", 6], stdin="7 8 9\n1 2 3\n")
+    assert interactive.returncode == 0, interactive.stderr[-3000:]
+    assert interactive.stdout.count(">> ") == 3
+    assert _completions(interactive.stdout.replace(">> ", "\n")) == [lines[1], lines[0]]
+
+
+def test_generate_text_refuses_bad_input(checkpoint, tmp_path):
+    for extra, message in [(["--top-k", 3, "--top-p", 0.5], "cannot both be set")]:
+        result = _run(["tools/generate_text.py", "--load", checkpoint, "--prompt", "1",
+                       *extra])
+        assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    result = _run(["tools/generate_text.py", "--load", tmp_path, "--prompt", "1"])
+    assert result.returncode == 2 and "holds no checkpoint" in result.stderr
+    result = _run(["tools/generate_text.py", "--load", checkpoint, "--prompt", "3 4 5000"])
+    assert result.returncode == 1 and "id 5000 is outside" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    proc = subprocess.Popen([sys.executable, "tools/run_text_generation_server.py", "--load",
+                             checkpoint, "--port", "0", "--max-prompts", "4",
+                             "--max-tokens-to-generate", "16"], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    url, seen, deadline = None, [], time.time() + 120
+    while url is None and time.time() < deadline and proc.poll() is None:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        if line.startswith("serving on http://127.0.0.1:"):
+            url = line.split()[-1]
+    assert url is not None, "".join(seen)[-3000:]
+    yield url, proc
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+MALFORMED = [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b"\xff\xfe", "not valid JSON"),
+    (json.dumps({"tokens_to_generate": 4}).encode(), "prompts argument required"),
+    (json.dumps({"prompts": "1 2"}).encode(), "not a list of strings"),
+    (json.dumps({"prompts": [1, 2]}).encode(), "not a list of strings"),
+    (json.dumps({"prompts": []}).encode(), "prompts is empty"),
+    (json.dumps({"prompts": ["1"] * 5}).encode(), "Maximum number of prompts is 4"),
+    (json.dumps({"prompts": ["1"], "tokens_to_generate": "4"}).encode(), "tokens_to_generate"),
+    (json.dumps({"prompts": ["1"], "tokens_to_generate": 17}).encode(), "between 1 and 16"),
+    (json.dumps({"prompts": ["1"], "tokens_to_generate": True}).encode(), "tokens_to_generate"),
+    (json.dumps({"prompts": ["1"], "temperature": 0}).encode(), "temperature"),
+    (json.dumps({"prompts": ["1"], "top_k": -1}).encode(), "top_k"),
+    (json.dumps({"prompts": ["1"], "top_p": 1.5}).encode(), "top_p"),
+    (json.dumps({"prompts": ["1"], "top_k": 5, "top_p": 0.5}).encode(), "both top-k and top-p"),
+    (json.dumps({"prompts": ["1"], "logprobs": "yes"}).encode(), "logprobs"),
+    (json.dumps({"prompts": ["1"], "random_seed": -5}).encode(), "random_seed"),
+    (json.dumps({"prompts": ["1"], "beam_width": 4}).encode(), "not supported"),
+    (json.dumps({"prompts": ["1"], "tokens": 4}).encode(), "unknown field"),
+    (json.dumps({"prompts": [" ".join(["5"] * 40)], "tokens_to_generate": 16}).encode(),
+     "exceeds the model's context of 48"),
+    (json.dumps({"prompts": ["5 900"]}).encode(), "prompt 0 cannot be tokenized"),
+]
+
+
+def _raw_put(url: str, data: bytes) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=data, method="PUT",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_server_answers_and_refuses_malformed_requests(server, checkpoint):
+    url, proc = server
+    good = {"prompts": ["1 2 3", "7 8 9"], "tokens_to_generate": 6, "top_k": 1,
+            "logprobs": True}
+    status, body = put(url, good)
+    assert status == 200, body
+    reply = json.loads(body)
+    expected = _completions(_greedy(checkpoint, "--prompt", "1 2 3", "--prompt", "7 8 9").stdout)
+    assert reply["text"] == expected  # the server and generate_text.py agree
+    assert [len(s) for s in reply["segments"]] == [6, 6]
+    assert all(len(lp) == 6 and all(v <= 0 for v in lp) for lp in reply["logprobs"])
+    for data, reason in MALFORMED:
+        status, refusal = _raw_put(url, data)
+        assert status == 400 and reason in refusal, (data, status, refusal)
+        assert proc.poll() is None
+    assert put(url, good) == (200, body)  # still up, and the same reply
+    assert urllib_get(url) == 405
+
+
+def urllib_get(url: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=30) as reply:
+            return reply.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_concurrent_requests_get_their_own_replies(server):
+    url, _ = server
+    requests = [{"prompts": [f"{i} {i + 1}"], "tokens_to_generate": 4 + i % 3, "top_k": 1}
+                for i in range(1, 7)]
+    alone = [json.loads(put(url, r)[1])["text"] for r in requests]
+    together: list = [None] * len(requests)
+
+    def send(i):
+        together[i] = json.loads(put(url, requests[i])[1])["text"]
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert together == alone
+
+
+def test_cli_client_against_the_server(server):
+    url, _ = server
+    address = url.removeprefix("http://").removesuffix("/api")
+    result = _run(["tools/text_generation_cli.py", address, "--prompt", "4 5",
+                   "--tokens-to-generate", 3, "--top-k", 1])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1].startswith("4 5 ")
+    asked = _run(["tools/text_generation_cli.py", address, "--top-k", 1],
+                 stdin="4 5\nthree\n3\n")
+    assert asked.returncode == 0, asked.stderr
+    assert "a whole number, please" in asked.stdout
+    assert result.stdout.splitlines()[-1] in asked.stdout.splitlines()
+    refused = _run(["tools/text_generation_cli.py", address, "--prompt", "4",
+                    "--tokens-to-generate", 99])
+    assert refused.returncode == 1 and "Error 400" in refused.stderr
+
+
+def test_generate_text_from_a_hugging_face_folder(tmp_path):
+    """--hf-model: a local GPT-2 folder converted in memory; greedy output is HF's."""
+    import torch
+
+    from tests.unit.text_generation.hf_utils import tiny_hf_model
+
+    hf = tiny_hf_model()
+    hf.save_pretrained(tmp_path / "gpt2")
+    result = _run(["tools/generate_text.py", "--hf-model", tmp_path / "gpt2", "--top-k", 1,
+                   "--max-new-tokens", 7, "--tokenizer-type", "NullTokenizer",
+                   "--vocab-size", 299, "--ignore-eod", "--prompt", "11 12 13"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    hf.generation_config.eos_token_id = None  # as --ignore-eod
+    expected = hf.generate(torch.tensor([[11, 12, 13]]), max_new_tokens=7, do_sample=False,
+                           pad_token_id=0)[0].tolist()
+    assert _completions(result.stdout) == [" ".join(map(str, expected))]
+    no_tokenizer = _run(["tools/generate_text.py", "--hf-model", tmp_path / "gpt2",
+                         "--prompt", "1"])
+    assert no_tokenizer.returncode == 2 and "holds no tokenizer" in no_tokenizer.stderr

@@ -1,0 +1,103 @@
+"""Generation on one process: HF's greedy output, the KV cache against full recomputation,
+sampling settings, stops."""
+
+import pytest
+import torch
+
+from megatron.model.kv_cache import KVCache
+from megatron.text_generation import SamplingParams, generate_tokens, sample
+from megatron.text_generation.model_loading import build_inference_model
+from tests.unit.text_generation.hf_utils import converted, prompts, tiny_hf_model
+
+pytest.importorskip("transformers")
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def models():
+    hf = tiny_hf_model()
+    config, full = converted(hf)
+    return hf, build_inference_model(config, device=CPU, full_state_dict=full)
+
+
+def test_greedy_equals_hf_generate_token_for_token(models):
+    hf, ours = models
+    batch = prompts()
+    out = generate_tokens(ours, batch, 20)  # the batch together, prompts of 4 lengths
+    for i, p in enumerate(batch):
+        expected = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
+                               pad_token_id=0)[0].tolist()
+        assert out.tokens[i] == expected, i
+        assert len(out.new_tokens(i)) == 20
+
+
+def test_cached_equals_uncached_for_every_setting(models):
+    _, ours = models
+    batch = prompts((4, 11, 6))
+    for params in (SamplingParams(top_k=1), SamplingParams(temperature=0.7),
+                   SamplingParams(top_k=5), SamplingParams(top_p=0.9, temperature=1.3)):
+        cached = generate_tokens(ours, batch, 15, params=params, seed=3)
+        plain = generate_tokens(ours, batch, 15, params=params, seed=3, use_cache=False)
+        assert cached.tokens == plain.tokens, params
+        for a, b in zip(cached.logprobs, plain.logprobs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+
+
+def test_cached_logits_equal_full_forward_logits(models):
+    _, ours = models
+    ids = torch.tensor(prompts((12, 12)))
+    with torch.no_grad():
+        full = ours(ids)  # [b, s, V]
+        cache = KVCache(2, 12)
+        steps = [ours(ids[:, :5], inference_cache=cache)]  # a chunk of 5 positions, then 3
+        steps += [ours(ids[:, 5:8], inference_cache=cache)]
+        steps += [ours(ids[:, i:i + 1], inference_cache=cache) for i in range(8, 12)]
+    got = torch.cat(steps, dim=1)  # last position of each chunk
+    want = full[:, [4, 7, 8, 9, 10, 11]]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert cache.offset == 12
+
+
+def test_seeded_sampling_repeats_and_differs_by_seed(models):
+    _, ours = models
+    batch = prompts((4, 6))
+    params = SamplingParams(temperature=1.5)
+    a = generate_tokens(ours, batch, 12, params=params, seed=11).tokens
+    assert a == generate_tokens(ours, batch, 12, params=params, seed=11).tokens
+    assert a != generate_tokens(ours, batch, 12, params=params, seed=12).tokens
+
+
+def test_stops_at_eod_and_at_stop_check_and_context(models):
+    _, ours = models
+    batch = prompts((4, 6))
+    free = generate_tokens(ours, batch, 10)
+    eod = free.new_tokens(0)[3]  # the 4th id of sequence 0 becomes "end of document"
+    out = generate_tokens(ours, batch, 10, eod=eod)
+    assert out.new_tokens(0) == free.new_tokens(0)[:free.new_tokens(0).index(eod) + 1]
+    stopped = generate_tokens(ours, batch, 10, stop=lambda i, new: i == 1 and len(new) == 2)
+    assert stopped.new_tokens(1) == free.new_tokens(1)[:2]
+    assert stopped.new_tokens(0) == free.new_tokens(0)
+    near_end = generate_tokens(ours, [[1] * 44], 10)  # the context is 48 positions
+    assert len(near_end.tokens[0]) == 48
+    with pytest.raises(ValueError, match="no room"):
+        generate_tokens(ours, [[1] * 48], 1)
+    with pytest.raises(ValueError, match="token id 300, outside the model's vocabulary"):
+        generate_tokens(ours, [[1, 300]], 1)
+
+
+def test_sampling_rules():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, 9.0]])
+    assert sample(logits, SamplingParams(top_k=1)).item() == 4
+    assert sample(logits, SamplingParams(top_k=1), vocab_size=4).item() == 1  # padding masked
+    g = torch.Generator().manual_seed(0)
+    drawn = {sample(logits, SamplingParams(top_k=2), vocab_size=4, generator=g).item()
+             for _ in range(200)}
+    assert drawn == {1, 3}
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    drawn = {sample(probs, SamplingParams(top_p=0.75), generator=g).item() for _ in range(300)}
+    assert drawn == {0, 1}  # 0.5 < 0.75 needs the second; 0.8 >= 0.75 stops there
+    with pytest.raises(ValueError):
+        SamplingParams(top_k=3, top_p=0.5)
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=0.0)
