@@ -59,6 +59,7 @@ from megatron.conversion.sharding import (
     pipeline_chunks,
     resize_vocab,
     split_tp,
+    tp_piece,
 )
 from megatron.file_modes import chmod_as_created
 
@@ -329,13 +330,12 @@ def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: i
     model_config = full.model_config(tp)
     rows = model_config.padded_vocab_size
     tied = not model_config.untie_embeddings_and_output_weights
-    model_pieces = {k: split_tp(k, v, tp) for k, v in repad_vocab(full.model, rows).items()}
+    padded = repad_vocab(full.model, rows)
     opt_pieces = _optimizer_pieces(full, rows, tp, distributed or _mixed(config))
     files = {}
     for t in range(tp):
         for p in range(pp):
-            rank_model = {k: v[t] for k, v in model_pieces.items()}
-            chunk_models = [full_to_chunk_names(rank_model, c, tied) for c in chunks[p]]
+            chunk_models = rank_chunk_models(padded, tied, tp, t, chunks[p])
             state = _rank_state(full, config, chunk_models, tp, pp, source)
             folder = mp_rank_dir_name(t, p, pp)
             if opt_pieces is not None:
@@ -350,6 +350,15 @@ def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: i
                                                           chunk_opts, _mixed(config))
             files[f"{folder}/{MODEL_FILENAME}"] = state
     return _write_folder(save_dir, full, config, files, len(chunks[0]))
+
+
+def rank_chunk_models(model: dict, tied: bool, tp: int, tp_rank: int,
+                      chunks: list[Chunk]) -> list[dict]:
+    """The state dicts of tensor rank ``tp_rank``'s model ``chunks`` (one pipeline stage, one
+    per virtual stage), from a full model whose vocabulary is padded for ``tp``: what
+    ``GPTModel`` built for each chunk at that rank loads."""
+    return [{k: tp_piece(k, v, tp, tp_rank)  # chunk names keep the suffixes that say the cut
+             for k, v in full_to_chunk_names(model, chunk, tied).items()} for chunk in chunks]
 
 
 def _target_chunks(full: FullCheckpoint, tp: int, pp: int,
