@@ -64,16 +64,24 @@ def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
               f"{pp}; evaluating it at tensor and pipeline parallel 1 over {world} "
               "process(es), merged in memory", file=sys.stderr, flush=True)
     if not any(_given(rest, f) for f in _TOKENIZER_FLAGS):
-        flags += _tokenizer_flags((load_checkpoint_config(load_dir) or {}).get("data", {}))
+        flags += _tokenizer_flags((load_checkpoint_config(load_dir) or {}).get("data", {}),
+                                  load_dir)
     return flags
 
 
-def _tokenizer_flags(data: dict[str, Any]) -> list[str]:
-    """The tokenizer flags a checkpoint recorded, where its files still exist."""
+def _tokenizer_flags(data: dict[str, Any], load_dir: str) -> list[str]:
+    """The tokenizer flags a checkpoint recorded, where its files still exist; a file recorded
+    under the checkpoint's own ``tokenizer/`` folder (an HF conversion's copy) is found there
+    after the checkpoint folder moved."""
+    from megatron.conversion.hf import TOKENIZER_DIR
+
     flags = []
     for key in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_name_or_path"):
         value = data.get(key)
-        if value is None or (key.endswith("_file") and not os.path.isfile(value)):
+        if value is not None and key.endswith("_file") and not os.path.isfile(value):
+            moved = os.path.join(load_dir, TOKENIZER_DIR, os.path.basename(value))
+            value = moved if os.path.isfile(moved) else None
+        if value is None:
             continue
         flags += ["--" + key.replace("_", "-"), str(value)]
     return flags

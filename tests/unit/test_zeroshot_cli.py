@@ -59,3 +59,15 @@ def test_tools_evaluate_picks_the_layout_of_a_tensor_parallel_checkpoint(tmp_pat
     flags = task_argv(["lambada", "x.jsonl", "--load", str(tmp_path), "--vocab-file", "v"])
     assert flags[flags.index("--tensor-model-parallel-size") + 1] == "2"
     assert flags[:4] == ["--task", "LAMBADA", "--valid-data", "x.jsonl"]
+
+
+def test_tools_evaluate_finds_the_tokenizer_copy_of_a_moved_checkpoint(tmp_path):
+    from megatron.evaluation.friendly import _tokenizer_flags
+
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "vocab.json").write_text("{}")
+    data = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "/gone/tokenizer/vocab.json",
+            "merge_file": "/gone/tokenizer/merges.txt"}  # no copy of merges.txt: left out
+    assert _tokenizer_flags(data, str(tmp_path)) == [
+        "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", str(tmp_path / "tokenizer" / "vocab.json")]
