@@ -24,17 +24,19 @@ def tool():
     return load_tool("multilevel")
 
 
-def _large(tool, folder, tp: int = 1, pp: int = 1, optimizer=None) -> tuple[dict, ModelConfig]:
-    """A random 4-layer model saved at iteration 10 at (tp, pp), with ``optimizer`` (the full
-    form) as a distributed optimizer's state when given."""
-    config = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+def _large(tool, folder, tp: int = 1, pp: int = 1, optimizer=None, num_layers: int = 4,
+           layers_per_virtual_stage=None) -> tuple[dict, ModelConfig]:
+    """A random model saved at iteration 10 at (tp, pp[, virtual]), with ``optimizer`` (the
+    full form) as a distributed optimizer's state when given."""
+    config = ModelConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, seq_length=16,
                          vocab_size=100, make_vocab_size_divisible_by=8)
     torch.manual_seed(0)
     state = GPTModel(config).state_dict()
     full = FullCheckpoint(config={"model": to_dict(config), "training": {"train_iters": 10}},
                           model=state, optimizer=optimizer, iteration=10,
                           distributed_optimizer=optimizer is not None)
-    save_full_checkpoint(full, str(folder), tp, pp)
+    save_full_checkpoint(full, str(folder), tp, pp,
+                         num_layers_per_virtual_pipeline_stage=layers_per_virtual_stage)
     return state, config
 
 
@@ -87,6 +89,22 @@ def test_bad_input_is_named(tool, tmp_path, capsys):
                       str(tmp_path / "z"), "--target-tensor-parallel-size", "4"]) == 1
     assert "cannot save at tensor-parallel size 4" in capsys.readouterr().err
     assert not (tmp_path / "z").exists()
+
+
+def test_an_interleaved_checkpoint_coalesces_as_its_tp1_copy(tool, tmp_path):
+    """6 layers over 3 stages of 2 virtual chunks (chunk k of stage p holds layer 3k + p)
+    coalesce as the same model saved at tp 1; the output keeps 3 stages, not interleaved."""
+    _large(tool, tmp_path / "tp1", num_layers=6)
+    _large(tool, tmp_path / "vp", 1, 3, num_layers=6, layers_per_virtual_stage=1)
+    for name in ("tp1", "vp"):
+        assert tool.main(["coalesce", "--load", str(tmp_path / name),
+                          "--save", str(tmp_path / f"small-{name}")]) == 0
+    got = load_full_checkpoint(str(tmp_path / "small-vp"))
+    want = load_full_checkpoint(str(tmp_path / "small-tp1"))
+    assert got.config["model"]["num_layers"] == 3
+    layout = read_manifest(str(tmp_path / "small-vp" / "release"))["parallel_layout"]
+    assert (layout["pipeline_model_parallel_size"], layout["num_model_chunks"]) == (3, 1)
+    assert all(torch.equal(got.model[k], want.model[k]) for k in want.model)
 
 
 def _adam_state(state: dict) -> dict:
