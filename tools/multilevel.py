@@ -70,7 +70,7 @@ def read_operand(load_dir: str, flag: str) -> Operand:
         raise CheckpointError(f"{flag} {load_dir} holds no checkpoint (no "
                               "latest_checkpointed_iteration.txt)")
     try:
-        full = load_full_checkpoint(load_dir)
+        full = load_full_checkpoint(load_dir, optimizer=False)  # reset: not even read
     except CheckpointError as error:
         raise CheckpointError(f"{flag} {load_dir}: {error}") from error
     return Operand(full.model, full.model_config(), full, dict(full.extra.get(RECORD_KEY) or {}))

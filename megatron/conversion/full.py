@@ -109,19 +109,22 @@ def model_config_from_dict(fields: dict, tp: int = 1) -> ModelConfig:
 
 
 def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
-                         verify: bool = True,
-                         true_vocab_size: Optional[int] = None) -> FullCheckpoint:
+                         verify: bool = True, true_vocab_size: Optional[int] = None,
+                         optimizer: bool = True) -> FullCheckpoint:
     """Read the checkpoint of ``load_dir`` (the tracker's, or ``iteration``'s) at whatever
     tensor/pipeline/virtual-pipeline layout it was saved with, into one ``FullCheckpoint``.
 
     Reads our checkpoints (checked against their manifest unless ``verify`` is False) and
     Megatron-DeepSpeed / Megatron-LM ones (their ``language_model`` layout, model only;
     ``true_vocab_size`` when their flags do not record the unpadded vocabulary).
+    ``optimizer=False`` reads (and checks) the model files only: ``optimizer`` stays None.
     """
     iter_dir, tracker = _iteration_folder(load_dir, iteration)
     manifest = read_manifest(iter_dir)
     if manifest is not None and verify:
-        verify_files(iter_dir, manifest, list(manifest["files"]), checksums=True)
+        wanted = [f for f in manifest["files"]
+                  if optimizer or os.path.basename(f) != DISTRIB_OPTIM_FILENAME]
+        verify_files(iter_dir, manifest, wanted, checksums=True)
     tp, pp = saved_layout(iter_dir)
     states = {}
     for t in range(tp):
@@ -138,15 +141,15 @@ def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
                                        for p in range(pp)])
     model_config = model_config_from_dict(config["model"])
     model = _merge_model(chunk_states, layout, tp, pp, model_config)
-    optimizer, distributed = None, False
-    if not theirs and not tracker.release:
-        optimizer, distributed = _merge_optimizer(states, chunk_states, layout, tp, pp, iter_dir,
-                                                  model_config)
+    optimizer_state, distributed = None, False
+    if not theirs and not tracker.release and optimizer:
+        optimizer_state, distributed = _merge_optimizer(states, chunk_states, layout, tp, pp,
+                                                        iter_dir, model_config)
     elif theirs:
         logger.info("%s: Megatron-DeepSpeed checkpoint, converting the model only", iter_dir)
     train, valid = consumed_samples(first)
     return FullCheckpoint(
-        config=config, model=model, optimizer=optimizer,
+        config=config, model=model, optimizer=optimizer_state,
         iteration=0 if tracker.release else int(first["iteration"]),
         consumed_train_samples=train, consumed_valid_samples=valid,
         scheduler=None if theirs else first.get("opt_param_scheduler"),

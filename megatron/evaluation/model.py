@@ -90,8 +90,9 @@ def _read_full(cfg: RunConfig, hf_model_dir: Optional[str]):
 
     if hf_model_dir is None:
         load = cfg.checkpoint.load
-        return load_full_checkpoint(load, verify=not cfg.checkpoint.no_verify_checkpoint), \
-            f"--load {load}"
+        full = load_full_checkpoint(load, verify=not cfg.checkpoint.no_verify_checkpoint,
+                                    optimizer=False)
+        return full, f"--load {load}"
     try:
         full = load_hf_checkpoint(hf_model_dir, cfg.model.make_vocab_size_divisible_by,
                                   flag="--hf-model")

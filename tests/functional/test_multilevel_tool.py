@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from megatron.checkpointing import read_manifest, read_tracker
+from megatron.checkpointing import CheckpointError, read_manifest, read_tracker
 from megatron.config import ModelConfig, to_dict
 from megatron.conversion import FullCheckpoint, load_full_checkpoint, save_full_checkpoint
 from megatron.model.gpt_model import GPTModel
@@ -146,6 +146,13 @@ def test_coalescing_a_tp2_pp2_checkpoint_equals_coalescing_its_tp1_reshard(tool,
                       str(tmp_path / "from-tp1")]) == 0
     plain = load_full_checkpoint(str(tmp_path / "from-tp1"))
     assert all(torch.equal(plain.model[k], want.model[k]) for k in want.model)
+    # the optimizer state is not even read: a damaged distrib_optim.pt does not stop it
+    (tmp_path / "tp2pp2" / "iter_0000010" / "mp_rank_01_001" / "distrib_optim.pt").write_bytes(
+        b"damaged")
+    with pytest.raises(CheckpointError):  # a reader of the optimizer state would fail
+        load_full_checkpoint(str(tmp_path / "tp2pp2"))
+    assert tool.main(["coalesce", "--load", str(tmp_path / "tp2pp2"),
+                      "--save", str(tmp_path / "again")]) == 0
     # de-coalescing writes the small checkpoint's layout unless told
     assert tool.main(["decoalesce", "--load", str(tmp_path / "from-tp2pp2"), "--save",
                       str(tmp_path / "back"), "--target-pipeline-parallel-size", "1"]) == 0
