@@ -62,8 +62,8 @@ def _load_checkpoint(chunks: list[nn.Module], cfg: RunConfig) -> int:
 
 def _saved_at_this_layout(cfg: RunConfig) -> bool:
     """Whether --load's latest checkpoint has this run's tensor/pipeline/virtual layout (so
-    each rank reads its own file); False also sends a missing checkpoint to the native loader,
-    which names it."""
+    each rank reads its own file). A missing checkpoint answers True: the native loader
+    names it."""
     from megatron.checkpointing import read_manifest, read_tracker
     from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout
 
