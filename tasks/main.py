@@ -4,7 +4,8 @@
         --overlapping-eval 32 --load CKPT <model and tokenizer flags of pretrain_gpt.py>
     python tasks/main.py --task LAMBADA --valid-data lambada_test.jsonl [--strict-lambada] ...
 
-Under torchrun, at the tensor/pipeline layout the checkpoint was saved with. See
+Under torchrun at any tensor/pipeline layout (the checkpoint's own loads file by file; another
+is merged and cut in memory). See
 megatron/evaluation/cli.py (and tools/evaluate.py for a shorter command).
 """
 

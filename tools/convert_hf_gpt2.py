@@ -6,7 +6,9 @@ Kept for existing scripts; it is ``tools/checkpoint/convert.py --model-type GPT 
 --saver megatron --load-dir DIR --save-dir SAVE`` at tensor and pipeline parallel size 1 (that
 tool also writes other layouts). Writes ``SAVE/release/mp_rank_00/model_optim_rng.pt`` and
 ``latest_checkpointed_iteration.txt`` (``release``), loadable with ``--load SAVE --finetune``,
-and prints the model flags that match it. Nothing is downloaded.
+and prints the model flags that match it. The folder's ``vocab.json`` and ``merges.txt``, when
+it has them, are copied to ``SAVE/tokenizer/`` and recorded as the checkpoint's tokenizer
+(``tools/evaluate.py`` then needs no tokenizer flags). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.conversion import save_full_checkpoint  # noqa: E402
-from megatron.conversion.hf import ConversionError, load_hf_checkpoint  # noqa: E402
+from megatron.conversion.hf import (  # noqa: E402
+    ConversionError,
+    load_hf_checkpoint,
+    save_keeping_tokenizer,
+)
 
 
 def model_flags(config) -> str:
@@ -42,7 +47,7 @@ def convert(hf_model_dir: str, save_dir: str, make_vocab_size_divisible_by: int 
             tp: int = 1, pp: int = 1) -> str:
     """Write the HF folder as our checkpoint; returns the model flags that load it."""
     full = load_hf_checkpoint(hf_model_dir, make_vocab_size_divisible_by, flag="--hf-model-dir")
-    save_full_checkpoint(full, save_dir, tp, pp, source=f"hf:{hf_model_dir}")
+    save_keeping_tokenizer(full, save_dir, tp, pp, source=f"hf:{hf_model_dir}")
     return model_flags(full.model_config())
 
 

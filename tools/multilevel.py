@@ -10,41 +10,38 @@ the small checkpoint, for symmetry with interpolate); ``interpolate`` de-coalesc
 ``--load-small`` and writes ``(1 - alpha) * large + alpha * de-coalesced``. The operators are
 ``megatron/multilevel.py``; see its docstring for the definitions.
 
-Each reads the latest checkpoint of ``--load`` (tensor and pipeline size 1) and writes
-``SAVE/release/mp_rank_00/model_optim_rng.pt``, a model-only checkpoint with a manifest: the
-optimizer state and the learning-rate schedule are reset (train on with ``--load SAVE``, which
-loads a release checkpoint's model only, or with ``--finetune``) and it prints the model flags
-to train it with. The coalesced checkpoint records how it was made (``--pairing``,
-``--no-width``, ``--no-depth``) so ``decoalesce`` and ``interpolate`` undo the same thing when
-given it; a checkpoint saved by training the small model does not carry that record, so give
-those flags again when they were not the defaults (the tool prints what it used).
+Each reads the latest checkpoint of ``--load`` (and ``--load-small``) at whatever tensor,
+pipeline and virtual-pipeline layout it was saved with, distributed optimizer or not
+(``megatron.conversion.load_full_checkpoint``), and writes ``SAVE/release/``, a model-only
+checkpoint with a manifest (``save_full_checkpoint``), at ``--target-tensor-parallel-size`` x
+``--target-pipeline-parallel-size`` (default: the layout of the checkpoint read; the coalesced
+model must still divide over it). The optimizer state, the learning-rate schedule and the
+sample counts are reset: Adam's moments of the large model mean nothing for merged or copied
+neurons (train on with ``--load SAVE``, which loads a release checkpoint's model only, or
+with ``--finetune``). It prints the model flags to train it with. The coalesced checkpoint
+records how it was made (``--pairing``, ``--no-width``, ``--no-depth``) so ``decoalesce`` and
+``interpolate`` undo the same thing when given it; a checkpoint saved by training the small
+model does not carry that record, so give those flags again when they were not the defaults
+(the tool prints what it used).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import shutil
 import sys
-import tempfile
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.checkpointing import (  # noqa: E402
-    CHECKPOINT_VERSION,
-    MODEL_FILENAME,
-    TRACKER_FILENAME,
-    CheckpointError,
-    mp_rank_dir_name,
-    read_tracker,
-)
-from megatron.checkpointing.files import read_torch, write_text_atomic, write_torch  # noqa: E402
-from megatron.checkpointing.manifest import build_manifest, write_manifest  # noqa: E402
+from megatron.checkpointing import CheckpointError, read_tracker  # noqa: E402
 from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout  # noqa: E402
 from megatron.config import ModelConfig, to_dict  # noqa: E402
-from megatron.file_modes import chmod_as_created  # noqa: E402
+from megatron.conversion import (  # noqa: E402
+    FullCheckpoint,
+    load_full_checkpoint,
+    save_full_checkpoint,
+)
 from megatron.multilevel import (  # noqa: E402
     PAIRINGS,
     MultilevelError,
@@ -56,83 +53,41 @@ from megatron.multilevel import (  # noqa: E402
 RECORD_KEY = "multilevel"  # top-level entry of a coalesced checkpoint: how it was made
 
 
-class FullCheckpoint(NamedTuple):
-    """A whole model read from one checkpoint: its state dict, model config, the run config
-    it was saved with (plain dicts) and the record of a coalesce, if any."""
+class Operand(NamedTuple):
+    """A whole model read from one checkpoint: its state dict and model config (tp 1, one
+    stage), the checkpoint it came from, and the record of a coalesce, if any."""
 
     model: dict
     config: ModelConfig
-    run_config: dict
+    source: FullCheckpoint
     record: dict
 
 
-# ---------------------------------------------------------------------------------------------
-# The one place that reads and writes checkpoint folders. Only tensor and pipeline size 1 for
-# now; megatron/conversion (load_full_checkpoint / save_full_checkpoint, any layout) replaces
-# these two functions when it lands.
-
-
-def read_full_checkpoint(load_dir: str, flag: str) -> FullCheckpoint:
-    tracker = read_tracker(load_dir) if os.path.isdir(load_dir) else None
-    if tracker is None:
-        raise CheckpointError(f"{flag} {load_dir} holds no checkpoint ({TRACKER_FILENAME} "
-                              "is missing)")
-    iter_dir = resolve_iteration_dir(load_dir, tracker)
-    tp, pp = saved_layout(iter_dir)
-    if (tp, pp) != (1, 1):
-        raise CheckpointError(f"{flag} {load_dir}: {iter_dir} was saved with tensor-model-"
-                              f"parallel size {tp} and pipeline-model-parallel size {pp}; "
-                              "tools/multilevel.py reads tp=1, pp=1 checkpoints only (save "
-                              "one at that layout first)")
-    state = read_torch(os.path.join(iter_dir, mp_rank_dir_name(0, 0, 1), MODEL_FILENAME))
-    if "model" not in state:
-        raise CheckpointError(f"{flag} {load_dir}: {iter_dir} holds no 'model' entry (a "
-                              "virtual-pipeline checkpoint?); the operators need one model")
-    run_config = state.get("config")
-    if not isinstance(run_config, dict) or not isinstance(run_config.get("model"), dict):
-        raise CheckpointError(f"{flag} {load_dir}: {iter_dir} stores no model config")
-    return FullCheckpoint(dict(state["model"]), model_config_from_dict(run_config["model"]),
-                          run_config, dict(state.get(RECORD_KEY) or {}))
-
-
-def model_config_from_dict(fields: dict) -> ModelConfig:
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in fields.items() if k in names})
-
-
-def write_full_checkpoint(save_dir: str, model: dict, config: ModelConfig, run_config: dict,
-                          record: dict) -> str:
-    """Write ``SAVE/release`` (model only, with a manifest) and point the tracker at it."""
-    run_config = {**run_config, "model": to_dict(config)}
-    layout = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-              "data_parallel_size": 1, "num_model_chunks": 1}
-    state: dict[str, Any] = {
-        "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "model": model,
-        "config": run_config, "parallel_layout": layout,
-        "consumed_train_samples": 0, "consumed_valid_samples": 0,
-    }
-    if record:
-        state[RECORD_KEY] = record
-    os.makedirs(save_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="release.tmp-", dir=save_dir)
+def read_operand(load_dir: str, flag: str) -> Operand:
+    """The whole model of ``load_dir``'s latest checkpoint, saved at any tensor, pipeline and
+    virtual-pipeline layout, with or without the distributed optimizer."""
+    if not os.path.isdir(load_dir) or read_tracker(load_dir) is None:
+        raise CheckpointError(f"{flag} {load_dir} holds no checkpoint (no "
+                              "latest_checkpointed_iteration.txt)")
     try:
-        chmod_as_created(tmp)
-        rel = os.path.join(mp_rank_dir_name(0, 0, 1), MODEL_FILENAME)
-        os.makedirs(os.path.dirname(os.path.join(tmp, rel)))
-        digest = write_torch(state, os.path.join(tmp, rel))
-        write_manifest(tmp, build_manifest(0, layout, run_config, {rel: digest}))
-        final = os.path.join(save_dir, "release")
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    write_text_atomic(os.path.join(save_dir, TRACKER_FILENAME), "release")
-    return final
+        full = load_full_checkpoint(load_dir, optimizer=False)  # reset: not even read
+    except CheckpointError as error:
+        raise CheckpointError(f"{flag} {load_dir}: {error}") from error
+    return Operand(full.model, full.model_config(), full, dict(full.extra.get(RECORD_KEY) or {}))
 
 
-# ---------------------------------------------------------------------------------------------
+def saved_parallel_sizes(load_dir: str) -> tuple[int, int]:
+    """(tensor, pipeline) sizes the latest checkpoint of ``load_dir`` was saved with."""
+    return saved_layout(resolve_iteration_dir(load_dir, read_tracker(load_dir)))
+
+
+def write_operand(save_dir: str, out: Operand, tp: int, pp: int) -> str:
+    """Write ``out`` as a release (model-only) checkpoint at (tp, pp): the optimizer state,
+    LR schedule and sample counts are reset. Returns the iteration folder."""
+    config = {**out.source.config, "model": to_dict(out.config)}
+    full = FullCheckpoint(config=config, model=out.model, release=True,
+                          extra={RECORD_KEY: out.record} if out.record else {})
+    return save_full_checkpoint(full, save_dir, tp, pp, source="tools/multilevel.py")
 
 
 def model_flags(config: ModelConfig) -> str:
@@ -149,29 +104,32 @@ def _how(args: argparse.Namespace, record: dict) -> dict:
     return how
 
 
-def run_coalesce(args: argparse.Namespace) -> tuple[FullCheckpoint, dict]:
-    large = read_full_checkpoint(args.load, "--load")
+def run_coalesce(args: argparse.Namespace) -> tuple[Operand, dict]:
+    large = read_operand(args.load, "--load")
     how = _how(args, {})
     record = {k: how[k] for k in ("width", "depth", "pairing")}
     small, config = coalesce(large.model, large.config, **record)
-    return FullCheckpoint(small, config, large.run_config, record), how
+    return Operand(small, config, large.source, record), how
 
 
-def run_decoalesce(args: argparse.Namespace) -> tuple[FullCheckpoint, dict]:
-    small = read_full_checkpoint(args.load_small or args.load, "--load-small" if args.load_small
-                                 else "--load")
+def _small_flag(args: argparse.Namespace) -> tuple[str, str]:
+    return (args.load_small, "--load-small") if args.load_small else (args.load, "--load")
+
+
+def run_decoalesce(args: argparse.Namespace) -> tuple[Operand, dict]:
+    small = read_operand(*_small_flag(args))
     how = _how(args, small.record)
     model, config = decoalesce(small.model, small.config,
                                **{k: how[k] for k in ("width", "depth", "pairing")})
-    return FullCheckpoint(model, config, small.run_config, {}), how
+    return Operand(model, config, small.source, {}), how
 
 
-def run_interpolate(args: argparse.Namespace) -> tuple[FullCheckpoint, dict]:
+def run_interpolate(args: argparse.Namespace) -> tuple[Operand, dict]:
     if args.load_small is None:
         raise MultilevelError("interpolate needs --load-small (the small model to de-coalesce)")
     if args.alpha is None:
         raise MultilevelError("interpolate needs --alpha")
-    large = read_full_checkpoint(args.load, "--load")
+    large = read_operand(args.load, "--load")
     decoalesced, how = run_decoalesce(args)
     shapes = {k: tuple(v.shape) for k, v in large.model.items()}
     if shapes != {k: tuple(v.shape) for k, v in decoalesced.model.items()}:
@@ -179,7 +137,7 @@ def run_interpolate(args: argparse.Namespace) -> tuple[FullCheckpoint, dict]:
                               f"{model_flags(decoalesced.config)}, but --load {args.load} has "
                               f"{model_flags(large.config)}")
     model = interpolate(large.model, decoalesced.model, args.alpha)
-    return FullCheckpoint(model, large.config, large.run_config, {}), how
+    return Operand(model, large.config, large.source, {}), how
 
 
 COMMANDS = {"coalesce": run_coalesce, "decoalesce": run_decoalesce,
@@ -200,7 +158,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "i + n/2 (the authors' code); a coalesced checkpoint's own record wins")
     parser.add_argument("--no-width", action="store_true", help="keep the width")
     parser.add_argument("--no-depth", action="store_true", help="keep the depth")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=None,
+                        help="tensor-parallel size to save at (default: the size the model "
+                        "read was saved with: --load's, --load-small's for decoalesce)")
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=None,
+                        help="pipeline-parallel size to save at (default: as the model read)")
     return parser
+
+
+def target_layout(args: argparse.Namespace) -> tuple[int, int]:
+    """The (tp, pp) to save at: the flags, else the layout of the checkpoint the output's
+    shape comes from (--load; the small one for decoalesce)."""
+    source = _small_flag(args)[0] if args.command == "decoalesce" else args.load
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    for flag, value in (("--target-tensor-parallel-size", tp),
+                        ("--target-pipeline-parallel-size", pp)):
+        if value is not None and value < 1:
+            raise MultilevelError(f"{flag} must be at least 1, got {value}")
+    if tp is None or pp is None:
+        saved_tp, saved_pp = saved_parallel_sizes(source)
+        tp, pp = tp or saved_tp, pp or saved_pp
+    return tp, pp
 
 
 def main(argv=None) -> int:
@@ -211,14 +189,16 @@ def main(argv=None) -> int:
         return 1
     try:
         out, how = COMMANDS[args.command](args)
-        final = write_full_checkpoint(args.save, out.model, out.config, out.run_config,
-                                      out.record)
-    except (CheckpointError, MultilevelError) as e:
+        tp, pp = target_layout(args)
+        final = write_operand(args.save, out, tp, pp)
+    except (CheckpointError, ValueError) as e:  # MultilevelError and layout errors included
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{args.command} ({', '.join(k for k in ('width', 'depth') if how[k])}, "
-          f"{how['pairing']} pairing, from {how['source']}): wrote {final} (model only: optimizer state reset); "
-          f"train it with:\n  {model_flags(out.config)} --load {args.save}")
+          f"{how['pairing']} pairing, from {how['source']}): wrote {final} at tp={tp}, "
+          f"pp={pp} (model only: optimizer state and LR schedule reset); train it with:\n  "
+          f"{model_flags(out.config)} --tensor-model-parallel-size {tp} "
+          f"--pipeline-model-parallel-size {pp} --load {args.save}")
     return 0
 
 

@@ -25,7 +25,11 @@ resumes from it on the new layout with the optimizer state (and the LR schedule 
 samples) carried over. Converted files hold no random-generator state: a run resuming from one
 starts its generators from ``--seed``.
 
-Hugging Face GPT-2 folders: ``hf.load_hf_checkpoint`` / ``hf.save_hf_checkpoint``. DeepSpeed
+``full.rank_chunk_models`` cuts a full model for one rank of a layout in memory (evaluation
+loads any checkpoint at any launch layout with it; ``save_full_checkpoint`` writes its output).
+
+Hugging Face GPT-2 folders: ``hf.load_hf_checkpoint`` / ``hf.save_hf_checkpoint``;
+``hf.save_keeping_tokenizer`` saves a converted folder with its tokenizer files. DeepSpeed
 engine checkpoints (model only): ``deepspeed_layout.load_deepspeed_checkpoint``.
 The command line is ``tools/checkpoint/convert.py`` (Megatron-LM's interface).
 """

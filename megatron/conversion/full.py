@@ -59,6 +59,7 @@ from megatron.conversion.sharding import (
     pipeline_chunks,
     resize_vocab,
     split_tp,
+    tp_piece,
 )
 from megatron.file_modes import chmod_as_created
 
@@ -108,19 +109,22 @@ def model_config_from_dict(fields: dict, tp: int = 1) -> ModelConfig:
 
 
 def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
-                         verify: bool = True,
-                         true_vocab_size: Optional[int] = None) -> FullCheckpoint:
+                         verify: bool = True, true_vocab_size: Optional[int] = None,
+                         optimizer: bool = True) -> FullCheckpoint:
     """Read the checkpoint of ``load_dir`` (the tracker's, or ``iteration``'s) at whatever
     tensor/pipeline/virtual-pipeline layout it was saved with, into one ``FullCheckpoint``.
 
     Reads our checkpoints (checked against their manifest unless ``verify`` is False) and
     Megatron-DeepSpeed / Megatron-LM ones (their ``language_model`` layout, model only;
     ``true_vocab_size`` when their flags do not record the unpadded vocabulary).
+    ``optimizer=False`` reads (and checks) the model files only: ``optimizer`` stays None.
     """
     iter_dir, tracker = _iteration_folder(load_dir, iteration)
     manifest = read_manifest(iter_dir)
     if manifest is not None and verify:
-        verify_files(iter_dir, manifest, list(manifest["files"]), checksums=True)
+        wanted = [f for f in manifest["files"]
+                  if optimizer or os.path.basename(f) != DISTRIB_OPTIM_FILENAME]
+        verify_files(iter_dir, manifest, wanted, checksums=True)
     tp, pp = saved_layout(iter_dir)
     states = {}
     for t in range(tp):
@@ -137,15 +141,15 @@ def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
                                        for p in range(pp)])
     model_config = model_config_from_dict(config["model"])
     model = _merge_model(chunk_states, layout, tp, pp, model_config)
-    optimizer, distributed = None, False
-    if not theirs and not tracker.release:
-        optimizer, distributed = _merge_optimizer(states, chunk_states, layout, tp, pp, iter_dir,
-                                                  model_config)
+    optimizer_state, distributed = None, False
+    if not theirs and not tracker.release and optimizer:
+        optimizer_state, distributed = _merge_optimizer(states, chunk_states, layout, tp, pp,
+                                                        iter_dir, model_config)
     elif theirs:
         logger.info("%s: Megatron-DeepSpeed checkpoint, converting the model only", iter_dir)
     train, valid = consumed_samples(first)
     return FullCheckpoint(
-        config=config, model=model, optimizer=optimizer,
+        config=config, model=model, optimizer=optimizer_state,
         iteration=0 if tracker.release else int(first["iteration"]),
         consumed_train_samples=train, consumed_valid_samples=valid,
         scheduler=None if theirs else first.get("opt_param_scheduler"),
@@ -329,13 +333,12 @@ def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: i
     model_config = full.model_config(tp)
     rows = model_config.padded_vocab_size
     tied = not model_config.untie_embeddings_and_output_weights
-    model_pieces = {k: split_tp(k, v, tp) for k, v in repad_vocab(full.model, rows).items()}
+    padded = repad_vocab(full.model, rows)
     opt_pieces = _optimizer_pieces(full, rows, tp, distributed or _mixed(config))
     files = {}
     for t in range(tp):
         for p in range(pp):
-            rank_model = {k: v[t] for k, v in model_pieces.items()}
-            chunk_models = [full_to_chunk_names(rank_model, c, tied) for c in chunks[p]]
+            chunk_models = rank_chunk_models(padded, tied, tp, t, chunks[p])
             state = _rank_state(full, config, chunk_models, tp, pp, source)
             folder = mp_rank_dir_name(t, p, pp)
             if opt_pieces is not None:
@@ -350,6 +353,15 @@ def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: i
                                                           chunk_opts, _mixed(config))
             files[f"{folder}/{MODEL_FILENAME}"] = state
     return _write_folder(save_dir, full, config, files, len(chunks[0]))
+
+
+def rank_chunk_models(model: dict, tied: bool, tp: int, tp_rank: int,
+                      chunks: list[Chunk]) -> list[dict]:
+    """The state dicts of tensor rank ``tp_rank``'s model ``chunks`` (one pipeline stage, one
+    per virtual stage), from a full model whose vocabulary is padded for ``tp``: what
+    ``GPTModel`` built for each chunk at that rank loads."""
+    return [{k: tp_piece(k, v, tp, tp_rank)  # chunk names keep the suffixes that say the cut
+             for k, v in full_to_chunk_names(model, chunk, tied).items()} for chunk in chunks]
 
 
 def _target_chunks(full: FullCheckpoint, tp: int, pp: int,

@@ -9,6 +9,7 @@ known. The weight mapping itself is ``megatron/model/hf_gpt2.py``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from megatron.config import to_dict
-from megatron.conversion.full import FullCheckpoint, with_layout
+from megatron.conversion.full import FullCheckpoint, save_full_checkpoint, with_layout
 from megatron.model.hf_gpt2 import (
     hf_to_megatron_state_dict,
     megatron_to_hf_state_dict,
@@ -121,6 +122,31 @@ def load_hf_checkpoint(hf_model_dir: str, make_vocab_size_divisible_by: int = 12
     return FullCheckpoint(config=config,
                           model=hf_to_megatron_state_dict(hf.state_dict(), model_config),
                           release=True)
+
+
+TOKENIZER_DIR = "tokenizer"  # beside the tracker file of a checkpoint converted from HF
+
+
+def save_keeping_tokenizer(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: int = 1,
+                           **kwargs) -> str:
+    """``save_full_checkpoint`` for a checkpoint read from an HF folder: the tokenizer files it
+    records (the folder's ``vocab.json`` and ``merges.txt``) are copied to ``SAVE/tokenizer/``
+    and the saved config records the copies, so the converted checkpoint keeps its tokenizer
+    when the HF folder goes away. Returns the iteration folder."""
+    data = dict(full.config.get("data") or {})
+    kept = os.path.join(os.path.abspath(save_dir), TOKENIZER_DIR)
+    copies = []
+    for key in ("vocab_file", "merge_file"):
+        path = data.get(key)
+        if path is not None and os.path.isfile(path):
+            data[key] = os.path.join(kept, os.path.basename(path))
+            copies.append((path, data[key]))
+    full = dataclasses.replace(full, config={**full.config, "data": data})
+    folder = save_full_checkpoint(full, save_dir, tp, pp, **kwargs)  # checks the layout first
+    for path, target in copies:
+        os.makedirs(kept, exist_ok=True)
+        shutil.copyfile(path, target)
+    return folder
 
 
 def hf_config_for(full: FullCheckpoint):

@@ -61,6 +61,17 @@ def split_tp(name: str, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
     return [p.clone() for p in torch.chunk(full, tp, dim=dim)]
 
 
+def tp_piece(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """Tensor-parallel rank ``tp_rank``'s piece of ``full`` (a clone)."""
+    dim = tp_split_dim(name)
+    if dim is None or tp == 1:
+        return full.clone()
+    if full.size(dim) % tp:
+        raise ValueError(f"{name}: size {full.size(dim)} along dimension {dim} does not split "
+                         f"over tensor-parallel size {tp}")
+    return torch.chunk(full, tp, dim=dim)[tp_rank].clone()
+
+
 def resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with ``rows`` rows: padding rows past ``rows`` dropped, zero rows added."""
     if t.size(0) >= rows:

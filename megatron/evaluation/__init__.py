@@ -3,7 +3,7 @@
 - ``detokenizer``: WikiText/PTB text back to plain text before tokenizing.
 - ``datasets``: the WikiText windows (``--overlapping-eval`` stride) and LAMBADA examples.
 - ``model``: ``build_model_for_evaluation``, the one place that builds this rank's model and
-  loads it (our checkpoint at its layout, or a Hugging Face GPT-2 folder).
+  loads it (our checkpoint saved at any layout, or a Hugging Face GPT-2 folder).
 - ``zeroshot``: the forward-only loop over any tensor/pipeline/data-parallel layout, the
   reductions over the right groups, and Megatron's result lines.
 

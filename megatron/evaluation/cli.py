@@ -8,7 +8,9 @@
 takes the model, tokenizer and parallel flags of pretrain_gpt.py plus the task's flags
 (``--task``, ``--valid-data``, ``--overlapping-eval``, ``--strict-lambada``, and ours:
 ``--hf-model DIR`` for a local Hugging Face GPT-2 folder instead of ``--load``), and prints
-Megatron's result line. Run it at the layout the checkpoint was saved with.
+Megatron's result line. Any tensor/pipeline layout evaluates any checkpoint: at the layout it
+was saved with each rank reads its own file, otherwise the checkpoint (or the HF folder) is
+merged and cut for this layout in memory.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def add_task_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "token.")
     group.add_argument("--hf-model", default=None, metavar="DIR",
                        help="Evaluate a local Hugging Face GPT-2 folder (converted in memory, "
-                       "tensor and pipeline size 1) instead of --load (default: unset).")
+                       "at any tensor/pipeline layout) instead of --load (default: unset).")
     return parser
 
 

@@ -6,7 +6,9 @@
 
 The command becomes ``tasks/main.py``'s: with ``--load``, the model's shape comes from the
 checkpoint (``--use-checkpoint-args``), and so do the tokenizer files it was trained with and
-its tensor/pipeline layout, unless given; with ``--hf-model``, from the folder. Any other
+its tensor/pipeline layout, unless given (a launch whose process count the saved layout does
+not divide runs at tensor and pipeline size 1, the checkpoint merged in memory); with
+``--hf-model``, from the folder. Any other
 pretrain_gpt.py flag is passed on (flags given win).
 """
 
@@ -52,25 +54,34 @@ def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
     flags = [] if _given(rest, "--use-checkpoint-args") else ["--use-checkpoint-args"]
     tp, pp = saved_layout(resolve_iteration_dir(load_dir, tracker))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if not _given(rest, "--tensor-model-parallel-size") and world % (tp * pp) != 0:
-        raise SystemExit(f"error: --load {load_dir} was saved at tensor parallel {tp} x "
-                         f"pipeline parallel {pp}: run under torchrun --nproc_per_node "
-                         f"{tp * pp} (or a multiple), not {world} process(es)")
-    for flag, size in (("--tensor-model-parallel-size", tp),
-                       ("--pipeline-model-parallel-size", pp)):
-        if not _given(rest, flag):
-            flags += [flag, str(size)]
+    chosen = any(_given(rest, f) for f in ("--tensor-model-parallel-size",
+                                            "--pipeline-model-parallel-size"))
+    if not chosen and world % (tp * pp) == 0:  # the saved layout: each rank reads its file
+        flags += ["--tensor-model-parallel-size", str(tp),
+                  "--pipeline-model-parallel-size", str(pp)]
+    elif not chosen:
+        print(f"note: --load {load_dir} was saved at tensor parallel {tp} x pipeline parallel "
+              f"{pp}; evaluating it at tensor and pipeline parallel 1 over {world} "
+              "process(es), merged in memory", file=sys.stderr, flush=True)
     if not any(_given(rest, f) for f in _TOKENIZER_FLAGS):
-        flags += _tokenizer_flags((load_checkpoint_config(load_dir) or {}).get("data", {}))
+        flags += _tokenizer_flags((load_checkpoint_config(load_dir) or {}).get("data", {}),
+                                  load_dir)
     return flags
 
 
-def _tokenizer_flags(data: dict[str, Any]) -> list[str]:
-    """The tokenizer flags a checkpoint recorded, where its files still exist."""
+def _tokenizer_flags(data: dict[str, Any], load_dir: str) -> list[str]:
+    """The tokenizer flags a checkpoint recorded, where its files still exist; a file recorded
+    under the checkpoint's own ``tokenizer/`` folder (an HF conversion's copy) is found there
+    after the checkpoint folder moved."""
+    from megatron.conversion.hf import TOKENIZER_DIR
+
     flags = []
     for key in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_name_or_path"):
         value = data.get(key)
-        if value is None or (key.endswith("_file") and not os.path.isfile(value)):
+        if value is not None and key.endswith("_file") and not os.path.isfile(value):
+            moved = os.path.join(load_dir, TOKENIZER_DIR, os.path.basename(value))
+            value = moved if os.path.isfile(moved) else None
+        if value is None:
             continue
         flags += ["--" + key.replace("_", "-"), str(value)]
     return flags

@@ -87,17 +87,51 @@ def reference(inputs):
     return wiki, lambada, strict
 
 
-@pytest.mark.parametrize("layout", [
-    ["--tensor-model-parallel-size", "2"],
-    ["--pipeline-model-parallel-size", "2"],
-    [],  # data parallel 2: each rank evaluates half of the examples
-], ids=["tp2", "pp2", "dp2"])
-def test_layout_gives_the_one_process_results(inputs, reference, layout):
+LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
+           "pp2": ["--pipeline-model-parallel-size", "2"],
+           "dp2": []}  # data parallel 2: each rank evaluates half of the examples
+
+
+@pytest.fixture(scope="module")
+def at_layout(inputs):
+    """Saves and evaluates a layout on 2 ranks once per module; returns its results."""
     root, flags, tasks = inputs
-    wiki, lambada, strict = evaluate(2, flags + layout, root, tasks, "-".join(layout) or "dp2")
-    ref_wiki, ref_lambada, ref_strict = reference
+    done = {}
+
+    def results(name: str):
+        if name not in done:
+            done[name] = evaluate(2, flags + LAYOUTS[name], root, tasks, name)
+        return done[name]
+
+    return results
+
+
+def _assert_same(got, expected):
+    (wiki, lambada, strict), (ref_wiki, ref_lambada, ref_strict) = got, expected
     assert wiki.avg_loss == pytest.approx(ref_wiki.avg_loss, rel=1e-5)
     assert wiki.adjusted_ppl == pytest.approx(ref_wiki.adjusted_ppl, rel=1e-4)
     assert wiki.token_ratio == ref_wiki.token_ratio
     assert lambada == ref_lambada
     assert strict == ref_strict
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_gives_the_one_process_results(reference, at_layout, layout):
+    _assert_same(at_layout(layout), reference)
+
+
+def _evaluate(rank, world_size, flags, load_dir, tasks):
+    from megatron.evaluation.cli import main
+
+    return [main(task + flags + ["--load", load_dir]) for task in tasks]
+
+
+@pytest.mark.parametrize("saved", ["tp2", "pp2"])
+def test_a_checkpoint_evaluated_in_one_process_equals_its_evaluation_at_its_layout(
+        inputs, at_layout, saved):
+    """The tp 2 (pp 2) checkpoint, loaded by one process (merged in memory by
+    megatron.conversion), gives what its two ranks gave."""
+    root, flags, tasks = inputs
+    at_saved = at_layout(saved)
+    one = run_distributed(_evaluate, 1, flags, str(root / saved), tasks)[0]
+    _assert_same(one, at_saved)

@@ -9,8 +9,9 @@ import subprocess
 import pytest
 import torch
 
-from megatron.checkpointing import read_manifest, read_tracker
+from megatron.checkpointing import CheckpointError, read_manifest, read_tracker
 from megatron.config import ModelConfig, to_dict
+from megatron.conversion import FullCheckpoint, load_full_checkpoint, save_full_checkpoint
 from megatron.model.gpt_model import GPTModel
 from megatron.multilevel import coalesce, decoalesce
 from tests.distributed.training_utils import load_tool
@@ -23,18 +24,24 @@ def tool():
     return load_tool("multilevel")
 
 
-def _large(tool, folder) -> tuple[dict, ModelConfig]:
-    config = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+def _large(tool, folder, tp: int = 1, pp: int = 1, optimizer=None, num_layers: int = 4,
+           layers_per_virtual_stage=None) -> tuple[dict, ModelConfig]:
+    """A random model saved at iteration 10 at (tp, pp[, virtual]), with ``optimizer`` (the
+    full form) as a distributed optimizer's state when given."""
+    config = ModelConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, seq_length=16,
                          vocab_size=100, make_vocab_size_divisible_by=8)
     torch.manual_seed(0)
     state = GPTModel(config).state_dict()
-    run_config = {"model": to_dict(config), "training": {"train_iters": 10}}
-    tool.write_full_checkpoint(str(folder), state, config, run_config, {})
+    full = FullCheckpoint(config={"model": to_dict(config), "training": {"train_iters": 10}},
+                          model=state, optimizer=optimizer, iteration=10,
+                          distributed_optimizer=optimizer is not None)
+    save_full_checkpoint(full, str(folder), tp, pp,
+                         num_layers_per_virtual_pipeline_stage=layers_per_virtual_stage)
     return state, config
 
 
 def _read(tool, folder):
-    return tool.read_full_checkpoint(str(folder), "--load")
+    return tool.read_operand(str(folder), "--load")
 
 
 def test_coalesce_decoalesce_interpolate_on_folders(tool, tmp_path, capsys):
@@ -77,14 +84,80 @@ def test_bad_input_is_named(tool, tmp_path, capsys):
     assert tool.main(["coalesce", "--load", str(tmp_path / "nothing"),
                       "--save", str(tmp_path / "y")]) == 1
     assert "--load" in capsys.readouterr().err
-    # a tensor-parallel checkpoint is refused with its layout named
-    tp2 = tmp_path / "tp2"
-    for rank in ("mp_rank_00", "mp_rank_01"):
-        (tp2 / "iter_0000005" / rank).mkdir(parents=True)
-    (tp2 / "latest_checkpointed_iteration.txt").write_text("5")
-    assert tool.main(["coalesce", "--load", str(tp2), "--save", str(tmp_path / "z")]) == 1
-    assert "tensor-model-parallel size 2" in capsys.readouterr().err
+    # a target layout the coalesced model does not divide over is named; nothing is written
+    assert tool.main(["coalesce", "--load", str(tmp_path / "large"), "--save",
+                      str(tmp_path / "z"), "--target-tensor-parallel-size", "4"]) == 1
+    assert "cannot save at tensor-parallel size 4" in capsys.readouterr().err
     assert not (tmp_path / "z").exists()
+
+
+def test_an_interleaved_checkpoint_coalesces_as_its_tp1_copy(tool, tmp_path):
+    """6 layers over 3 stages of 2 virtual chunks (chunk k of stage p holds layer 3k + p)
+    coalesce as the same model saved at tp 1; the output keeps 3 stages, not interleaved."""
+    _large(tool, tmp_path / "tp1", num_layers=6)
+    _large(tool, tmp_path / "vp", 1, 3, num_layers=6, layers_per_virtual_stage=1)
+    for name in ("tp1", "vp"):
+        assert tool.main(["coalesce", "--load", str(tmp_path / name),
+                          "--save", str(tmp_path / f"small-{name}")]) == 0
+    got = load_full_checkpoint(str(tmp_path / "small-vp"))
+    want = load_full_checkpoint(str(tmp_path / "small-tp1"))
+    assert got.config["model"]["num_layers"] == 3
+    layout = read_manifest(str(tmp_path / "small-vp" / "release"))["parallel_layout"]
+    assert (layout["pipeline_model_parallel_size"], layout["num_model_chunks"]) == (3, 1)
+    assert all(torch.equal(got.model[k], want.model[k]) for k in want.model)
+
+
+def _adam_state(state: dict) -> dict:
+    torch.manual_seed(1)
+    return {"param_groups": [{"lr": 1e-3, "wd_mult": 1.0, "lr_mult": 1.0},
+                             {"lr": 1e-3, "wd_mult": 0.0, "lr_mult": 1.0}], "step": 3.0,
+            "param_state": {k: {"exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v)}
+                            for k, v in state.items()}, "grad_scaler": None}
+
+
+def test_coalescing_a_tp2_pp2_checkpoint_equals_coalescing_its_tp1_reshard(tool, tmp_path,
+                                                                          capsys):
+    """A tp2 x pp2 checkpoint (with a distributed optimizer's state) coalesces to the model
+    its tp1/pp1 reshard coalesces to, saved by default at tp2 x pp2, optimizer state reset."""
+    state, _ = _large(tool, tmp_path / "tp1")
+    _large(tool, tmp_path / "tp2pp2", 2, 2, optimizer=_adam_state(state))
+    sharded = load_full_checkpoint(str(tmp_path / "tp2pp2"))
+    assert sharded.distributed_optimizer and sharded.optimizer is not None
+    reshard = tmp_path / "reshard"
+    save_full_checkpoint(sharded, str(reshard), 1, 1)
+    for name, source in (("from-tp2pp2", "tp2pp2"), ("from-reshard", "reshard")):
+        assert tool.main(["coalesce", "--load", str(tmp_path / source),
+                          "--save", str(tmp_path / name)]) == 0
+    assert "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" in \
+        capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "from-tp2pp2" / "release")) == [
+        "manifest.json", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
+        "mp_rank_01_001"]
+    got = load_full_checkpoint(str(tmp_path / "from-tp2pp2"))
+    want = load_full_checkpoint(str(tmp_path / "from-reshard"))
+    assert got.optimizer is None and got.release and got.iteration == 0
+    assert got.model.keys() == want.model.keys()
+    assert all(torch.equal(got.model[k], want.model[k]) for k in want.model)
+    assert got.extra == want.extra == {"multilevel": {"width": True, "depth": True,
+                                                      "pairing": "adjacent"}}
+    assert got.config["model"]["hidden_size"] == 16
+    # and the tp1 source coalesces to the same numbers (the reshard lost nothing)
+    assert tool.main(["coalesce", "--load", str(tmp_path / "tp1"), "--save",
+                      str(tmp_path / "from-tp1")]) == 0
+    plain = load_full_checkpoint(str(tmp_path / "from-tp1"))
+    assert all(torch.equal(plain.model[k], want.model[k]) for k in want.model)
+    # the optimizer state is not even read: a damaged distrib_optim.pt does not stop it
+    (tmp_path / "tp2pp2" / "iter_0000010" / "mp_rank_01_001" / "distrib_optim.pt").write_bytes(
+        b"damaged")
+    with pytest.raises(CheckpointError):  # a reader of the optimizer state would fail
+        load_full_checkpoint(str(tmp_path / "tp2pp2"))
+    assert tool.main(["coalesce", "--load", str(tmp_path / "tp2pp2"),
+                      "--save", str(tmp_path / "again")]) == 0
+    # de-coalescing writes the small checkpoint's layout unless told
+    assert tool.main(["decoalesce", "--load", str(tmp_path / "from-tp2pp2"), "--save",
+                      str(tmp_path / "back"), "--target-pipeline-parallel-size", "1"]) == 0
+    assert sorted(os.listdir(tmp_path / "back" / "release")) == [
+        "manifest.json", "mp_rank_00", "mp_rank_01"]
 
 
 def test_vcycle_example_runs_at_toy_size(tmp_path):

@@ -157,12 +157,32 @@ def test_lambada_accuracy_of_a_converted_model_equals_hf(setup, ours, strict):
     assert result.accuracy == pytest.approx(sum(expected) / len(expected))
 
 
-def test_tools_evaluate_reads_the_model_from_the_checkpoint(setup, hf_wikitext):
-    """tools/evaluate.py: model flags and layout from the checkpoint, Megatron's line out."""
+def test_hf_folder_at_tensor_parallel_2_gives_the_one_process_numbers(setup, ours):
+    """--hf-model at tp 2: the folder converted and cut for each rank in memory."""
     s = setup
+    argv = _task_argv(s, "WIKITEXT103", "--hf-model", s["hf_dir"],
+                      "--tensor-model-parallel-size", "2")
+    expected = ours["wikitext-hf"]
+    for (result,) in run_distributed(_run_tasks, 2, [argv]):
+        assert result.avg_loss == pytest.approx(expected.avg_loss, rel=1e-5)
+        assert result.token_ratio == expected.token_ratio
+
+
+def test_tools_evaluate_reads_the_model_and_tokenizer_from_the_checkpoint(setup, hf_wikitext):
+    """tools/evaluate.py: model flags, layout and tokenizer files (the HF folder's vocab.json
+    and merges.txt, which the conversion copied into CKPT/tokenizer/ and recorded) from the
+    checkpoint, Megatron's line out; no tokenizer flag given."""
+    s = setup
+    from megatron.checkpointing import load_checkpoint_config
+
+    data = load_checkpoint_config(s["ckpt"])["data"]
+    assert data["tokenizer_type"] == "GPT2BPETokenizer"
+    for key, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
+        assert Path(data[key]) == Path(s["ckpt"]).resolve() / "tokenizer" / name
+        assert Path(data[key]).read_bytes() == (Path(s["hf_dir"]) / name).read_bytes()
     done = subprocess.run(
         [sys.executable, str(REPO / "tools" / "evaluate.py"), "wikitext", s["wiki"],
-         "--stride", str(STRIDE), "--load", s["ckpt"], "--use-cpu", *s["tok_flags"]],
+         "--stride", str(STRIDE), "--load", s["ckpt"], "--use-cpu"],
         capture_output=True, text=True, cwd=REPO, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -43,17 +43,31 @@ def test_hf_model_folder_without_config_is_named(capsys, tmp_path):
     assert f"--hf-model {str(tmp_path)!r} has no config.json" in err
 
 
-def test_tools_evaluate_says_how_to_launch_a_tensor_parallel_checkpoint(tmp_path, monkeypatch):
+def test_tools_evaluate_picks_the_layout_of_a_tensor_parallel_checkpoint(tmp_path, monkeypatch,
+                                                                        capsys):
     from megatron.evaluation.friendly import task_argv
 
     for rank in ("mp_rank_00", "mp_rank_01"):  # a release checkpoint saved at tp 2
         (tmp_path / "release" / rank).mkdir(parents=True)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(SystemExit, match="saved at tensor parallel 2 x pipeline parallel 1: "
-                       "run under torchrun --nproc_per_node 2"):
-        task_argv(["lambada", "x.jsonl", "--load", str(tmp_path), "--vocab-file", "v"])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # one process: tp 1, merged in memory
+    flags = task_argv(["lambada", "x.jsonl", "--load", str(tmp_path), "--vocab-file", "v"])
+    assert "--tensor-model-parallel-size" not in flags
+    assert "saved at tensor parallel 2 x pipeline parallel 1; evaluating it at tensor and " \
+        "pipeline parallel 1 over 1 process(es), merged in memory" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "4")  # tp 2 x dp 2
     flags = task_argv(["lambada", "x.jsonl", "--load", str(tmp_path), "--vocab-file", "v"])
     assert flags[flags.index("--tensor-model-parallel-size") + 1] == "2"
     assert flags[:4] == ["--task", "LAMBADA", "--valid-data", "x.jsonl"]
+
+
+def test_tools_evaluate_finds_the_tokenizer_copy_of_a_moved_checkpoint(tmp_path):
+    from megatron.evaluation.friendly import _tokenizer_flags
+
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "vocab.json").write_text("{}")
+    data = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "/gone/tokenizer/vocab.json",
+            "merge_file": "/gone/tokenizer/merges.txt"}  # no copy of merges.txt: left out
+    assert _tokenizer_flags(data, str(tmp_path)) == [
+        "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", str(tmp_path / "tokenizer" / "vocab.json")]

@@ -28,7 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron.checkpointing import CheckpointError  # noqa: E402
 from megatron.conversion import ConversionError, load_full_checkpoint, save_full_checkpoint  # noqa: E402
 from megatron.conversion.deepspeed_layout import load_deepspeed_checkpoint  # noqa: E402
-from megatron.conversion.hf import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from megatron.conversion.hf import (  # noqa: E402
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+    save_keeping_tokenizer,
+)
 
 LOADERS = ("megatron", "hf", "megatron_deepspeed", "deepspeed")
 SAVERS = ("megatron", "hf")
@@ -107,7 +111,8 @@ def save(args: argparse.Namespace, full) -> str:
         return f"wrote {', '.join(files)} to {args.save_dir}"
     distributed = {"yes": True, "no": False, None: None}[args.target_distributed_optimizer]
     tp, pp = args.target_tensor_parallel_size or 1, args.target_pipeline_parallel_size or 1
-    folder = save_full_checkpoint(
+    # From an HF folder its tokenizer files go along, into SAVE/tokenizer/.
+    folder = (save_keeping_tokenizer if args.loader == "hf" else save_full_checkpoint)(
         full, args.save_dir, tp, pp,
         num_layers_per_virtual_pipeline_stage=args.target_num_layers_per_virtual_pipeline_stage,
         use_distributed_optimizer=distributed, source=f"{args.loader}:{args.load_dir}")
