@@ -520,3 +520,15 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
                  f"optimizer {'from the JSON file' if optimizer is None else 'ours'}, "
                  f"LR schedule {'from the JSON file' if scheduler is None else 'ours'}")
     return DeepSpeedRun(engine, scheduler, cfg, ctx, pipeline)
+
+
+# Conversion ------------------------------------------------------------------------------
+
+
+def zero3_full_weights(load_dir: str, tag: str) -> dict:
+    """The full fp32 model of a ZeRO-3 checkpoint ``load_dir/tag``, gathered from the
+    data-parallel partitions by DeepSpeed's own ``zero_to_fp32`` (its model-state files hold
+    only empty placeholders). Model-parallel rank 0's files only: the caller refuses tp > 1."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return dict(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag))
