@@ -17,7 +17,7 @@ DeepSpeed's ``engine.save_checkpoint(DIR)`` writes ``DIR/latest`` (``global_step
     global_stepN/zero_pp_rank_{d}_mp_rank_{r:02d}_optim_states.pt  ZeRO's fp32 partitions
 
 This was checked against checkpoints written by our ``--deepspeed`` engine (DeepSpeed 0.19;
-tests/distributed/test_deepspeed_convert.py): ZeRO 1, ZeRO 3 (gathered with DeepSpeed's
+tests/distributed/test_deepspeed_engine.py): ZeRO 1 at tp 1 and 2, ZeRO 3 (gathered with DeepSpeed's
 ``zero_to_fp32``; tp 1 only) and the pipeline engine at pp 2.
 
 A pipeline's layer files are told apart by their entries, as Megatron-DeepSpeed's
@@ -130,8 +130,9 @@ def _zero3_module(load_dir: str, step_dir: str, files: list) -> dict:
     tp_ranks = {_ZERO3_FILE_RE.fullmatch(n).group(2) for n in files}
     if len(tp_ranks) > 1:
         raise CheckpointError(f"{step_dir} is a ZeRO-3 checkpoint at tensor-parallel size "
-                              f"{len(tp_ranks)}: only tp 1 ZeRO-3 checkpoints convert; resume "
-                              "it with --deepspeed and save with --zero-stage 1, then convert")
+                              f"{len(tp_ranks)}: only tp 1 ZeRO-3 checkpoints convert (DeepSpeed's "
+                              "zero_to_fp32, which gathers the partitions, reads tensor rank 0 "
+                              "alone); ZeRO 0-2 checkpoints convert at any tp")
     from megatron.integrations.deepspeed import zero3_full_weights
 
     try:

@@ -121,6 +121,10 @@ def two_rank_launch(tmp_path_factory):
         # ZeRO-3's checkpoint (partitioned parameters) for the conversion test.
         "zero3_first3": zero(3, **{"--exit-interval": 3, "--save": tmp_path / "ds_zero3_ckpt",
                                    "--save-interval": 100}),
+        # Tensor parallel 2 (two mp_rank_XX files) for the conversion test.
+        "zero1_tp2_first3": zero(1, **{"--tensor-model-parallel-size": 2, "--exit-interval": 3,
+                                       "--save": tmp_path / "ds_tp2_ckpt",
+                                       "--save-interval": 100}),
         "pipe_pp2": argv(**pipe),
         "pipe_pp2_first3": argv(**pipe, **{"--exit-interval": 3, "--save": pipe_ckpt,
                                            "--save-interval": 100}),
@@ -194,13 +198,16 @@ def _train_each(rank, world_size, runs):
 
 
 def test_real_deepspeed_checkpoints_convert_and_train_on(two_rank_launch, tmp_path):
-    """ZeRO-1, ZeRO-3 and pipeline (pp 2) checkpoints written by our --deepspeed engine at
-    iteration 3 convert with `convert.py --loader deepspeed --saver megatron`; the converted
+    """ZeRO-1 (tp 1 and tp 2), ZeRO-3 and pipeline (pp 2) checkpoints written by our
+    --deepspeed engine at iteration 3 convert with `convert.py --loader deepspeed --saver megatron`; the converted
     model's logits equal those of the model the ZeRO-1 engine saved, and `--load` of the
     converted folder without --deepspeed trains on from iteration 4 (LR schedule carried, fresh
     optimizer) with the DeepSpeed run's iteration-4 loss, which only the weights decide."""
     results, _, launched = two_rank_launch
-    sources = {"zero1": "ds_ckpt", "zero3": "ds_zero3_ckpt", "pipe_pp2": "ds_pipe_ckpt"}
+    # Each against the run whose iteration 4 continues it (tp 2 trains tp 1's model).
+    sources = {"zero1": "ds_ckpt", "zero3": "ds_zero3_ckpt", "pipe_pp2": "ds_pipe_ckpt",
+               "zero1_tp2": "ds_tp2_ckpt"}
+    same_as = {"zero1_tp2": "zero1"}
     engine_module = torch.load(launched / "ds_ckpt" / "global_step3" / "mp_rank_00_model_states.pt",
                                map_location="cpu", weights_only=False)["module"]
     continued = {}
@@ -220,7 +227,8 @@ def test_real_deepspeed_checkpoints_convert_and_train_on(two_rank_launch, tmp_pa
     trained = run_distributed(_train_each, 1, continued)[0]
     for run, got in trained.items():
         assert [t[0] for t in got["train"]] == [4, 5], run
-        assert math.isclose(got["train"][0][1], results[run]["train"][3][1], rel_tol=1e-5), run
+        want = results[same_as.get(run, run)]["train"][3][1]
+        assert math.isclose(got["train"][0][1], want, rel_tol=1e-5), (run, got, want)
         assert math.isfinite(got["train"][1][1]) and got["valid"] is not None
 
 

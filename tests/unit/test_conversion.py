@@ -241,7 +241,7 @@ def test_deepspeed_layout_converts(tmp_path, pipeline, untie, tp):
 
 def test_zero3_checkpoint_at_tensor_parallel_2_is_refused(tmp_path, capsys):
     """ZeRO-3 keeps only placeholders in its model files; DeepSpeed's gatherer reads tensor
-    rank 0 alone, so a tp 2 ZeRO-3 checkpoint is refused, saying what to do."""
+    rank 0 alone, so a tp 2 ZeRO-3 checkpoint is refused, saying why."""
     config = _config()
     step = tmp_path / "ds" / "global_step2"
     step.mkdir(parents=True)
@@ -253,7 +253,7 @@ def test_zero3_checkpoint_at_tensor_parallel_2_is_refused(tmp_path, capsys):
     assert convert.main(["--model-type", "GPT", "--loader", "deepspeed", "--load-dir",
                          str(tmp_path / "ds"), "--save-dir", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
-    assert "ZeRO-3 checkpoint at tensor-parallel size 2" in err and "--zero-stage 1" in err
+    assert "ZeRO-3 checkpoint at tensor-parallel size 2" in err and "ZeRO 0-2" in err
     assert not (tmp_path / "out").exists()
 
 
