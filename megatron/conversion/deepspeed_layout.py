@@ -26,9 +26,10 @@ appearance as the LM head is skipped), transformer layers in order (``input_laye
 ``self_attention.*``, ``mlp.*``), the final layer norm (1-D ``weight``/``bias``) and, untied, an
 output layer (a 2-D ``weight``). Our own ``TransformerLayerPipe`` files name their entries
 ``layers.0.*`` (one layer of a ``ParallelTransformer``): that prefix is dropped. The model, the
-iteration, consumed samples and (from our engine's client state) the LR schedule are read;
-ZeRO's flat optimizer partitions are not converted (train on with --no-load-optim or
---finetune).
+iteration, consumed samples and (from our engine's client state) the LR schedule are read,
+and for the plain model at ZeRO 1/2 the optimizer state too (``zero_optim``), so training
+resumes exactly; ZeRO-3's and the pipeline engine's optimizer state are not converted (train
+on with --no-load-optim or --finetune).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from megatron.conversion.full import (
     source_config,
 )
 from megatron.conversion.sharding import TIED_COPY, merge_tp
+from megatron.conversion.zero_optim import read_zero_optimizer
 
 LATEST_FILENAME = "latest"
 _MP_FILE_RE = re.compile(r"mp_rank_(\d{2})_model_states\.pt")
@@ -80,15 +82,19 @@ def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
         per_tp = [_pipeline_model(step_dir, [m for m in layer_files if int(m.group(2) or 0) == t])
                   for t in tp_ranks]
     elif mp_files:
-        per_tp = [_module(read_torch(os.path.join(step_dir, n)), os.path.join(step_dir, n))
-                  for n in mp_files]
+        states = [read_torch(os.path.join(step_dir, n)) for n in mp_files]
+        per_tp = [_module(state, os.path.join(step_dir, n)) for state, n in zip(states, mp_files)]
     else:
         per_tp = [_zero3_module(load_dir, step_dir, zero3_files)]
+    padded = model_config_from_dict(config["model"]).padded_vocab_size
     model = {name: merge_tp(name, [rank[name] for rank in per_tp]) for name in per_tp[0]}
-    model = repad_vocab(model, model_config_from_dict(config["model"]).padded_vocab_size)
+    model = repad_vocab(model, padded)
+    optimizer = None
+    if mp_files and not layer_files and not theirs:  # ZeRO 1/2 partitions under our names
+        optimizer = read_zero_optimizer(step_dir, states, padded)
     train, valid = consumed_samples(first)
     return FullCheckpoint(
-        config=config, model=model,
+        config=config, model=model, optimizer=optimizer,
         iteration=int(first.get("iteration", first.get("global_steps", 0))),
         consumed_train_samples=train or int(first.get("global_samples", 0) or 0),
         consumed_valid_samples=valid,

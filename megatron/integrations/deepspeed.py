@@ -532,3 +532,15 @@ def zero3_full_weights(load_dir: str, tag: str) -> dict:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return dict(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag))
+
+
+def read_zero_optimizer_file(path: str) -> dict:
+    """A ``zero_pp_rank_*_optim_states.pt`` file, unpickled with only the DeepSpeed classes it
+    holds (loss scaler, ZeRO stage, fragment addresses) allowed beside tensors."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)
