@@ -27,9 +27,9 @@ appearance as the LM head is skipped), transformer layers in order (``input_laye
 output layer (a 2-D ``weight``). Our own ``TransformerLayerPipe`` files name their entries
 ``layers.0.*`` (one layer of a ``ParallelTransformer``): that prefix is dropped. The model, the
 iteration, consumed samples and (from our engine's client state) the LR schedule are read,
-and for the plain model at ZeRO 1/2 the optimizer state too (``zero_optim``), so training
-resumes exactly; ZeRO-3's and the pipeline engine's optimizer state are not converted (train
-on with --no-load-optim or --finetune).
+and at ZeRO 1/2 the optimizer state too (``zero_optim``; the pipeline engine's at tp 1 only), so
+training resumes exactly; ZeRO-3's optimizer state is not converted (train on with
+--no-load-optim or --finetune).
 """
 
 from __future__ import annotations
@@ -77,12 +77,12 @@ def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
     theirs = not (isinstance(saved, dict) and isinstance(saved.get("model"), dict))
     config = source_config(first, theirs, true_vocab_size, os.path.join(step_dir, first_name))
     layer_files = [m for m in map(_LAYER_FILE_RE.fullmatch, sorted(names)) if m]
+    states = [read_torch(os.path.join(step_dir, n)) for n in mp_files]
     if layer_files:
         tp_ranks = sorted({int(m.group(2) or 0) for m in layer_files})
         per_tp = [_pipeline_model(step_dir, [m for m in layer_files if int(m.group(2) or 0) == t])
                   for t in tp_ranks]
     elif mp_files:
-        states = [read_torch(os.path.join(step_dir, n)) for n in mp_files]
         per_tp = [_module(state, os.path.join(step_dir, n)) for state, n in zip(states, mp_files)]
     else:
         per_tp = [_zero3_module(load_dir, step_dir, zero3_files)]
@@ -90,8 +90,10 @@ def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
     model = {name: merge_tp(name, [rank[name] for rank in per_tp]) for name in per_tp[0]}
     model = repad_vocab(model, padded)
     optimizer = None
-    if mp_files and not layer_files and not theirs:  # ZeRO 1/2 partitions under our names
+    if mp_files and not theirs and not layer_files:  # ZeRO 1/2 partitions under our names
         optimizer = read_zero_optimizer(step_dir, states, padded)
+    elif mp_files and not theirs and len(tp_ranks) == 1:  # the pipeline's, one per stage
+        optimizer = read_zero_optimizer(step_dir, states, padded, stages=len(mp_files))
     train, valid = consumed_samples(first)
     return FullCheckpoint(
         config=config, model=model, optimizer=optimizer,

@@ -202,13 +202,13 @@ def test_real_deepspeed_checkpoints_convert_and_train_on(two_rank_launch, tmp_pa
     --deepspeed engine at iteration 3 convert with `convert.py --loader deepspeed --saver
     megatron`; the converted model's logits equal those of the model the ZeRO-1 engine saved,
     and `--load` of the converted folder without --deepspeed trains on from iteration 4 with
-    the DeepSpeed run's losses: ZeRO-1's optimizer state is converted too, so iterations 4 and 5
-    (losses and grad norms) continue the DeepSpeed run; ZeRO-3's and the pipeline's are not
+    the DeepSpeed run's losses: ZeRO-1's optimizer state (plain and pipeline) is converted too,
+    so iterations 4 and 5 (losses and grad norms) continue the DeepSpeed run; ZeRO-3's is not
     (--no-load-optim, LR schedule carried), so iteration 4, which only the weights decide."""
     results, _, launched = two_rank_launch
     sources = {"zero1": "ds_ckpt", "zero1_tp2": "ds_tp2_ckpt", "zero3": "ds_zero3_ckpt",
                "pipe_pp2": "ds_pipe_ckpt"}
-    with_optimizer = {"zero1", "zero1_tp2"}
+    with_optimizer = {"zero1", "zero1_tp2", "pipe_pp2"}
     same_as = {"zero1_tp2": "zero1"}  # the run whose iterations 4-5 it continues
     engine_module = torch.load(launched / "ds_ckpt" / "global_step3" / "mp_rank_00_model_states.pt",
                                map_location="cpu", weights_only=False)["module"]
