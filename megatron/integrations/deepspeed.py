@@ -12,6 +12,8 @@
 - **Recompute and checkpoints**: DeepSpeed's activation checkpointing configured with our RNG
   tracker; ``engine.save_checkpoint``/``load_checkpoint`` with the iteration, consumed samples,
   our LR schedule and every data-parallel rank's RNG states as client state.
+- **Conversion helpers** for megatron/conversion/deepspeed_layout.py: ZeRO-3's weights
+  gathered with DeepSpeed's ``zero_to_fp32``, and ZeRO's optimizer files unpickled.
 
 The training loop (megatron/training.py) is the same as without DeepSpeed: it calls the
 ``DeepSpeedRun`` below where it would run its own schedule, step and checkpoint code.
