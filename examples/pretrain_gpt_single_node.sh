@@ -1,11 +1,13 @@
 #!/bin/bash
-# GPT-2 345M through DeepSpeed's launcher (Megatron-DeepSpeed's single-node recipe):
+# GPT-2 345M through DeepSpeed's launcher and engine (Megatron-DeepSpeed's single-node recipe):
 #
 #     bash examples/pretrain_gpt_single_node.sh CHECKPOINT_PATH VOCAB_FILE MERGE_FILE DATA_PATH [flags]
 #
-# which runs `deepspeed --num_gpus N_GPUS pretrain_gpt.py ...`. The launcher starts one process
-# per GPU and sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and passes
-# --local_rank, which pretrain_gpt.py accepts). Settings (environment variables):
+# which writes DeepSpeed's JSON config (DS_CONFIG) and runs `deepspeed --num_gpus N_GPUS
+# pretrain_gpt.py ... --deepspeed --deepspeed_config DS_CONFIG --zero-stage ZERO_STAGE`. The
+# launcher starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+# MASTER_PORT (and passes --local_rank, which pretrain_gpt.py accepts). Settings (environment
+# variables):
 #   N_GPUS=1            processes on this node (the launcher's --num_gpus)
 #   NUM_NODES           the launcher's --num_nodes (with a hostfile: the first NUM_NODES hosts)
 #   HOSTFILE            the launcher's --hostfile ("host slots=8" per line); without it the
@@ -17,10 +19,16 @@
 #   MASTER_ADDR         the launcher's --master_addr (with NODE_RANK)
 #   MASTER_PORT         the launcher's --master_port (default: its own, 29500)
 #   TP=1 PP=1           tensor and pipeline parallel sizes (the rest is data parallel)
-#   PRECISION=fp16      fp16 (the recipe's), bf16 or fp32
-#   DS_ARGS             passed on as they are, e.g. "--deepspeed --deepspeed_config ds.json
-#                       --zero-stage 1" (needs the --deepspeed engine, issue 12 items 1-3);
-#                       without them the launcher runs our own engine
+#   PRECISION=fp16      fp16 (the recipe's), bf16 or fp32; also the JSON's fp16/bf16 section
+#   MICRO_BATCH_SIZE=4 GLOBAL_BATCH_SIZE=8  --micro-batch-size/--global-batch-size and the
+#                       JSON's train_micro_batch_size_per_gpu/train_batch_size (pass batch
+#                       sizes here, not as flags: the engine stops where file and flags differ)
+#   ZERO_STAGE=1        the JSON's zero_optimization.stage and --zero-stage (2 and 3 need
+#                       PP=1: the plain model, --no-pipeline-parallel, runs in the engine)
+#   DS_CONFIG           where the JSON is written (default: CHECKPOINT_PATH/ds_config.json)
+#   USE_DEEPSPEED=1     0: no JSON and no --deepspeed flags: the launcher runs our own engine
+#   DS_ARGS             passed on as they are after the script's DeepSpeed flags, e.g.
+#                       "--partition-activations"
 # DATA_PATH is a preprocessed prefix or a blend ("0.3 a 0.7 b"). Flags after DATA_PATH are
 # passed to pretrain_gpt.py (a later flag overrides the script's own).
 set -euo pipefail
@@ -55,10 +63,14 @@ if [ -n "${NODE_RANK:-}" ]; then LAUNCHER_ARGS+=(--no_ssh --node_rank "$NODE_RAN
 if [ -n "${MASTER_ADDR:-}" ]; then LAUNCHER_ARGS+=(--master_addr "$MASTER_ADDR"); fi
 if [ -n "${MASTER_PORT:-}" ]; then LAUNCHER_ARGS+=(--master_port "$MASTER_PORT"); fi
 
+MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-4}
+GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-8}
+ZERO_STAGE=${ZERO_STAGE:-1}
+
 GPT_ARGS=(
     --num-layers 24 --hidden-size 1024 --num-attention-heads 16
     --seq-length 1024 --max-position-embeddings 1024
-    --micro-batch-size 4 --global-batch-size 8
+    --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
     --lr 0.00015 --train-iters 500000 --lr-decay-iters 320000 --lr-decay-style cosine
     --lr-warmup-fraction .01
     $PRECISION_FLAG
@@ -74,6 +86,33 @@ OUTPUT_ARGS=(
     --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH"
 )
 
+# DeepSpeed's JSON, as Megatron-DeepSpeed's examples write it; gradient clipping and the
+# loss-scale settings not named here come from the flags.
+DEEPSPEED_ARGS=()
+if [ "${USE_DEEPSPEED:-1}" != 0 ]; then
+    DS_CONFIG=${DS_CONFIG:-$CHECKPOINT_PATH/ds_config.json}
+    mkdir -p "$(dirname "$DS_CONFIG")"
+    case "$PRECISION_FLAG" in
+        --fp16) PRECISION_JSON='"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},' ;;
+        --bf16) PRECISION_JSON='"bf16": {"enabled": true},' ;;
+        *) PRECISION_JSON= ;;
+    esac
+    cat > "$DS_CONFIG" <<EOT
+{
+  "train_batch_size": $GLOBAL_BATCH_SIZE,
+  "train_micro_batch_size_per_gpu": $MICRO_BATCH_SIZE,
+  "steps_per_print": 10,
+  "zero_optimization": {"stage": $ZERO_STAGE},
+  $PRECISION_JSON
+  "wall_clock_breakdown": false
+}
+EOT
+    DEEPSPEED_ARGS=(--deepspeed --deepspeed_config "$DS_CONFIG" --zero-stage "$ZERO_STAGE"
+                    --deepspeed-activation-checkpointing)
+    # Megatron-DeepSpeed runs the plain model in the engine when there is no pipeline.
+    if [ "$PP" = 1 ]; then DEEPSPEED_ARGS+=(--no-pipeline-parallel); fi
+fi
+
 deepspeed "${LAUNCHER_ARGS[@]}" "$REPO/pretrain_gpt.py" \
     "${GPT_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
-    "${EXTRA_DS_ARGS[@]}" "$@"
+    "${DEEPSPEED_ARGS[@]}" "${EXTRA_DS_ARGS[@]}" "$@"

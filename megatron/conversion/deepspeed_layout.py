@@ -2,20 +2,34 @@
 
 DeepSpeed's ``engine.save_checkpoint(DIR)`` writes ``DIR/latest`` (``global_stepN``) and::
 
-    global_stepN/mp_rank_{tp:02d}_model_states.pt          the engine's state and the client
+    global_stepN/mp_rank_{r:02d}_model_states.pt          the engine's state and the client
                                                            state (Megatron's args/config,
                                                            iteration); ``module``: the model's
-                                                           state dict, or None with a pipeline
+                                                           state dict, or None with a pipeline.
+                                                           ``r`` is the tensor rank, or with a
+                                                           pipeline the model-parallel rank
+                                                           (stage x tensor): one per stage
     global_stepN/layer_{i:02d}[-model_{tp:02d}]-model_states.pt  PipelineModule: one file per
                                                            layer (index in the layer specs)
-    global_stepN/zero_pp_rank_*_optim_states.pt            ZeRO's optimizer partitions
+    global_stepN/zero_pp_rank_{d}_mp_rank_{r:02d}_model_states.pt  ZeRO-3 instead of
+                                                           mp_rank_*: ``module`` holds empty
+                                                           placeholders; the weights are in
+    global_stepN/zero_pp_rank_{d}_mp_rank_{r:02d}_optim_states.pt  ZeRO's fp32 partitions
+
+This was checked against checkpoints written by our ``--deepspeed`` engine (DeepSpeed 0.19;
+tests/distributed/test_deepspeed_engine.py): ZeRO 1 at tp 1 and 2, ZeRO 3 (gathered with DeepSpeed's
+``zero_to_fp32``; tp 1 only) and the pipeline engine at pp 2.
 
 A pipeline's layer files are told apart by their entries, as Megatron-DeepSpeed's
 ``GPTModelPipe`` lays them out: the embedding (``word_embeddings.weight``; its second, tied
 appearance as the LM head is skipped), transformer layers in order (``input_layernorm.*``,
 ``self_attention.*``, ``mlp.*``), the final layer norm (1-D ``weight``/``bias``) and, untied, an
-output layer (a 2-D ``weight``). Only the model is read: ZeRO's flat optimizer partitions are
-not converted.
+output layer (a 2-D ``weight``). Our own ``TransformerLayerPipe`` files name their entries
+``layers.0.*`` (one layer of a ``ParallelTransformer``): that prefix is dropped. The model, the
+iteration, consumed samples and (from our engine's client state) the LR schedule are read,
+and at ZeRO 1/2 the optimizer state too (``zero_optim``; the pipeline engine's at tp 1 only), so
+training resumes exactly; ZeRO-3's optimizer state is not converted (train on with
+--no-load-optim or --finetune).
 """
 
 from __future__ import annotations
@@ -35,12 +49,15 @@ from megatron.conversion.full import (
     source_config,
 )
 from megatron.conversion.sharding import TIED_COPY, merge_tp
+from megatron.conversion.zero_optim import read_zero_optimizer
 
 LATEST_FILENAME = "latest"
 _MP_FILE_RE = re.compile(r"mp_rank_(\d{2})_model_states\.pt")
+_ZERO3_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt")
 # DeepSpeed names the tensor ("model") rank only when the topology has that axis.
 _LAYER_FILE_RE = re.compile(r"layer_(\d+)(?:-model_(\d{2}))?-model_states\.pt")
 _OLD_ATTENTION_RE = re.compile(r"(^|\.)attention\.")  # older Megatron's name of self_attention
+_PIPE_LAYER_PREFIX_RE = re.compile(r"^layers\.\d+\.")  # our TransformerLayerPipe's own prefix
 
 
 def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
@@ -49,28 +66,41 @@ def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
     step_dir = _step_folder(load_dir, iteration)
     names = os.listdir(step_dir)
     mp_files = sorted(n for n in names if _MP_FILE_RE.fullmatch(n))
-    if not mp_files:
-        raise CheckpointError(f"{step_dir} has no mp_rank_XX_model_states.pt: not a DeepSpeed "
+    zero3_files = sorted(n for n in names if _ZERO3_FILE_RE.fullmatch(n))
+    if not mp_files and not zero3_files:
+        raise CheckpointError(f"{step_dir} has no mp_rank_XX_model_states.pt (nor ZeRO-3's "
+                              "zero_pp_rank_N_mp_rank_XX_model_states.pt): not a DeepSpeed "
                               "checkpoint")
-    states = [read_torch(os.path.join(step_dir, n)) for n in mp_files]
-    first = states[0]
+    first_name = mp_files[0] if mp_files else zero3_files[0]
+    first = read_torch(os.path.join(step_dir, first_name))
     saved = stored_config(first)
     theirs = not (isinstance(saved, dict) and isinstance(saved.get("model"), dict))
-    config = source_config(first, theirs, true_vocab_size, os.path.join(step_dir, mp_files[0]))
+    config = source_config(first, theirs, true_vocab_size, os.path.join(step_dir, first_name))
     layer_files = [m for m in map(_LAYER_FILE_RE.fullmatch, sorted(names)) if m]
+    states = [read_torch(os.path.join(step_dir, n)) for n in mp_files]
     if layer_files:
+        tp_ranks = sorted({int(m.group(2) or 0) for m in layer_files})
         per_tp = [_pipeline_model(step_dir, [m for m in layer_files if int(m.group(2) or 0) == t])
-                  for t in range(len(mp_files))]
-    else:
+                  for t in tp_ranks]
+    elif mp_files:
         per_tp = [_module(state, os.path.join(step_dir, n)) for state, n in zip(states, mp_files)]
+    else:
+        per_tp = [_zero3_module(load_dir, step_dir, zero3_files)]
+    padded = model_config_from_dict(config["model"]).padded_vocab_size
     model = {name: merge_tp(name, [rank[name] for rank in per_tp]) for name in per_tp[0]}
-    model = repad_vocab(model, model_config_from_dict(config["model"]).padded_vocab_size)
+    model = repad_vocab(model, padded)
+    optimizer = None
+    if mp_files and not theirs and not layer_files:  # ZeRO 1/2 partitions under our names
+        optimizer = read_zero_optimizer(step_dir, states, padded)
+    elif mp_files and not theirs and len(tp_ranks) == 1:  # the pipeline's, one per stage
+        optimizer = read_zero_optimizer(step_dir, states, padded, stages=len(mp_files))
     train, valid = consumed_samples(first)
     return FullCheckpoint(
-        config=config, model=model,
+        config=config, model=model, optimizer=optimizer,
         iteration=int(first.get("iteration", first.get("global_steps", 0))),
         consumed_train_samples=train or int(first.get("global_samples", 0) or 0),
-        consumed_valid_samples=valid)
+        consumed_valid_samples=valid,
+        scheduler=None if theirs else first.get("opt_param_scheduler"))
 
 
 def _step_folder(load_dir: str, iteration: Optional[int]) -> str:
@@ -103,13 +133,30 @@ def _module(state: dict, path: str) -> dict:
     return named
 
 
+def _zero3_module(load_dir: str, step_dir: str, files: list) -> dict:
+    """ZeRO-3's model, gathered from its fp32 partitions (tensor-parallel size 1 only)."""
+    tp_ranks = {_ZERO3_FILE_RE.fullmatch(n).group(2) for n in files}
+    if len(tp_ranks) > 1:
+        raise CheckpointError(f"{step_dir} is a ZeRO-3 checkpoint at tensor-parallel size "
+                              f"{len(tp_ranks)}: only tp 1 ZeRO-3 checkpoints convert (DeepSpeed's "
+                              "zero_to_fp32, which gathers the partitions, reads tensor rank 0 "
+                              "alone); ZeRO 0-2 checkpoints convert at any tp")
+    from megatron.integrations.deepspeed import zero3_full_weights
+
+    try:
+        module = zero3_full_weights(load_dir, os.path.basename(step_dir))
+    except (FileNotFoundError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{step_dir}: cannot gather ZeRO-3's partitions: {error}") from error
+    return _module({"module": module}, os.path.join(step_dir, files[0]))
+
+
 def _pipeline_model(step_dir: str, files: list) -> dict:
     """One tensor rank's model from its layer files, in layer-index order, under full names."""
     out: dict = {}
     layer = 0
     for m in sorted(files, key=lambda m: int(m.group(1))):
         path = os.path.join(step_dir, m.group(0))
-        state = {_OLD_ATTENTION_RE.sub(r"\1self_attention.", k): v
+        state = {_OLD_ATTENTION_RE.sub(r"\1self_attention.", _PIPE_LAYER_PREFIX_RE.sub("", k)): v
                  for k, v in read_torch(path).items()}
         if "word_embeddings.weight" in state:
             if "embedding.word_embeddings.weight" not in out:
@@ -117,6 +164,8 @@ def _pipeline_model(step_dir: str, files: list) -> dict:
         elif "input_layernorm.weight" in state:
             out.update({f"encoder.layers.{layer}.{k}": v for k, v in state.items()})
             layer += 1
+        elif state and all(k.startswith("final_layernorm.") for k in state):  # ours
+            out.update(state)
         elif set(state) <= {"weight", "bias"} and state["weight"].dim() == 1:
             out.update({f"final_layernorm.{k}": v for k, v in state.items()})
         elif set(state) == {"weight"}:

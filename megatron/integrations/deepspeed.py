@@ -12,6 +12,8 @@
 - **Recompute and checkpoints**: DeepSpeed's activation checkpointing configured with our RNG
   tracker; ``engine.save_checkpoint``/``load_checkpoint`` with the iteration, consumed samples,
   our LR schedule and every data-parallel rank's RNG states as client state.
+- **Conversion helpers** for megatron/conversion/deepspeed_layout.py: ZeRO-3's weights
+  gathered with DeepSpeed's ``zero_to_fp32``, and ZeRO's optimizer files unpickled.
 
 The training loop (megatron/training.py) is the same as without DeepSpeed: it calls the
 ``DeepSpeedRun`` below where it would run its own schedule, step and checkpoint code.
@@ -520,3 +522,27 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
                  f"optimizer {'from the JSON file' if optimizer is None else 'ours'}, "
                  f"LR schedule {'from the JSON file' if scheduler is None else 'ours'}")
     return DeepSpeedRun(engine, scheduler, cfg, ctx, pipeline)
+
+
+# Conversion ------------------------------------------------------------------------------
+
+
+def zero3_full_weights(load_dir: str, tag: str) -> dict:
+    """The full fp32 model of a ZeRO-3 checkpoint ``load_dir/tag``, gathered from the
+    data-parallel partitions by DeepSpeed's own ``zero_to_fp32`` (its model-state files hold
+    only empty placeholders). Model-parallel rank 0's files only: the caller refuses tp > 1."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return dict(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag))
+
+
+def read_zero_optimizer_file(path: str) -> dict:
+    """A ``zero_pp_rank_*_optim_states.pt`` file, unpickled with only the DeepSpeed classes it
+    holds (loss scaler, ZeRO stage, fragment addresses) allowed beside tensors."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)

@@ -2,7 +2,8 @@
 (gloo): ZeRO 1, 2 and 3 (2 ranks) and tensor parallel 2 + ZeRO-1 (4 ranks) give the
 one-process built-in losses and grad norms within 1e-5 relative over 5 iterations, and the
 log shows DeepSpeed's own engine lines; its pipeline engine at pp 2 equals the built-in pp 2;
-a DeepSpeed checkpoint resumes bit for bit; DeepSpeed's recompute replays dropout. Two
+a DeepSpeed checkpoint resumes bit for bit; DeepSpeed's recompute replays dropout; real
+ZeRO-1, ZeRO-3 and pipeline checkpoints convert to ours and train on without DeepSpeed. Two
 launches in all: tests/distributed/deepspeed_driver.py runs the 2-rank trainings one after
 the other in one launch; the 4-rank one is the user's own `deepspeed pretrain_gpt.py` command."""
 
@@ -18,10 +19,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import pretrain_gpt
+from megatron.conversion import load_full_checkpoint
+from megatron.core import parallel_state
+from megatron.model.gpt_model import GPTModel
 from tests.dist_utils import free_port, run_distributed
 from tests.distributed.training_utils import parse_log_lines
+from tools.checkpoint import convert
 
 REPO = Path(__file__).resolve().parents[2]
 ITERS = 5
@@ -98,7 +104,10 @@ def reference():
     return run
 
 
-def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
+@pytest.fixture(scope="module")
+def two_rank_launch(tmp_path_factory):
+    """All the 2-rank DeepSpeed trainings in one launch: (results, log, folder)."""
+    tmp_path = tmp_path_factory.mktemp("ds2")
     ckpt, pipe_ckpt = tmp_path / "ds_ckpt", tmp_path / "ds_pipe_ckpt"
     pipe = {"--deepspeed": True, "--zero-stage": 1, "--pipeline-model-parallel-size": 2}
     dropout = {"--tensor-model-parallel-size": 2, "--hidden-dropout": 0.1,
@@ -109,6 +118,13 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
         "zero1_first3": zero(1, **{"--exit-interval": 3, "--save": ckpt,
                                    "--save-interval": 100}),
         "zero1_resumed": zero(1, **{"--load": ckpt}),
+        # ZeRO-3's checkpoint (partitioned parameters) for the conversion test.
+        "zero3_first3": zero(3, **{"--exit-interval": 3, "--save": tmp_path / "ds_zero3_ckpt",
+                                   "--save-interval": 100}),
+        # Tensor parallel 2 (two mp_rank_XX files) for the conversion test.
+        "zero1_tp2_first3": zero(1, **{"--tensor-model-parallel-size": 2, "--exit-interval": 3,
+                                       "--save": tmp_path / "ds_tp2_ckpt",
+                                       "--save-interval": 100}),
         "pipe_pp2": argv(**pipe),
         "pipe_pp2_first3": argv(**pipe, **{"--exit-interval": 3, "--save": pipe_ckpt,
                                            "--save-interval": 100}),
@@ -122,6 +138,12 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
         "tp2_native_dropout": argv(**dropout),
     }
     results, log = launch(2, runs, tmp_path)
+    return results, log, tmp_path
+
+
+def test_zero_stages_pipeline_and_resume_two_ranks(reference, two_rank_launch):
+    results, log, tmp_path = two_rank_launch
+    ckpt, pipe_ckpt = tmp_path / "ds_ckpt", tmp_path / "ds_pipe_ckpt"
     for stage in (1, 2, 3):
         assert_same(results[f"zero{stage}"], reference)
         # DeepSpeed's own configuration print, and our line naming the stage.
@@ -154,6 +176,68 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, tmp_path):
     assert "----Partition Activations True" in log  # DeepSpeed's checkpoint ran
     assert_same(results["tp2_ds_recompute"], results["tp2_native_dropout"])
     assert results["tp2_native_dropout"]["train"] != reference["train"]  # dropout was on
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 127, (2, 32), generator=torch.Generator().manual_seed(7))  # [b, s]
+
+
+def _logits(config, state: dict) -> torch.Tensor:
+    model = GPTModel(config).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(_ids())  # [b, s, padded vocab]
+
+
+def _train_each(rank, world_size, runs):
+    out = {}
+    for name, args in runs.items():
+        out[name] = _train(rank, world_size, args)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_real_deepspeed_checkpoints_convert_and_train_on(two_rank_launch, tmp_path):
+    """ZeRO-1 (tp 1 and tp 2), ZeRO-3 and pipeline (pp 2) checkpoints written by our
+    --deepspeed engine at iteration 3 convert with `convert.py --loader deepspeed --saver
+    megatron`; the converted model's logits equal those of the model the ZeRO-1 engine saved,
+    and `--load` of the converted folder without --deepspeed trains on from iteration 4 with
+    the DeepSpeed run's losses: ZeRO-1's optimizer state (plain and pipeline) is converted too,
+    so iterations 4 and 5 (losses and grad norms) continue the DeepSpeed run; ZeRO-3's is not
+    (--no-load-optim, LR schedule carried), so iteration 4, which only the weights decide."""
+    results, _, launched = two_rank_launch
+    sources = {"zero1": "ds_ckpt", "zero1_tp2": "ds_tp2_ckpt", "zero3": "ds_zero3_ckpt",
+               "pipe_pp2": "ds_pipe_ckpt"}
+    with_optimizer = {"zero1", "zero1_tp2", "pipe_pp2"}
+    same_as = {"zero1_tp2": "zero1"}  # the run whose iterations 4-5 it continues
+    engine_module = torch.load(launched / "ds_ckpt" / "global_step3" / "mp_rank_00_model_states.pt",
+                               map_location="cpu", weights_only=False)["module"]
+    continued = {}
+    for run, folder in sources.items():
+        out = tmp_path / f"converted_{run}"
+        assert convert.main(["--model-type", "GPT", "--loader", "deepspeed", "--saver",
+                             "megatron", "--load-dir", str(launched / folder),
+                             "--save-dir", str(out)]) == 0
+        full = load_full_checkpoint(str(out))
+        assert (full.iteration, full.consumed_train_samples) == (3, 24)
+        assert full.scheduler is not None and full.scheduler["num_steps"] == 24
+        assert (full.optimizer is not None) == (run in with_optimizer), run
+        assert full.model.keys() == engine_module.keys()
+        want = _logits(full.model_config(), engine_module)
+        got = _logits(full.model_config(), full.model)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=run)
+        continued[run] = argv(**{"--load": out,
+                                 "--no-load-optim": run not in with_optimizer})
+    trained = run_distributed(_train_each, 1, continued)[0]
+    for run, got in trained.items():
+        want = results[same_as.get(run, run)]
+        assert [t[0] for t in got["train"]] == [4, 5], run
+        if run in with_optimizer:
+            assert_same(got, {"train": want["train"][3:], "valid": want["valid"]})
+        else:
+            assert math.isclose(got["train"][0][1], want["train"][3][1], rel_tol=1e-5), run
+            # A fresh optimizer: iteration 5 leaves the DeepSpeed run's curve.
+            assert not math.isclose(got["train"][1][1], want["train"][4][1], rel_tol=1e-6), run
 
 
 def test_tensor_parallel_2_with_zero1_four_ranks(reference, tmp_path):

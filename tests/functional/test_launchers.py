@@ -1,5 +1,5 @@
 """Launching as users do, for real, at toy size on the CPU: the GPT-3 175B script and its
-throughput variant (CPU_SMOKE=1), DeepSpeed's launcher through the single-node recipe (with
+throughput variant (CPU_SMOKE=1), DeepSpeed's launcher and engine through the single-node recipe (with
 --num_gpus, --num_nodes and a hostfile, run per node with --no_ssh --node_rank as there is no
 ssh here), the one-GPU script's single-process emulation, and srun with two tasks that find
 rank 0 from the node list alone.
@@ -7,6 +7,7 @@ rank 0 from the node list alone.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -84,19 +85,45 @@ def _toy_args(corpus, tmp_path) -> list:
             *TOY_FLAGS]
 
 
+def _without_batch_flags(args: list) -> list:
+    """The toy arguments less their batch sizes (the recipe takes those from the environment
+    and writes them into DeepSpeed's JSON too)."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("--micro-batch-size", "--global-batch-size"):
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
 def test_deepspeed_launcher_runs_the_single_node_recipe(corpus, tmp_path):
+    """Megatron-DeepSpeed's single-node command: DeepSpeed's launcher, its engine with the
+    JSON the script writes (ZeRO stage 1 by default), and DS_ARGS passed on."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    done = _run(["bash", "examples/pretrain_gpt_single_node.sh", *_toy_args(corpus, tmp_path),
-                 "--global-batch-size", "2"], timeout=300, N_GPUS="2", NUM_NODES="1",
-                HOSTFILE=str(hostfile), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(free_port()), PRECISION="fp32")
+    done = _run(["bash", "examples/pretrain_gpt_single_node.sh",
+                 *_without_batch_flags(_toy_args(corpus, tmp_path))], timeout=300, N_GPUS="2",
+                NUM_NODES="1", HOSTFILE=str(hostfile), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()), PRECISION="fp32", MICRO_BATCH_SIZE="1",
+                GLOBAL_BATCH_SIZE="2", DS_ARGS="--partition-activations")
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "WORLD INFO DICT: {'localhost': [0, 1]}" in out  # DeepSpeed's launcher said so
+    written = json.loads((tmp_path / "ckpt" / "ds_config.json").read_text())
+    assert written == {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+                       "steps_per_print": 10, "zero_optimization": {"stage": 1},
+                       "wall_clock_breakdown": False}
+    # DeepSpeed's engine ran at ZeRO stage 1 (its own config print, and our line).
+    assert re.search(r"\[config.py:\d+:print\] +zero_optimization_stage \.+ 1\n", out)
+    assert re.search(r"> DeepSpeed engine \S+: ZeRO stage 1, plain model", out)
+    assert "----Partition Activations True" in out  # DS_ARGS reached DeepSpeed's recompute
     assert _printed_argument(done.stdout, "data_parallel_size") == "2"
     assert _printed_argument(done.stdout, "recompute_granularity") == "full"
     assert [line["iteration"] for line in parse_log_lines(done.stdout)] == [1, 2]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step2"
 
 
 def test_one_gpu_script_emulates_a_distributed_launch(corpus, tmp_path):

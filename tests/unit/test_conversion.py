@@ -239,6 +239,24 @@ def test_deepspeed_layout_converts(tmp_path, pipeline, untie, tp):
         assert torch.equal(back.model[name], value), name
 
 
+def test_zero3_checkpoint_at_tensor_parallel_2_is_refused(tmp_path, capsys):
+    """ZeRO-3 keeps only placeholders in its model files; DeepSpeed's gatherer reads tensor
+    rank 0 alone, so a tp 2 ZeRO-3 checkpoint is refused, saying why."""
+    config = _config()
+    step = tmp_path / "ds" / "global_step2"
+    step.mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step2")
+    full = _full(config, with_optimizer=False)
+    for t in range(2):
+        torch.save({"module": {}, "iteration": 2, "config": full.config},
+                   step / f"zero_pp_rank_0_mp_rank_{t:02d}_model_states.pt")
+    assert convert.main(["--model-type", "GPT", "--loader", "deepspeed", "--load-dir",
+                         str(tmp_path / "ds"), "--save-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "ZeRO-3 checkpoint at tensor-parallel size 2" in err and "ZeRO 0-2" in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("tp,pp,per_chunk,words", [
     (3, 1, None, "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
     (1, 4, None, "--num-layers (6) is not divisible by --pipeline-model-parallel-size (4)"),

@@ -11,8 +11,10 @@
 
 Loaders: ``megatron`` (ours, any tp/pp/virtual layout, with optimizer state),
 ``megatron_deepspeed`` (Megatron-DeepSpeed's ``language_model`` layout, model only), ``hf``
-(a local GPT-2 folder), ``deepspeed`` (DeepSpeed engine checkpoints, ``global_stepN/``, with
-or without a pipeline; model only). Savers: ``megatron`` (ours, at the
+(a local GPT-2 folder), ``deepspeed`` (DeepSpeed engine checkpoints, ``global_stepN/``: plain
+model at ZeRO 0-2, ZeRO-3 at tp 1, or the pipeline engine's layer files; model, iteration and
+LR schedule, and at ZeRO 1/2 the optimizer state (plain model; the pipeline engine at tp 1);
+else train on with --no-load-optim or --finetune). Savers: ``megatron`` (ours, at the
 target layout; optimizer state goes along, the distributed optimizer's too) and ``hf``.
 The logic lives in ``megatron/conversion/``.
 """
