@@ -17,10 +17,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing import CheckpointError
 from megatron.config import ParallelConfig, RunConfig
 from megatron.core import parallel_state
 from megatron.device import compute_device, resolve_backend
 from megatron.inference_loading import (
+    InferenceLoadingError,
     build_inference_model,
     checkpoint_tokenizer_settings,
     config_from_checkpoint,
@@ -87,6 +89,15 @@ def _hf_config_and_weights(folder: str, tp: Optional[int], pp: Optional[int],
     return config, full.model
 
 
+def _config_and_weights(args: argparse.Namespace, world_size: int):
+    """The run configuration at the launch layout, and the full weights of --hf-model (None
+    for --load: every rank reads its part of the checkpoint once the group is up)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.load is not None:
+        return config_from_checkpoint(args.load, world_size, tp, pp), None
+    return _hf_config_and_weights(args.hf_model, tp, pp, world_size)
+
+
 def _tokenizer_settings(args: argparse.Namespace, config: RunConfig) -> dict:
     if args.tokenizer_type is not None:
         return dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
@@ -127,21 +138,10 @@ def _precision(choice: str, device: torch.device) -> Optional[str]:
 def setup_generation(args: argparse.Namespace) -> GenerationModel:
     """Check the inputs, join the process group, build this rank's model and the tokenizer."""
     env = distributed_env()
-    if args.load is not None:
-        try:
-            config = config_from_checkpoint(args.load, env["world_size"],
-                                            args.tensor_model_parallel_size,
-                                            args.pipeline_model_parallel_size)
-        except Exception as e:  # noqa: BLE001 - CheckpointError, ConfigError, OSError
-            raise SetupError(str(e)) from e
-        full = None
-    else:
-        try:
-            config, full = _hf_config_and_weights(
-                args.hf_model, args.tensor_model_parallel_size,
-                args.pipeline_model_parallel_size, env["world_size"])
-        except Exception as e:  # noqa: BLE001 - InferenceLoadingError, ConfigError
-            raise SetupError(str(e)) from e
+    try:
+        config, full = _config_and_weights(args, env["world_size"])
+    except Exception as e:  # noqa: BLE001 - CheckpointError, InferenceLoadingError, ConfigError
+        raise SetupError(str(e)) from e
     tokenizer = build_generation_tokenizer(args, config)
     device = compute_device(args.use_cpu, env["local_rank"])
     initialize_distributed(resolve_backend("auto", args.use_cpu), 10, device)
@@ -149,8 +149,11 @@ def setup_generation(args: argparse.Namespace) -> GenerationModel:
     p = config.parallel
     parallel_state.initialize_model_parallel(p.tensor_model_parallel_size,
                                              p.pipeline_model_parallel_size)
-    model = build_inference_model(config, device=device, full_state_dict=full,
-                                  dtype=_precision(args.precision, device))
+    try:
+        model = build_inference_model(config, device=device, full_state_dict=full,
+                                      dtype=_precision(args.precision, device))
+    except (CheckpointError, InferenceLoadingError) as e:
+        raise SetupError(str(e)) from e
     return GenerationModel(model, tokenizer, device, config)
 
 

@@ -89,7 +89,8 @@ def test_generate_text_from_a_checkpoint_saved_at_tensor_parallel_2(checkpoint, 
 
 
 def test_generate_text_refuses_bad_input(checkpoint, tmp_path):
-    for extra, message in [(["--top-k", 3, "--top-p", 0.5], "cannot both be set")]:
+    for extra, message in [(["--top-k", 3, "--top-p", 0.5], "cannot both be set"),
+                           (["--tensor-model-parallel-size", 2], "needs 2 processes; 1 were")]:
         result = _run(["tools/generate_text.py", "--load", checkpoint, "--prompt", "1",
                        *extra])
         assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
