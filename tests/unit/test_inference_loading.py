@@ -30,23 +30,24 @@ def test_launch_layout():
         launch_layout((1, 1), 2, 2, 2)
 
 
-def _save(tmp_path, tp: int, pp: int, **parallel) -> tuple[str, dict]:
-    model = ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16,
+def _save(tmp_path, tp: int, pp: int, vp_layers=None) -> tuple[str, dict]:
+    model = ModelConfig(num_layers=6, hidden_size=16, num_attention_heads=4, seq_length=16,
                         max_position_embeddings=16, vocab_size=50,
                         make_vocab_size_divisible_by=8)
     torch.manual_seed(0)
     state = GPTModel(model, device=torch.device("cpu")).state_dict()
     config = with_layout({"model": to_dict(model), "data": {"tokenizer_type": "NullTokenizer",
                                                             "vocab_size": 49}}, 1, 1)
-    config["parallel"].update(parallel)
     save_full_checkpoint(FullCheckpoint(config=config, model=state, release=True),
-                         str(tmp_path), tp, pp)
+                         str(tmp_path), tp, pp, num_layers_per_virtual_pipeline_stage=vp_layers)
     return str(tmp_path), state
 
 
-def test_checkpoint_at_another_layout_loads_the_same_weights(tmp_path):
-    load_dir, state = _save(tmp_path, 2, 2)
-    config = config_from_checkpoint(load_dir, 1)  # saved at tp 2 x pp 2, run in one process
+@pytest.mark.parametrize("tp, pp, vp_layers", [(2, 2, None), (1, 3, 1)])
+def test_checkpoint_at_another_layout_loads_the_same_weights(tmp_path, tp, pp, vp_layers):
+    """Saved at tp 2 x pp 2, or pp 3 with two virtual stages each, run in one process."""
+    load_dir, state = _save(tmp_path, tp, pp, vp_layers)
+    config = config_from_checkpoint(load_dir, 1)
     p = config.parallel
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (1, 1)
     model = build_inference_model(config, device=torch.device("cpu"))
