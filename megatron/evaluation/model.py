@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from megatron.config import RunConfig
-from megatron.inference_loading import InferenceLoadingError, load_inference_weights
+from megatron.inference_loading import load_inference_weights
 from megatron.model.gpt_model import GPTModel
 
 
@@ -31,8 +31,5 @@ def build_model_for_evaluation(cfg: RunConfig, device: torch.device,
     ``hf_model_dir`` or from ``cfg.checkpoint.load``; returns them and the checkpoint's
     iteration (0 for HF). Every rank must call it; ``cfg`` must hold the tokenizer's
     vocabulary size (``with_vocab_size``)."""
-    if hf_model_dir is None and cfg.checkpoint.load is None:
-        raise InferenceLoadingError("nothing to evaluate: give --load CHECKPOINT_DIR or "
-                                   "--hf-model HF_GPT2_DIR")
     chunks = _model_chunks(cfg, device)
     return chunks, load_inference_weights(chunks, cfg, hf_model_dir)
