@@ -2,8 +2,9 @@
 
 - ``detokenizer``: WikiText/PTB text back to plain text before tokenizing.
 - ``datasets``: the WikiText windows (``--overlapping-eval`` stride) and LAMBADA examples.
-- ``model``: ``build_model_for_evaluation``, the one place that builds this rank's model and
-  loads it (our checkpoint saved at any layout, or a Hugging Face GPT-2 folder).
+- ``model``: ``build_model_for_evaluation``, this rank's model chunks loaded through
+  ``megatron.inference_loading`` (our checkpoint saved at any layout, or a Hugging Face
+  GPT-2 folder), the loader generation shares.
 - ``zeroshot``: the forward-only loop over any tensor/pipeline/data-parallel layout, the
   reductions over the right groups, and Megatron's result lines.
 

@@ -26,11 +26,7 @@ from megatron.evaluation.datasets import (
     LambadaDataset,
     build_wikitext_dataset,
 )
-from megatron.evaluation.model import (
-    EvaluationModelError,
-    build_model_for_evaluation,
-    hf_model_settings,
-)
+from megatron.evaluation.model import build_model_for_evaluation
 from megatron.evaluation.zeroshot import (
     TASKS,
     AccuracyResult,
@@ -40,6 +36,11 @@ from megatron.evaluation.zeroshot import (
     format_accuracy,
     format_perplexity,
     perplexity_result,
+)
+from megatron.inference_loading import (
+    InferenceLoadingError,
+    hf_model_settings,
+    hf_tokenizer_settings,
 )
 from megatron.utils import print_rank_0
 
@@ -73,9 +74,9 @@ def _hf_defaults(argv: list[str]) -> dict[str, Any]:
     if known.hf_model is None:
         return {}
     defaults = hf_model_settings(known.hf_model)
-    vocab, merges = (os.path.join(known.hf_model, n) for n in ("vocab.json", "merges.txt"))
-    if os.path.isfile(vocab) and os.path.isfile(merges):
-        defaults.update(vocab_file=vocab, merge_file=merges)
+    tokenizer = hf_tokenizer_settings(known.hf_model)
+    if tokenizer is not None and tokenizer["tokenizer_type"] == "GPT2BPETokenizer":
+        defaults.update(vocab_file=tokenizer["vocab_file"], merge_file=tokenizer["merge_file"])
     return defaults
 
 
@@ -83,7 +84,7 @@ def parse_task_args(argv: Optional[list[str]] = None) -> RunConfig:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         defaults = _hf_defaults(argv)
-    except (EvaluationModelError, OSError, ValueError) as error:
+    except (InferenceLoadingError, OSError, ValueError) as error:
         _fail(str(error))
     cfg = parse_args_or_exit(argv, add_task_args, defaults=defaults, require_training=False)
     extra = cfg.extra
@@ -148,5 +149,5 @@ def main(argv: Optional[list[str]] = None) -> Union[PerplexityResult, AccuracyRe
         return run_task(cfg)
     except CheckpointError as error:
         _fail(str(error), status=1)
-    except EvaluationModelError as error:
+    except InferenceLoadingError as error:
         _fail(str(error))

@@ -5,7 +5,8 @@ tensor/pipeline layout, model loading for inference, and the REST server's reque
 - ``generation``: ``generate_tokens`` (ids in, ids out; batched prompts of any lengths).
 - ``text``: ``generate_text`` (strings in, completions out; stop strings).
 - ``forward``: one step across pipeline stages; the chosen tokens sent to every stage.
-- ``model_loading``: ``build_inference_model`` (this rank's stage, weights loaded).
+- (the model itself comes from ``megatron.inference_loading.build_inference_model``, which
+  evaluation shares: any saved layout at any launch layout.)
 - ``setup``: the tools' model/tokenizer flags and start-up.
 - ``request_checks``, ``server``: Megatron's REST API (PUT /api), each request checked.
 """

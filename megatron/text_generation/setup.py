@@ -1,27 +1,36 @@
 """What the generation tools share: their model and tokenizer flags, and one call that joins
 the process group, builds this rank's stage with its weights and the tokenizer.
 
-A checkpoint of ours (``--load``) runs at the layout it was saved with, one process per
-(tensor, pipeline) rank, as Megatron's tools do (``torchrun --nproc_per_node tp*pp``); a Hugging
-Face GPT-2 folder (``--hf-model``) is converted in memory and cut for any
-``--tensor-model-parallel-size`` x ``--pipeline-model-parallel-size``.
+A checkpoint of ours (``--load``, saved at any layout) and a Hugging Face GPT-2 folder
+(``--hf-model``, converted in memory) both run at any ``--tensor-model-parallel-size`` x
+``--pipeline-model-parallel-size`` (``torchrun --nproc_per_node tp*pp``; one process works);
+a checkpoint launched without the flags runs at its saved layout when the process count
+matches it. Loading is ``megatron.inference_loading``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing import CheckpointError
 from megatron.config import ParallelConfig, RunConfig
 from megatron.core import parallel_state
 from megatron.device import compute_device, resolve_backend
+from megatron.inference_loading import (
+    InferenceLoadingError,
+    build_inference_model,
+    checkpoint_tokenizer_settings,
+    config_from_checkpoint,
+    hf_tokenizer_settings,
+    launch_layout,
+    read_hf_model,
+)
 from megatron.initialize import distributed_env, initialize_distributed
-from megatron.text_generation.model_loading import build_inference_model, config_from_checkpoint
 from megatron.tokenizer import build_tokenizer
 
 
@@ -48,14 +57,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     """--load / --hf-model, the tokenizer flags (Megatron's spellings), precision, device."""
     src = parser.add_argument_group("model")
     one = src.add_mutually_exclusive_group(required=True)
-    one.add_argument("--load", help="our checkpoint folder (run at its saved layout: "
-                     "torchrun --nproc_per_node tp*pp)")
+    one.add_argument("--load", help="our checkpoint folder, saved at any tensor/pipeline "
+                     "layout")
     one.add_argument("--hf-model", help="a local Hugging Face GPT-2 folder (config.json and "
                      "weights), converted in memory")
-    src.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                     help="with --hf-model: tensor-parallel size (a checkpoint uses its own)")
-    src.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                     help="with --hf-model: pipeline-parallel size (a checkpoint uses its own)")
+    src.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                     help="tensor-parallel size (default: the checkpoint's when the process "
+                     "count matches it, else all processes)")
+    src.add_argument("--pipeline-model-parallel-size", type=int, default=None,
+                     help="pipeline-parallel size (default: the checkpoint's, or 1)")
     src.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                      help="auto: the checkpoint's own on a GPU, fp32 on the CPU")
     src.add_argument("--use-cpu", action="store_true", help="compute on the CPU even where a "
@@ -70,25 +80,22 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     tok.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's size")
 
 
-def _hf_config_and_weights(folder: str, tp: int, pp: int, world_size: int):
-    from megatron.model.hf_gpt2 import hf_to_megatron_state_dict, model_config_from_hf
-
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise SetupError(f"--hf-model {folder!r} has no config.json")
-    if tp * pp != world_size:
-        raise SetupError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
-                         f"{pp} needs {tp * pp} processes; {world_size} were started")
-    try:
-        from transformers import GPT2LMHeadModel
-
-        hf = GPT2LMHeadModel.from_pretrained(folder, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - transformers, torch and safetensors raise their own
-        raise SetupError(f"--hf-model {folder}: cannot load a GPT-2 from it: "
-                         f"{type(e).__name__}: {str(e).strip()[:300]}") from e
-    model = model_config_from_hf(hf.config, tensor_model_parallel_size=tp)
-    config = RunConfig(model=model, parallel=ParallelConfig(
+def _hf_config_and_weights(folder: str, tp: Optional[int], pp: Optional[int],
+                          world_size: int):
+    tp, pp = launch_layout((1, 1), world_size, tp, pp)
+    full = read_hf_model(folder)
+    config = RunConfig(model=full.model_config(tp), parallel=ParallelConfig(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=world_size))
-    return config, hf_to_megatron_state_dict(hf.state_dict(), config.model)
+    return config, full.model
+
+
+def _config_and_weights(args: argparse.Namespace, world_size: int):
+    """The run configuration at the launch layout, and the full weights of --hf-model (None
+    for --load: every rank reads its part of the checkpoint once the group is up)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.load is not None:
+        return config_from_checkpoint(args.load, world_size, tp, pp), None
+    return _hf_config_and_weights(args.hf_model, tp, pp, world_size)
 
 
 def _tokenizer_settings(args: argparse.Namespace, config: RunConfig) -> dict:
@@ -97,19 +104,13 @@ def _tokenizer_settings(args: argparse.Namespace, config: RunConfig) -> dict:
                     merge_file=args.merge_file,
                     tokenizer_name_or_path=args.tokenizer_name_or_path,
                     vocab_size=args.vocab_size)
-    if args.hf_model is not None:
-        folder = args.hf_model
-        vocab, merges = (os.path.join(folder, n) for n in ("vocab.json", "merges.txt"))
-        if os.path.isfile(vocab) and os.path.isfile(merges):
-            return dict(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
-        if os.path.isfile(os.path.join(folder, "tokenizer.json")):
-            return dict(tokenizer_type="PretrainedFromHF", tokenizer_name_or_path=folder)
-        raise SetupError(f"--hf-model {folder} holds no tokenizer (vocab.json and merges.txt, "
-                         "or tokenizer.json): pass --tokenizer-type and its files")
-    d = config.data
-    return dict(tokenizer_type=d.tokenizer_type, vocab_file=d.vocab_file,
-                merge_file=d.merge_file, tokenizer_name_or_path=d.tokenizer_name_or_path,
-                vocab_size=d.vocab_size)
+    if args.hf_model is None:
+        return checkpoint_tokenizer_settings(config.data, args.load)
+    settings = hf_tokenizer_settings(args.hf_model)
+    if settings is None:
+        raise SetupError(f"--hf-model {args.hf_model} holds no tokenizer (vocab.json and "
+                         "merges.txt, or tokenizer.json): pass --tokenizer-type and its files")
+    return settings
 
 
 def build_generation_tokenizer(args: argparse.Namespace, config: RunConfig):
@@ -137,16 +138,10 @@ def _precision(choice: str, device: torch.device) -> Optional[str]:
 def setup_generation(args: argparse.Namespace) -> GenerationModel:
     """Check the inputs, join the process group, build this rank's model and the tokenizer."""
     env = distributed_env()
-    if args.load is not None:
-        try:
-            config = config_from_checkpoint(args.load, env["world_size"])
-        except Exception as e:  # noqa: BLE001 - CheckpointError, ConfigError, OSError
-            raise SetupError(str(e)) from e
-        full = None
-    else:
-        config, full = _hf_config_and_weights(args.hf_model, args.tensor_model_parallel_size,
-                                              args.pipeline_model_parallel_size,
-                                              env["world_size"])
+    try:
+        config, full = _config_and_weights(args, env["world_size"])
+    except Exception as e:  # noqa: BLE001 - CheckpointError, InferenceLoadingError, ConfigError
+        raise SetupError(str(e)) from e
     tokenizer = build_generation_tokenizer(args, config)
     device = compute_device(args.use_cpu, env["local_rank"])
     initialize_distributed(resolve_backend("auto", args.use_cpu), 10, device)
@@ -154,8 +149,11 @@ def setup_generation(args: argparse.Namespace) -> GenerationModel:
     p = config.parallel
     parallel_state.initialize_model_parallel(p.tensor_model_parallel_size,
                                              p.pipeline_model_parallel_size)
-    model = build_inference_model(config, device=device, full_state_dict=full,
-                                  dtype=_precision(args.precision, device))
+    try:
+        model = build_inference_model(config, device=device, full_state_dict=full,
+                                      dtype=_precision(args.precision, device))
+    except (CheckpointError, InferenceLoadingError) as e:
+        raise SetupError(str(e)) from e
     return GenerationModel(model, tokenizer, device, config)
 
 

@@ -1,12 +1,15 @@
 """Generation at tensor parallel 2 and at tensor 2 x pipeline 2 (real gloo groups) gives the
-tokens and log-probabilities of one process, on every rank."""
+tokens and log-probabilities of one process, on every rank; a checkpoint saved at tensor 2 x
+pipeline 2 generates the same greedy tokens at its layout and read whole in one process."""
 
 import pytest
 import torch
 
+from megatron.config import to_dict
+from megatron.conversion.full import FullCheckpoint, save_full_checkpoint, with_layout
 from megatron.core import parallel_state
+from megatron.inference_loading import build_inference_model, config_from_checkpoint
 from megatron.text_generation import SamplingParams, generate_tokens
-from megatron.text_generation.model_loading import build_inference_model
 from tests.dist_utils import run_distributed
 from tests.unit.text_generation.hf_utils import converted, prompts, tiny_hf_model
 
@@ -26,22 +29,47 @@ def _generate_all(config, full) -> list:
     return out
 
 
-def _on_ranks(rank, world_size, layouts):
+def _greedy_from_checkpoint(load_dir: str, world_size: int) -> list:
+    config = config_from_checkpoint(load_dir, world_size)
+    model = build_inference_model(config, device=torch.device("cpu"))
+    return generate_tokens(model, prompts(), 12, params=SamplingParams(top_k=1)).tokens
+
+
+def _save_tp2_pp2(hf, save_dir) -> str:
+    """The converted HF model saved as our training saves at tensor 2 x pipeline 2."""
+    config, state = converted(hf)
+    data = {"tokenizer_type": "NullTokenizer", "vocab_size": 299}
+    full = FullCheckpoint(config=with_layout({"model": to_dict(config.model), "data": data},
+                                             1, 1), model=state, release=True)
+    save_full_checkpoint(full, str(save_dir), 2, 2)
+    return str(save_dir)
+
+
+def _on_ranks(rank, world_size, layouts, load_dir):
     """Each (tp, pp, config, weights) in turn on the same 4 ranks (tp 2 alone runs as two
-    data-parallel replicas)."""
+    data-parallel replicas), then ``load_dir``'s checkpoint at its saved layout (tp 2 x pp 2,
+    each rank reading its own file)."""
     results = []
     for tp, pp, config, full in layouts:
         parallel_state.initialize_model_parallel(tp, pp)
         results.append(_generate_all(config, full))
         parallel_state.destroy_model_parallel()
-    return results
+    parallel_state.initialize_model_parallel(2, 2)
+    saved_layout_tokens = _greedy_from_checkpoint(load_dir, world_size)
+    parallel_state.destroy_model_parallel()
+    return results, saved_layout_tokens
 
 
-def test_parallel_generation_equals_one_process():
+def test_parallel_generation_equals_one_process(tmp_path):
     hf = tiny_hf_model()
     reference = _generate_all(*converted(hf))
+    load_dir = _save_tp2_pp2(hf, tmp_path / "tp2pp2")
+    one_process = _greedy_from_checkpoint(load_dir, 1)  # merged and cut by conversion
+    assert one_process == reference[0][0]  # greedy, KV cache, from the weights in memory
     layouts = [(tp, pp, *converted(hf, tp, pp)) for tp, pp in ((2, 1), (2, 2))]
-    for rank, per_layout in enumerate(run_distributed(_on_ranks, 4, layouts)):
+    ranks = run_distributed(_on_ranks, 4, layouts, load_dir)
+    for rank, (per_layout, at_saved_layout) in enumerate(ranks):
+        assert at_saved_layout == one_process, rank
         for (tp, pp, _, _), got in zip(layouts, per_layout):
             for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, reference):
                 assert tokens == ref_tokens, (rank, tp, pp)

@@ -1,8 +1,9 @@
 """The generation tools as users run them, on a tiny checkpoint trained by pretrain_gpt.py
 (NullTokenizer, recorded in the checkpoint): tools/generate_text.py (flags, a prompts file,
-the interactive prompt), tools/run_text_generation_server.py answering real HTTP on
-127.0.0.1 (400 with a reason for each malformed request, staying up, concurrent requests
-kept apart) and tools/text_generation_cli.py against it."""
+the interactive prompt, the checkpoint resharded to another layout),
+tools/run_text_generation_server.py answering real HTTP on 127.0.0.1 (400 with a reason for
+each malformed request, staying up, concurrent requests kept apart) and
+tools/text_generation_cli.py against it."""
 
 from __future__ import annotations
 
@@ -73,8 +74,23 @@ def test_generate_text_from_flags_file_and_prompt(checkpoint, tmp_path):
     assert _completions(interactive.stdout.replace(">> ", "\n")) == [lines[1], lines[0]]
 
 
+def test_generate_text_from_a_checkpoint_saved_at_tensor_parallel_2(checkpoint, tmp_path):
+    """The checkpoint resharded to tp 2 x pp 2 on disk generates in one process (merged and
+    cut in memory) the greedy completion of the original."""
+    from megatron.conversion import load_full_checkpoint
+    from megatron.conversion.full import save_full_checkpoint
+
+    tp2 = tmp_path / "tp2pp2"
+    save_full_checkpoint(load_full_checkpoint(checkpoint, optimizer=False), str(tp2), 2, 2)
+    original, resharded = (_greedy(c, "--prompt", "1 2 3") for c in (checkpoint, tp2))
+    assert resharded.returncode == 0, resharded.stderr[-3000:]
+    assert _completions(resharded.stdout) == _completions(original.stdout)
+    assert len(_completions(original.stdout)) == 1
+
+
 def test_generate_text_refuses_bad_input(checkpoint, tmp_path):
-    for extra, message in [(["--top-k", 3, "--top-p", 0.5], "cannot both be set")]:
+    for extra, message in [(["--top-k", 3, "--top-p", 0.5], "cannot both be set"),
+                           (["--tensor-model-parallel-size", 2], "needs 2 processes; 1 were")]:
         result = _run(["tools/generate_text.py", "--load", checkpoint, "--prompt", "1",
                        *extra])
         assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]

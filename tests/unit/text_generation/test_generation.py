@@ -4,9 +4,9 @@ sampling settings, stops."""
 import pytest
 import torch
 
+from megatron.inference_loading import build_inference_model
 from megatron.model.kv_cache import KVCache
 from megatron.text_generation import SamplingParams, generate_tokens, sample
-from megatron.text_generation.model_loading import build_inference_model
 from tests.unit.text_generation.hf_utils import converted, prompts, tiny_hf_model
 
 pytest.importorskip("transformers")
