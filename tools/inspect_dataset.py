@@ -12,6 +12,10 @@ Megatron-DeepSpeed's preprocess_data.py writes with ``--append-eod``: its sizes 
 document's EOD, so the sizes sum to fewer tokens than the ``.bin`` holds and every document
 after the first is read from the wrong offset (document k starts k tokens early; document 1
 starts with document 0's EOD). ``--check`` adds the EOD placement of the first documents. Exit code 1 when a problem is found.
+
+Legacy ``lazy``/``cached`` pairs (TNTIDX, Megatron-DeepSpeed's ``--dataset-impl lazy|cached``)
+are read too, told apart by the .idx's magic (``--data-impl infer``, the default) or named with
+``--data-impl``; their reader refuses a .bin that does not match the index when it opens.
 """
 
 from __future__ import annotations
@@ -20,26 +24,50 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron.data import legacy_indexed_dataset as legacy  # noqa: E402
 from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetError,
     MMapIndexedDataset,
     data_file_path,
+    index_file_path,
     layout_problems,
     sequences_end,
 )
 
+Dataset = Union[MMapIndexedDataset, legacy.LegacyIndexedDataset]
 
-def summary(dataset: MMapIndexedDataset) -> dict:
+
+def open_dataset(prefix: str, impl: str = "infer") -> Dataset:
+    """The pair at ``prefix`` as ``impl`` (mmap, lazy, cached, or infer: the .idx's magic
+    decides); an mmap pair is opened unverified so that a broken one is described rather than
+    only refused."""
+    if impl == "infer":
+        idx = index_file_path(prefix)
+        legacy_pair = os.path.isfile(idx) and legacy.is_legacy_index(idx)
+        impl = "lazy" if legacy_pair else "mmap"
+    if impl in legacy.LEGACY_IMPLS:
+        return legacy.LegacyIndexedDataset(prefix, cached=impl == "cached")
+    return MMapIndexedDataset(prefix, verify=False)
+
+
+def _format(dataset: Dataset) -> str:
+    if isinstance(dataset, MMapIndexedDataset):
+        return "mmap (MMIDIDX)"
+    return "legacy lazy/cached (TNTIDX)"
+
+
+def summary(dataset: Dataset) -> dict:
     sizes = dataset.sizes
     doc_idx = dataset.doc_idx
     bin_bytes = os.path.getsize(data_file_path(dataset.path_prefix))
     return {
+        "format": _format(dataset),
         "dtype": str(dataset.dtype),
         "sequences": len(sizes),
         "documents": len(doc_idx) - 1,
@@ -49,30 +77,38 @@ def summary(dataset: MMapIndexedDataset) -> dict:
     }
 
 
-def document(dataset: MMapIndexedDataset, d: int) -> np.ndarray:
+def document(dataset: Dataset, d: int) -> np.ndarray:
     """All tokens of document ``d`` as the reader returns them."""
     start, end = int(dataset.doc_idx[d]), int(dataset.doc_idx[d + 1])
     parts = [dataset[i] for i in range(start, end)]
     return np.concatenate(parts) if parts else np.empty(0, dtype=dataset.dtype)
 
 
-def check(dataset: MMapIndexedDataset, eod: Optional[int]) -> list[str]:
+def check(dataset: Dataset, eod: Optional[int]) -> list[str]:
     """Problems found in the dataset (empty when it is consistent): the structural checks the
     loader runs at open (indexed_dataset.index_problems), then, when the tokens can be read,
     the EOD placement of the first documents."""
-    problems = dataset.problems()
+    problems = structural_problems(dataset)
     if eod is not None and _readable(dataset):
         problems += _check_eod(dataset, eod)
     return problems
 
 
-def _readable(dataset: MMapIndexedDataset) -> bool:
+def structural_problems(dataset: Dataset) -> list[str]:
+    """The loader's checks of an mmap pair; none for a legacy pair, whose reader refused a
+    .bin that does not match its index when it opened."""
+    return dataset.problems() if isinstance(dataset, MMapIndexedDataset) else []
+
+
+def _readable(dataset: Dataset) -> bool:
     """Whether the sequences can be read as the index lays them out (a longer .bin can)."""
+    if not isinstance(dataset, MMapIndexedDataset):
+        return True
     bin_bytes = os.path.getsize(data_file_path(dataset.path_prefix))
     return not layout_problems(dataset.index) and bin_bytes >= sequences_end(dataset.index)
 
 
-def _check_eod(dataset: MMapIndexedDataset, eod: int, sample: int = 1000) -> list[str]:
+def _check_eod(dataset: Dataset, eod: int, sample: int = 1000) -> list[str]:
     problems = []
     documents = len(dataset.doc_idx) - 1
     starts, ends, nonempty = 0, 0, 0
@@ -97,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("prefix", help="dataset path without .bin/.idx")
     parser.add_argument("--docs", type=int, default=2, help="documents to print")
     parser.add_argument("--check", action="store_true", help="verify; exit 1 on a problem")
+    parser.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default="infer",
+                        choices=("infer", "mmap", *legacy.LEGACY_IMPLS),
+                        help="the pair's format (default: infer, from the .idx's magic)")
     parser.add_argument("--eod", type=int, default=None,
                         help="end-of-document id to check for (default: the tokenizer's)")
     parser.add_argument("--tokenizer-type", default=None)
@@ -121,8 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prefix = args.prefix[:-4] if args.prefix.endswith((".bin", ".idx")) else args.prefix
     try:
         tokenizer = _tokenizer(args)
-        # Opened unverified so that a broken pair is described rather than only refused.
-        dataset = MMapIndexedDataset(prefix, verify=False)
+        dataset = open_dataset(prefix, args.data_impl)
     except (IndexedDatasetError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -134,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print("  documents not shown: the index does not fit the .bin (see PROBLEM)")
     eod = args.eod if args.eod is not None else getattr(tokenizer, "eod", None)
-    problems = check(dataset, eod) if args.check else dataset.problems()
+    problems = check(dataset, eod) if args.check else structural_problems(dataset)
     for problem in problems:
         print(f"PROBLEM: {problem}")
     if args.check or problems:
@@ -142,7 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if problems else 0
 
 
-def _print_documents(dataset: MMapIndexedDataset, count: int, tokenizer) -> None:
+def _print_documents(dataset: Dataset, count: int, tokenizer) -> None:
     for d in range(min(count, len(dataset.doc_idx) - 1)):
         tokens = document(dataset, d)
         print(f"  document {d}: {len(tokens)} tokens: {tokens[:32].tolist()}"

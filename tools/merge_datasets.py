@@ -6,9 +6,10 @@
     python tools/merge_preprocessed_data.py --datasets a_text_document b_text_document \
         --output-prefix ab                             (Megatron-DeepSpeed's spelling)
 
-A directory input takes every ``*.idx`` with a matching ``.bin`` in it, sorted by name. All
-inputs must have the same token dtype; the output is written under temporary names and
-renamed when complete.
+A directory input takes every ``*.idx`` with a matching ``.bin`` in it, sorted by name. Inputs
+may be mmap pairs or legacy ``lazy``/``cached`` (TNTIDX) pairs, told apart by the .idx's magic;
+the output is always mmap. All inputs must have the same token dtype; the output is written
+under temporary names and renamed when complete.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Optional
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megatron.data import indexed_dataset  # noqa: E402
+from megatron.data import legacy_indexed_dataset as legacy  # noqa: E402
 from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetError,
     MMapIndexedDataset,
@@ -76,7 +78,7 @@ def check_dtypes(prefixes: Sequence[str]) -> None:
     """Raise MergeError naming every file when the inputs do not share one token dtype."""
     dtypes = {}
     for prefix in prefixes:
-        dataset = MMapIndexedDataset(prefix)
+        dataset = indexed_dataset.make_dataset(prefix, "infer")  # mmap or legacy
         dtypes[prefix] = dataset.dtype
         dataset.close()
     if len(set(dtypes.values())) > 1:
@@ -84,17 +86,29 @@ def check_dtypes(prefixes: Sequence[str]) -> None:
         raise MergeError(f"cannot merge datasets of different token dtypes: {listing}")
 
 
+def _append(builder: indexed_dataset.MMapIndexedDatasetBuilder, prefix: str) -> None:
+    """Every sequence and document of the pair at ``prefix`` (mmap or legacy) into ``builder``."""
+    if not legacy.is_legacy_index(index_file_path(prefix)):
+        builder.merge_file_(prefix)  # copies the .bin's bytes as they are
+        return
+    source = legacy.LegacyIndexedDataset(prefix)
+    try:
+        legacy.append_to_builder(source, builder)
+    finally:
+        source.close()
+
+
 def merge(prefixes: Sequence[str], output_prefix: str) -> tuple[int, int]:
     """Write ``output_prefix``.bin/.idx; returns (sequences, documents) written."""
     check_dtypes(prefixes)
-    first = MMapIndexedDataset(prefixes[0])
+    first = indexed_dataset.make_dataset(prefixes[0], "infer")
     builder = indexed_dataset.MMapIndexedDatasetBuilder(
         data_file_path(output_prefix), dtype=first.dtype
     )
     first.close()
     try:
         for prefix in prefixes:
-            builder.merge_file_(prefix)
+            _append(builder, prefix)
         builder.finalize(index_file_path(output_prefix))
     except BaseException:
         builder.abort()

@@ -204,7 +204,12 @@ class RunConfig:
                 (self.training.rampup_batch_size, "--rampup-batch-size: DeepSpeed's engine "
                  "keeps one gradient-accumulation count for the whole run"),
                 (self.logging.log_bubble, "--log-bubble measures the built-in pipeline "
-                 "schedules, not DeepSpeed's")):
+                 "schedules, not DeepSpeed's"),
+                (self.logging.log_params_norm, "--log-params-norm reads our optimizer's "
+                 "parameters; DeepSpeed's engine holds its own (sharded by ZeRO-3), which are "
+                 "not measured"),
+                (self.logging.log_num_zeros_in_grad, "--log-num-zeros-in-grad counts our "
+                 "optimizer's gradients; DeepSpeed's engine keeps its own and reports no count")):
             require(not given, f"{why} (with --deepspeed)")
         require(not (self.deepspeed.no_pipeline_parallel and pp > 1),
                 f"--no-pipeline-parallel runs the plain model in DeepSpeed's engine, which has "

@@ -294,18 +294,28 @@ def convert_to_mmap(legacy_prefix: str, out_prefix: str,
     source = LegacyIndexedDataset(legacy_prefix)
     builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=dtype or source.dtype)
     try:
-        doc_idx = source.doc_idx
-        for d in range(len(doc_idx) - 1):
-            for i in range(int(doc_idx[d]), int(doc_idx[d + 1])):
-                builder.add_item(source.get(i))
-            builder.end_document()
-        for i in range(int(doc_idx[-1]), len(source)):  # items after the last document end
-            builder.add_item(source.get(i))
+        append_to_builder(source, builder)
     except BaseException:
         builder.abort()
         raise
+    finally:
+        source.close()
     builder.finalize(index_file_path(out_prefix))
 
 
+def append_to_builder(source: LegacyIndexedDataset, builder: MMapIndexedDatasetBuilder) -> None:
+    """Append every sequence and document of ``source`` to ``builder``, as the mmap builder's
+    ``merge_file_`` appends an mmap pair (items after the last document end stay outside any
+    document)."""
+    doc_idx = source.doc_idx
+    for d in range(len(doc_idx) - 1):
+        for i in range(int(doc_idx[d]), int(doc_idx[d + 1])):
+            builder.add_item(source.get(i))
+        builder.end_document()
+    for i in range(int(doc_idx[-1]), len(source)):  # items after the last document end
+        builder.add_item(source.get(i))
+
+
 __all__ = ["LEGACY_IMPLS", "LEGACY_MAGIC", "LegacyIndex", "LegacyIndexedDataset",
-           "LegacyIndexedDatasetBuilder", "convert_to_mmap", "is_legacy_index"]
+           "LegacyIndexedDatasetBuilder", "append_to_builder", "convert_to_mmap",
+           "is_legacy_index"]

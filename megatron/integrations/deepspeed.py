@@ -2,7 +2,9 @@
 
 - **Config**: ``deepspeed_config_or_exit`` reads ``--deepspeed_config`` (or generates the JSON
   from our flags), checks it against the flags (batch sizes, precision, ZeRO with the pipeline
-  engine) and ends the run naming the file and flag, before any process group exists.
+  engine; gradient clipping and fp16 loss scaling where the user gave those flags: left at
+  their defaults, the file's values win) and ends the run naming the file and flag, before
+  any process group exists.
 - **Engine**: ``setup_engine`` builds the model, our optimizer and LR schedule (or DeepSpeed's
   when the JSON names them) and calls ``deepspeed.initialize`` with our parallel state as its
   ``mpu``, so ZeRO shards over the data-parallel group and tensor parallelism stays ours.
@@ -21,6 +23,7 @@ The training loop (megatron/training.py) is the same as without DeepSpeed: it ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -32,7 +35,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.config import RunConfig
+from megatron.config import OptimizerConfig, RunConfig
+from megatron.config.base import field_default, flag
 from megatron.core import parallel_state
 
 # DeepSpeed's own files: `latest` names the tag (global_stepN) of the last save.
@@ -72,6 +76,28 @@ def _agree(ds: dict, key: str, ours: Any, flag_text: str, source: str) -> None:
     ds[key] = ours
 
 
+def _given(opt: OptimizerConfig, name: str) -> bool:
+    """Whether the user set ``name`` (on the command line or in --config): its value is not
+    the default. A flag given at exactly its default value cannot be told from one left out."""
+    field = next(f for f in dataclasses.fields(opt) if f.name == name)
+    return getattr(opt, name) != field_default(field)
+
+
+def _file_or_flag(section: dict, key: str, ours: Any, opt: OptimizerConfig, name: str,
+                  where: str) -> None:
+    """``section[key]`` from the flag ``name`` (value ``ours`` in DeepSpeed's units) where the
+    file leaves it out; the file's value wins over a flag left at its default, but a flag the
+    user gave that the file contradicts stops the run, naming both."""
+    if key not in section or section[key] == "auto":
+        section[key] = ours
+    elif _given(opt, name) and section[key] != ours:
+        given = getattr(opt, name)
+        units = "" if given == ours else f" ({key} {ours!r})"
+        raise DeepSpeedSetupError(
+            f"{where}{key} = {section[key]!r} but {flag(name)} gives {given}{units}: make them "
+            f"agree (or drop {key} from the file, or {flag(name)} from the command line)")
+
+
 def _enabled(section: Any) -> bool:
     return isinstance(section, dict) and bool(section.get("enabled", False))
 
@@ -89,11 +115,15 @@ def _resolve_precision(ds: dict, cfg: RunConfig, source: str) -> None:
     if opt.fp16:
         fp16 = dict(ds.get("fp16", {}))
         fp16.setdefault("enabled", True)
-        fp16.setdefault("loss_scale", opt.loss_scale or 0)  # 0: dynamic
-        fp16.setdefault("initial_scale_power", int(round(math.log2(opt.initial_loss_scale))))
-        fp16.setdefault("loss_scale_window", opt.loss_scale_window)
-        fp16.setdefault("hysteresis", opt.hysteresis)
-        fp16.setdefault("min_loss_scale", opt.min_loss_scale)
+        where = f"{source} has fp16."
+        for key, ours, name in (
+                ("loss_scale", opt.loss_scale or 0, "loss_scale"),  # 0: dynamic
+                ("initial_scale_power", int(round(math.log2(opt.initial_loss_scale))),
+                 "initial_loss_scale"),
+                ("loss_scale_window", opt.loss_scale_window, "loss_scale_window"),
+                ("hysteresis", opt.hysteresis, "hysteresis"),
+                ("min_loss_scale", opt.min_loss_scale, "min_loss_scale")):
+            _file_or_flag(fp16, key, ours, opt, name, where)
         ds["fp16"] = fp16
     if opt.bf16:
         ds["bf16"] = {**ds.get("bf16", {}), "enabled": True}
@@ -160,7 +190,7 @@ def build_deepspeed_config(cfg: RunConfig) -> dict:
     _agree(ds, "gradient_accumulation_steps", cfg.num_microbatches,
            f"--global-batch-size / (--micro-batch-size x data-parallel size {dp})", source)
     _resolve_precision(ds, cfg, source)
-    ds.setdefault("gradient_clipping", opt.clip_grad)
+    _file_or_flag(ds, "gradient_clipping", opt.clip_grad, opt, "clip_grad", f"{source} has ")
     ds.setdefault("steps_per_print", cfg.logging.log_interval)
     ds.setdefault("wall_clock_breakdown", False)
     _resolve_zero(ds, cfg, source)
@@ -350,7 +380,7 @@ class EngineOptimizer:
         return None
 
     def params_norm(self) -> Optional[float]:
-        return None  # --log-params-norm: DeepSpeed's (possibly sharded) parameters are its own
+        return None  # --log-params-norm is refused with --deepspeed (RunConfig)
 
 
 class DeepSpeedRun:

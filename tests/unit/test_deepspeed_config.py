@@ -142,3 +142,43 @@ def test_a_megatron_checkpoint_under_deepspeed_says_what_to_do(tmp_path):
         check_load_folder(parse_args([*BASE, "--load", str(tmp_path)], world_size=1))
     (tmp_path / "latest").write_text("global_step10")  # DeepSpeed's own tracker beside it
     check_load_folder(parse_args([*BASE, "--load", str(tmp_path)], world_size=1))
+
+
+def test_logging_flags_deepspeed_does_not_measure_are_refused():
+    # The engine's parameters and gradients are DeepSpeed's (ZeRO-sharded): no norm, no count.
+    assert "--log-params-norm" in error("--log-params-norm")
+    assert "--log-num-zeros-in-grad" in error("--log-num-zeros-in-grad")
+    # What is measured the same way under DeepSpeed stays accepted.
+    config("--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+           "--log-world-size-to-tensorboard", "--timing-log-level", "1")
+
+
+FP16_FILE = dict(train_batch_size=8, gradient_clipping=0.3,
+                 fp16={"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
+                       "loss_scale_window": 200, "hysteresis": 4, "min_loss_scale": 2})
+
+
+def test_the_file_wins_over_clip_and_loss_scale_flags_left_at_their_defaults(tmp_path):
+    ds = config("--fp16", path=tmp_path / "ds.json", **FP16_FILE)
+    assert ds["gradient_clipping"] == 0.3
+    assert ds["fp16"] == {**FP16_FILE["fp16"]}
+    # Given flags that agree with the file are fine.
+    ds = config("--fp16", "--clip-grad", "0.3", "--initial-loss-scale", "4096",
+                "--hysteresis", "4", path=tmp_path / "ds.json", **FP16_FILE)
+    assert ds["fp16"]["initial_scale_power"] == 12 and ds["gradient_clipping"] == 0.3
+
+
+@pytest.mark.parametrize("flags, named", [
+    (("--clip-grad", "0.5"), "has gradient_clipping = 0.3 but --clip-grad gives 0.5"),
+    (("--loss-scale", "1024"), "has fp16.loss_scale = 0 but --loss-scale gives 1024"),
+    (("--initial-loss-scale", "65536"),
+     "fp16.initial_scale_power = 12 but --initial-loss-scale gives 65536.0 "
+     "(initial_scale_power 16)"),
+    (("--loss-scale-window", "500"), "fp16.loss_scale_window = 200 but --loss-scale-window"),
+    (("--hysteresis", "3"), "fp16.hysteresis = 4 but --hysteresis gives 3"),
+    (("--min-loss-scale", "4"), "fp16.min_loss_scale = 2 but --min-loss-scale gives 4.0"),
+])
+def test_given_clip_and_loss_scale_flags_the_file_contradicts_stop_the_run(tmp_path, flags,
+                                                                           named):
+    message = error("--fp16", *flags, path=tmp_path / "ds.json", **FP16_FILE)
+    assert named in message and "ds.json" in message

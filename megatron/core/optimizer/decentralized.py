@@ -2,7 +2,8 @@
 
 Wraps any ``MegatronOptimizer`` except the distributed one. The data-parallel wrapper does
 not average gradients in this mode (``DistributedDataParallel(average_gradients=False)``), so
-``step()`` updates this replica from its own gradient (clipped by its own norm), and then the
+``step()`` updates this replica from its own gradient (clipped by its own norm; a step skipped
+as non-finite on one replica is skipped on all), and then the
 replica's parameters (fp32 main copies where there are any) are averaged over its group of
 the round (``megatron/core/distributed/gossip.py``). With the ``complete`` topology and SGD
 (momentum and weight decay included: they are linear in the gradient) this is the same
@@ -35,6 +36,10 @@ class DecentralizedOptimizer:
         self.inner = inner
         self.gossip = gossip
         self.rounds_done = 0
+        # The gradient norm stays this replica's own, but a step skipped for an fp16 overflow
+        # or a NaN/Inf gradient is skipped by every replica: else the skipping one's loss
+        # scale and LR schedule fall behind the others'.
+        inner.skip_agreement_groups = [gossip.full_group]
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":

@@ -83,6 +83,10 @@ class MegatronOptimizer(ABC):
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
         self._unit_scale = torch.ones(1, dtype=torch.float32)
+        # Further groups that must take the same skip decision (fp16 overflow, non-finite grad
+        # norm) though the norm is not reduced over them: the data-parallel group of
+        # --dp-mode decentralized, whose replicas do not share gradients.
+        self.skip_agreement_groups: Groups = []
 
     # What subclasses provide -------------------------------------------------------------
 
@@ -161,7 +165,18 @@ class MegatronOptimizer(ABC):
         # reduction runs where the collective can carry it.
         found_inf = found_inf.to(parallel_state.get_default_device())
         all_reduce_over(found_inf, self.norm_groups(), dist.ReduceOp.MAX)
+        all_reduce_over(found_inf, self.skip_agreement_groups, dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
+
+    def _nonfinite_anywhere(self, grad_norm: float) -> bool:
+        """Whether ``grad_norm`` (already agreed over ``norm_groups``) is NaN/Inf here or on
+        any rank of ``skip_agreement_groups``; a collective over those groups."""
+        if not self.skip_agreement_groups:
+            return not math.isfinite(grad_norm)
+        flag = torch.tensor([0.0 if math.isfinite(grad_norm) else 1.0],
+                            device=parallel_state.get_default_device())
+        all_reduce_over(flag, self.skip_agreement_groups, dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
 
     @torch.no_grad()
     def step(self) -> tuple[bool, Optional[float], Optional[int]]:
@@ -180,7 +195,7 @@ class MegatronOptimizer(ABC):
                 return False, None, None
         check = self.config.check_for_nan_in_loss_and_grad
         grad_norm = self.get_grad_norm() if self.config.clip_grad > 0 or check else None
-        if check and not math.isfinite(grad_norm):
+        if check and self._nonfinite_anywhere(grad_norm):
             self.zero_grad(set_to_none=True)
             return False, grad_norm, None
         if self.config.clip_grad > 0:
