@@ -144,10 +144,11 @@ def _merge(per_rank: list[dict[str, FileDigest]]) -> dict[str, FileDigest]:
     return merged
 
 
-def _publish(save_dir: str, tmp_dir: str, iteration: int) -> Optional[str]:
-    """Rename the finished folder into place; returns an older same-iteration folder's new
-    name (to delete once the tracker is written), if there was one."""
-    final = os.path.join(save_dir, iteration_dir_name(iteration))
+def publish_folder(save_dir: str, tmp_dir: str, name: str) -> Optional[str]:
+    """Rename the finished folder ``tmp_dir`` into place as ``save_dir/name``; returns an
+    older folder of that name's new name (to delete once the tracker is written), if there was
+    one. Training's saves and the conversion tools publish alike."""
+    final = os.path.join(save_dir, name)
     backup = None
     if os.path.lexists(final):
         backup = f"{final}.old-{uuid.uuid4().hex[:8]}"
@@ -165,7 +166,7 @@ def _finish_on_rank0(save_dir: str, tmp_dir: str, iteration: int, config: Any,
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    backup = _publish(save_dir, tmp_dir, iteration)
+    backup = publish_folder(save_dir, tmp_dir, iteration_dir_name(iteration))
     write_text_atomic(os.path.join(save_dir, TRACKER_FILENAME), str(iteration))
     if backup is not None:
         shutil.rmtree(backup, ignore_errors=True)

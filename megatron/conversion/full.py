@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import tempfile
-import uuid
 from typing import Any, Optional
 
 import torch
@@ -24,7 +23,7 @@ from megatron.checkpointing.contents import (
     stored_config,
 )
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.files import fsync_dir, read_torch, write_text_atomic, write_torch
+from megatron.checkpointing.files import read_torch, write_text_atomic, write_torch
 from megatron.checkpointing.manifest import (
     build_manifest,
     read_manifest,
@@ -44,6 +43,7 @@ from megatron.checkpointing.paths import (
     resolve_iteration_dir,
     saved_layout,
 )
+from megatron.checkpointing.save import publish_folder
 from megatron.config import ConfigError, ModelConfig, ParallelConfig
 from megatron.conversion import megatron_deepspeed as mds
 from megatron.conversion import optim_state
@@ -467,12 +467,7 @@ def _write_folder(save_dir: str, full: FullCheckpoint, config: dict, files: dict
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     final = os.path.join(save_dir, name)
-    backup = None
-    if os.path.lexists(final):
-        backup = f"{final}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(final, backup)
-    os.rename(tmp, final)
-    fsync_dir(save_dir)
+    backup = publish_folder(save_dir, tmp, name)
     write_text_atomic(os.path.join(save_dir, TRACKER_FILENAME),
                       "release" if full.release else str(full.iteration))
     if backup is not None:
