@@ -30,16 +30,19 @@ def is_last_stage() -> bool:
     return pipeline_size() == 1 or parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
-def forward_logits(model: GPTModel, input_ids: torch.Tensor,
-                   cache: Optional[KVCache]) -> Optional[torch.Tensor]:
+def forward_logits(model: GPTModel, input_ids: torch.Tensor, cache: Optional[KVCache],
+                   all_positions: bool = False) -> Optional[torch.Tensor]:
     """Logits ``[b, V]`` (full vocabulary, padding included) of the last position of
-    ``input_ids`` ``[b, s]`` on the last stage; None on the other stages.
+    ``input_ids`` ``[b, s]`` on the last stage; None on the other stages. With
+    ``all_positions`` (no cache), the logits of every position, ``[b, s, V]``.
 
     With ``cache`` the ids are the positions after those already cached; without, the whole
     sequence so far (every position is recomputed).
     """
+    if all_positions and cache is not None:
+        raise ValueError("the KV-cached forward gives the last position's logits only")
     if pipeline_size() == 1:
-        return _logits(model, input_ids, cache)
+        return _logits(model, input_ids, cache, all_positions)
     b, s = input_ids.shape
     cfg = model.config
     comm = P2PCommunicator((s, b, cfg.hidden_size), cfg.params_dtype, input_ids.device)
@@ -49,18 +52,19 @@ def forward_logits(model: GPTModel, input_ids: torch.Tensor,
     if not comm.is_last_stage:
         comm.exchange(send_next=model(input_ids, inference_cache=cache))
         return None
-    return _logits(model, input_ids, cache)
+    return _logits(model, input_ids, cache, all_positions)
 
 
-def _logits(model: GPTModel, input_ids: torch.Tensor,
-            cache: Optional[KVCache]) -> torch.Tensor:
+def _logits(model: GPTModel, input_ids: torch.Tensor, cache: Optional[KVCache],
+            all_positions: bool = False) -> torch.Tensor:
     if cache is not None:
         logits = model(input_ids, inference_cache=cache)  # [b, 1, V/tp]
     else:
         logits = model(input_ids)  # [b, s, V/tp]
-    logits = logits[:, -1]  # [b, V/tp]
-    if model.parallel_output:
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)  # [b, V]
+    if not all_positions:
+        logits = logits[:, -1]  # [b, V/tp]
+    if model.parallel_output:  # the last dimension gathered: [b, V] or [b, s, V]
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
     return logits
 
 

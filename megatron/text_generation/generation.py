@@ -39,9 +39,10 @@ class GenerationOutput:
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], max_sequence_length: int,
-                  vocab_size: Optional[int] = None) -> None:
+                  vocab_size: Optional[int] = None, *, to_generate: bool = True) -> None:
     """Raise ValueError for an empty batch, an empty prompt, a token id outside the
-    vocabulary, or a prompt with no room to grow."""
+    vocabulary, or a prompt with no room to grow (``to_generate``; else longer than the
+    context)."""
     if not prompts:
         raise ValueError("no prompts given")
     for i, p in enumerate(prompts):
@@ -51,7 +52,10 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_sequence_length: int,
         if outside:
             raise ValueError(f"prompt {i} has token id {outside[0]}, outside the model's "
                              f"vocabulary of {vocab_size}")
-        if len(p) >= max_sequence_length:
+        if not to_generate and len(p) > max_sequence_length:
+            raise ValueError(f"prompt {i} has {len(p)} tokens, more than the model's context "
+                             f"of {max_sequence_length}")
+        if to_generate and len(p) >= max_sequence_length:
             raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is "
                              f"{max_sequence_length}, which leaves no room to generate")
 
@@ -95,6 +99,31 @@ def generate_tokens(model: GPTModel, prompts: Sequence[Sequence[int]], max_new_t
         if state.all_done:
             break
     return state.output()
+
+
+@torch.no_grad()
+def score_tokens(model: GPTModel, sequences: Sequence[Sequence[int]], *,
+                 max_sequence_length: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> list[list[float]]:
+    """Per sequence, the log-probability (natural log, over the real vocabulary) of each id
+    from the second on, given the ids before it: ``len(seq) - 1`` values. One forward over
+    the batch, no sampling (Megatron's scoring, ``tokens_to_generate`` 0). Every rank of the
+    model calls it with the same arguments and gets the same values."""
+    cfg = model.config
+    context = max_sequence_length or cfg.max_position_embeddings
+    check_prompts(sequences, context, cfg.vocab_size, to_generate=False)
+    device = device or next(model.parameters()).device
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)  # [b, s]
+    for i, seq in enumerate(sequences):  # causal: the padding after a sequence is unseen
+        ids[i, :len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+    scores = torch.zeros(len(sequences), width - 1, dtype=torch.float64, device=device)
+    logits = forward_logits(model, ids, None, all_positions=True)  # [b, s, V], last stage
+    if logits is not None:
+        real = logits[:, :-1, :cfg.vocab_size].float()  # the padding is no token
+        scores = torch.log_softmax(real, dim=-1).gather(2, ids[:, 1:, None])[..., 0].double()
+    scores = broadcast_from_last_stage(scores).tolist()
+    return [row[:len(seq) - 1] for row, seq in zip(scores, sequences)]
 
 
 class _BatchState:

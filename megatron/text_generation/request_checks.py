@@ -2,8 +2,8 @@
 refusal, before any rank starts generating.
 
 Accepted JSON fields, as Megatron's text generation server reads them: ``prompts`` (list of
-strings, required), ``tokens_to_generate`` (default 64, or the server's
-limit if lower), ``temperature`` (1.0), ``top_k`` (0),
+strings, required), ``tokens_to_generate`` (default 64, or the server's limit if lower;
+0 scores the prompts and needs ``logprobs``), ``temperature`` (1.0), ``top_k`` (0),
 ``top_p`` (0.0), ``logprobs`` (false), ``add_BOS`` (false), ``stop_on_eol``,
 ``stop_on_double_eol`` (false), ``random_seed`` (-1: drawn by the server), ``no_log``; and ours:
 ``stop`` (a list of stop strings). Megatron's fields for features this server does not have
@@ -121,15 +121,17 @@ def parse_request(body: dict, *, max_prompts: int = MAX_PROMPTS,
                  f"{name} is not supported by this server (only {json.dumps(neutral)})")
     prompts = _prompts(body, max_prompts)
     tokens = body.get("tokens_to_generate", min(64, max_tokens_to_generate))
-    _require(_is_int(tokens) and 1 <= tokens <= max_tokens_to_generate,
-             f"tokens_to_generate must be an integer between 1 and {max_tokens_to_generate}")
+    _require(_is_int(tokens) and 0 <= tokens <= max_tokens_to_generate,
+             f"tokens_to_generate must be an integer between 0 and {max_tokens_to_generate}")
+    logprobs = _flag(body, "logprobs")
+    _require(tokens > 0 or logprobs, "tokens_to_generate=0 implies logprobs should be True")
     seed = body.get("random_seed", -1)
     _require(_is_int(seed) and seed >= -1, "random_seed must be a non-negative integer "
              "(or -1: any)")
     if seed == -1:
         seed = random.randrange(2**31)
     _flag(body, "no_log")
-    return GenerationRequest(prompts, tokens, _sampling(body), seed, _flag(body, "logprobs"),
+    return GenerationRequest(prompts, tokens, _sampling(body), seed, logprobs,
                              _flag(body, "add_BOS"), _stop_strings(body))
 
 

@@ -1,5 +1,6 @@
 """Megatron's REST API for generation: ``PUT /api`` with a JSON body (see ``request_checks``),
-answered with ``{"text": [...], "segments": [...], "logprobs": [...]}``.
+answered with ``{"text": [...], "segments": [...], "logprobs": [...] or null}`` (see
+``run_request``).
 
 Global rank 0 serves HTTP. It checks each request, then hands it to every rank (the model is
 spread over them) and all generate together; the other ranks wait in ``serve_other_ranks``.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -33,21 +34,22 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 def run_request(gm: GenerationModel, request: GenerationRequest) -> dict:
-    """Generate for one request on this rank; the JSON reply (the same on every rank).
-    ``text`` is each prompt followed by its new text; ``segments`` the new tokens one by one;
-    ``logprobs`` (when asked) the log-probability of each new token."""
+    """Generate for one request on this rank; the JSON reply (the same on every rank), laid
+    out as Megatron's: ``text`` is each prompt followed by its new text; ``segments`` every
+    token of the sequence (the prompt's, a BOS added, then the new ones, the end-of-document
+    one included) as text one by one; ``logprobs`` (when asked, else null) the
+    log-probability of each of those tokens from the second on. ``tokens_to_generate`` 0
+    scores the prompts: one forward, nothing generated."""
     completions = generate_text(gm.model, gm.tokenizer, request.prompts,
                                 request.tokens_to_generate, params=request.params,
                                 seed=request.seed, stop_strings=request.stop_strings,
-                                add_bos=request.add_bos, device=gm.device)
-    reply: dict[str, Any] = {
-        "text": [c.prompt + c.text for c in completions],
-        "segments": [[gm.tokenizer.detokenize([t]) for t in c.tokens[c.prompt_length:]]
-                     for c in completions],
-    }
-    if request.logprobs:
-        reply["logprobs"] = [c.logprobs for c in completions]
-    return reply
+                                add_bos=request.add_bos, prompt_logprobs=request.logprobs,
+                                device=gm.device)
+    logprobs = ([c.prompt_logprobs + c.logprobs for c in completions] if request.logprobs
+                else None)
+    return {"text": [c.prompt + c.text for c in completions],
+            "segments": [[gm.tokenizer.detokenize([t]) for t in c.tokens] for c in completions],
+            "logprobs": logprobs}
 
 
 def serve_other_ranks(gm: GenerationModel) -> None:

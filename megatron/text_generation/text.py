@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from megatron.model.gpt_model import GPTModel
-from megatron.text_generation.generation import GREEDY, generate_tokens
+from megatron.text_generation.generation import GREEDY, generate_tokens, score_tokens
 from megatron.text_generation.sampling import SamplingParams
 
 
 @dataclass
 class Completion:
     """One prompt's result: ``text`` is the new text only (cut before a stop string);
-    ``tokens`` the prompt's and the new ids; ``logprobs`` one per new id."""
+    ``tokens`` the prompt's and the new ids; ``logprobs`` one per new id;
+    ``prompt_logprobs`` (when asked) one per prompt id from the second on, so that
+    ``prompt_logprobs + logprobs`` scores every id of ``tokens`` after the first."""
 
     prompt: str
     text: str
     tokens: list[int]
     prompt_length: int
     logprobs: list[float]
+    prompt_logprobs: list[float] = field(default_factory=list)
 
 
 def tokenize_prompt(tokenizer: Any, prompt: str, add_bos: bool = False) -> list[int]:
@@ -49,11 +52,18 @@ def generate_text(model: GPTModel, tokenizer: Any, prompts: Sequence[str], max_n
                   *, params: SamplingParams = GREEDY, seed: int = 0,
                   stop_strings: Sequence[str] = (), stop_on_eod: bool = True,
                   add_bos: bool = False, use_cache: bool = True,
+                  prompt_logprobs: bool = False,
                   device: Optional[torch.device] = None) -> list[Completion]:
     """Complete each prompt. A completion ends at the end-of-document token (dropped from the
     text) unless ``stop_on_eod`` is False, at the first of ``stop_strings`` (cut there), or
-    after ``max_new_tokens`` tokens. Every model rank calls it with the same arguments."""
+    after ``max_new_tokens`` tokens. ``prompt_logprobs`` also scores the prompts' own ids;
+    ``max_new_tokens`` 0 only scores them (one forward, nothing generated). Every model rank
+    calls it with the same arguments."""
     ids = [tokenize_prompt(tokenizer, p, add_bos) for p in prompts]
+    scores = (score_tokens(model, ids, device=device) if prompt_logprobs
+              else [[] for _ in ids])
+    if max_new_tokens == 0:
+        return [Completion(p, "", i, len(i), [], s) for p, i, s in zip(prompts, ids, scores)]
     eod = tokenizer.eod if stop_on_eod else None
 
     def stop(i: int, new_ids: list[int]) -> bool:
@@ -68,5 +78,5 @@ def generate_text(model: GPTModel, tokenizer: Any, prompts: Sequence[str], max_n
         shown = new[:-1] if new and eod is not None and new[-1] == eod else new
         text, _ = _cut_at_stop(new_text(tokenizer, ids[i], shown), stop_strings)
         completions.append(Completion(prompt, text, out.tokens[i], out.prompt_lengths[i],
-                                      out.logprobs[i]))
+                                      out.logprobs[i], scores[i]))
     return completions

@@ -7,6 +7,7 @@ import torch
 from megatron.inference_loading import build_inference_model
 from megatron.model.kv_cache import KVCache
 from megatron.text_generation import SamplingParams, generate_tokens, sample
+from megatron.text_generation.generation import score_tokens
 from tests.unit.text_generation.hf_utils import converted, prompts, tiny_hf_model
 
 pytest.importorskip("transformers")
@@ -101,3 +102,45 @@ def test_sampling_rules():
         SamplingParams(top_k=3, top_p=0.5)
     with pytest.raises(ValueError):
         SamplingParams(temperature=0.0)
+
+
+def _hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """HF's log-probability of each id from the second on: log_softmax of its logits."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()  # [s, V]
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_prompt_scores_equal_hf_log_softmax(models):
+    """Scoring (Megatron's tokens_to_generate 0): one forward over prompts of different
+    lengths; a prompt may fill the whole context."""
+    hf, ours = models
+    batch = prompts((5, 9, 1, 48))
+    scores = score_tokens(ours, batch)
+    assert [len(s) for s in scores] == [4, 8, 0, 47]
+    for ids, got in zip(batch, scores):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), _hf_logprobs(hf, ids),
+                                   atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="49 tokens, more than the model's context of 48"):
+        score_tokens(ours, [[1] * 49])
+
+
+def test_whole_sequence_logprobs_of_a_completion_equal_hf(models):
+    """generate_text with prompt_logprobs: the prompt's scores followed by the new tokens'
+    score every token after the first, as HF's forward over the whole sequence does; with
+    0 new tokens only the prompt is scored."""
+    from megatron.text_generation import generate_text
+    from megatron.tokenizer import build_tokenizer
+
+    hf, ours = models
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=299)
+    texts = ["5 6 7 8", "9 10", "11 12 13 14 15 16"]
+    done = generate_text(ours, tokenizer, texts, 6, stop_on_eod=False, prompt_logprobs=True)
+    scored = generate_text(ours, tokenizer, texts, 0, prompt_logprobs=True)
+    for c, s in zip(done, scored):
+        assert len(c.tokens) == c.prompt_length + 6 and len(c.prompt_logprobs) == c.prompt_length - 1
+        whole = torch.tensor(c.prompt_logprobs + c.logprobs, dtype=torch.float64)
+        torch.testing.assert_close(whole, _hf_logprobs(hf, c.tokens), atol=1e-5, rtol=0)
+        assert (s.text, s.tokens, s.logprobs) == ("", c.tokens[:c.prompt_length], [])
+        torch.testing.assert_close(s.prompt_logprobs, c.prompt_logprobs, atol=1e-9, rtol=0)
+    assert generate_text(ours, tokenizer, texts[:1], 2)[0].prompt_logprobs == []
