@@ -78,6 +78,15 @@ def test_parallel_generation_equals_one_process(tmp_path):
                                                rtol=1e-5)
 
 
+SCORED = ["5 6 7", "8 9 10 11 12 13"]
+
+
+def _hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()  # [s, V]
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
 def _serve_tp2(rank, world_size, config, full):
     """Rank 0 serves HTTP on 127.0.0.1 and hands each request to rank 1 (tensor parallel 2)."""
     import json
@@ -104,7 +113,10 @@ def _serve_tp2(rank, world_size, config, full):
         replies = [put(url, {"prompts": ["5 6 7", "8"], "tokens_to_generate": 5, "top_k": 1}),
                    put(url, {"prompts": ["5 6 7"], "top_k": 1.5}),
                    put(url, {"prompts": ["9 9"], "tokens_to_generate": 3, "top_p": 0.8,
-                             "random_seed": 4})]
+                             "random_seed": 4}),
+                   put(url, {"prompts": SCORED, "tokens_to_generate": 0, "logprobs": True}),
+                   put(url, {"prompts": SCORED, "tokens_to_generate": 4, "top_k": 1,
+                             "logprobs": True})]
     finally:
         server.shutdown()
         stop_other_ranks()
@@ -124,6 +136,17 @@ def test_server_on_two_tensor_parallel_ranks():
                             params=SamplingParams(top_p=0.8))
     replies = run_distributed(_serve_tp2, 2, *converted(hf, 2))[0]
     assert replies[0] == (200, {"text": [c.prompt + c.text for c in greedy],
-                                "segments": replies[0][1]["segments"]})
+                                "segments": [[str(t) for t in c.tokens] for c in greedy],
+                                "logprobs": None})
     assert replies[1][0] == 400 and "top_k" in replies[1][1]
     assert replies[2][1]["text"] == [sampled[0].prompt + sampled[0].text]
+    # Scoring (tokens_to_generate 0) and logprobs of a generation over tp 2, through HTTP:
+    # each token after the first, prompt and new ones, scored as HF's forward scores it.
+    (status, scored), (status_gen, generated) = replies[3], replies[4]
+    assert status == status_gen == 200 and scored["text"] == SCORED
+    for reply, lengths in ((scored, [3, 6]), (generated, [7, 10])):
+        assert [len(s) for s in reply["segments"]] == lengths
+        for segments, logprobs in zip(reply["segments"], reply["logprobs"]):
+            want = _hf_logprobs(hf, [int(t) for t in segments])
+            torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), want,
+                                       atol=1e-5, rtol=0)

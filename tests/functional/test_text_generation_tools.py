@@ -133,7 +133,12 @@ MALFORMED = [
     (json.dumps({"prompts": []}).encode(), "prompts is empty"),
     (json.dumps({"prompts": ["1"] * 5}).encode(), "Maximum number of prompts is 4"),
     (json.dumps({"prompts": ["1"], "tokens_to_generate": "4"}).encode(), "tokens_to_generate"),
-    (json.dumps({"prompts": ["1"], "tokens_to_generate": 17}).encode(), "between 1 and 16"),
+    (json.dumps({"prompts": ["1"], "tokens_to_generate": 17}).encode(), "between 0 and 16"),
+    (json.dumps({"prompts": ["1"], "tokens_to_generate": -1}).encode(), "between 0 and 16"),
+    (json.dumps({"prompts": ["1"], "tokens_to_generate": 0}).encode(),
+     "tokens_to_generate=0 implies logprobs should be True"),
+    (json.dumps({"prompts": [" ".join(["5"] * 49)], "tokens_to_generate": 0,
+                 "logprobs": True}).encode(), "exceeds the model's context of 48"),
     (json.dumps({"prompts": ["1"], "tokens_to_generate": True}).encode(), "tokens_to_generate"),
     (json.dumps({"prompts": ["1"], "temperature": 0}).encode(), "temperature"),
     (json.dumps({"prompts": ["1"], "top_k": -1}).encode(), "top_k"),
@@ -171,14 +176,36 @@ def test_server_answers_and_refuses_malformed_requests(server, checkpoint):
     reply = json.loads(body)
     expected = _completions(_greedy(checkpoint, "--prompt", "1 2 3", "--prompt", "7 8 9").stdout)
     assert reply["text"] == expected  # the server and generate_text.py agree
-    assert [len(s) for s in reply["segments"]] == [6, 6]
-    assert all(len(lp) == 6 and all(v <= 0 for v in lp) for lp in reply["logprobs"])
+    # Megatron's layout: every token of the sequence, and the log-probability of each
+    # token from the second on (the prompt's, then the new ones).
+    assert [s[:3] for s in reply["segments"]] == [["1", "2", "3"], ["7", "8", "9"]]
+    assert [" ".join(s) for s in reply["segments"]] == expected
+    assert all(len(lp) == 8 and all(v <= 0 for v in lp) for lp in reply["logprobs"])
+    _check_scoring(url, good["prompts"], reply["logprobs"])
     for data, reason in MALFORMED:
         status, refusal = _raw_put(url, data)
         assert status == 400 and reason in refusal, (data, status, refusal)
         assert proc.poll() is None
     assert put(url, good) == (200, body)  # still up, and the same reply
     assert urllib_get(url) == 405
+
+
+def _check_scoring(url: str, prompts: list, generation_logprobs: list) -> None:
+    """tokens_to_generate 0 with logprobs scores the prompts: nothing generated, and the
+    prompts' log-probabilities are those the generation reply began with. Without logprobs,
+    the reply's logprobs is null (as Megatron's)."""
+    status, body = put(url, {"prompts": prompts, "tokens_to_generate": 0, "logprobs": True})
+    assert status == 200, body
+    scored = json.loads(body)
+    assert scored["text"] == prompts
+    assert [" ".join(s) for s in scored["segments"]] == prompts
+    for got, whole in zip(scored["logprobs"], generation_logprobs):
+        assert len(got) == 2 and all(abs(a - b) < 1e-5 for a, b in zip(got, whole[:2])), got
+    full = " ".join(["5"] * 48)  # a prompt filling the context may be scored
+    status, body = put(url, {"prompts": [full], "tokens_to_generate": 0, "logprobs": True})
+    assert status == 200 and len(json.loads(body)["logprobs"][0]) == 47, body
+    status, body = put(url, {"prompts": prompts, "tokens_to_generate": 2, "top_k": 1})
+    assert status == 200 and json.loads(body)["logprobs"] is None, body
 
 
 def urllib_get(url: str) -> int:
