@@ -1,5 +1,5 @@
 """Generation at tensor parallel 2 and at tensor 2 x pipeline 2 (real gloo groups) gives the
-tokens and log-probabilities of one process, on every rank; a checkpoint saved at tensor 2 x
+tokens and log-probabilities of one process, on every rank (and so does scoring prompts); a checkpoint saved at tensor 2 x
 pipeline 2 generates the same greedy tokens at its layout and read whole in one process."""
 
 import pytest
@@ -10,6 +10,7 @@ from megatron.conversion.full import FullCheckpoint, save_full_checkpoint, with_
 from megatron.core import parallel_state
 from megatron.inference_loading import build_inference_model, config_from_checkpoint
 from megatron.text_generation import SamplingParams, generate_tokens
+from megatron.text_generation.generation import score_tokens
 from tests.dist_utils import run_distributed
 from tests.unit.text_generation.hf_utils import converted, prompts, tiny_hf_model
 
@@ -26,6 +27,7 @@ def _generate_all(config, full) -> list:
     for params, use_cache in SETTINGS:
         r = generate_tokens(model, prompts(), 12, params=params, seed=5, use_cache=use_cache)
         out.append((r.tokens, r.logprobs))
+    out.append((prompts(), score_tokens(model, prompts())))  # scoring: one forward, no cache
     return out
 
 
