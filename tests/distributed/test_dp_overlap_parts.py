@@ -3,7 +3,8 @@
 - ``ParameterGossip.start_average`` averages the values the tensors had when it started, even
   when they change before ``wait()``; tensors of two dtypes each get their own mean;
 - ``DecentralizedOptimizer(overlap=True)``: one SGD step is ``mean(x) - lr * g_own``;
-  ``cancel_exchange()`` keeps ``x`` and the round; misuse is refused;
+  ``cancel_exchange()`` keeps ``x`` and the round; misuse is refused; a step skipped for a
+  NaN gradient on one replica is skipped on both, which still take the average;
 - ``--dp-overlap`` without ``--dp-mode decentralized`` is refused.
 """
 
@@ -32,7 +33,8 @@ def _optimizer(rank: int) -> tuple[nn.Module, DecentralizedOptimizer]:
     torch.manual_seed(rank)  # the replicas differ
     model = nn.Linear(3, 2)
     groups = [{"params": list(model.parameters())}]
-    inner = FP32Optimizer(OptimizerConfig(lr=LR, clip_grad=0.0), groups,
+    config = OptimizerConfig(lr=LR, clip_grad=0.0, check_for_nan_in_loss_and_grad=True)
+    inner = FP32Optimizer(config, groups,
                           lambda g: torch.optim.SGD(g, lr=LR))
     return model, DecentralizedOptimizer(inner, _gossip(), overlap=True)
 
@@ -72,6 +74,14 @@ def _parts(rank: int, world_size: int) -> dict:
         with pytest.raises(RuntimeError, match="twice"):
             optimizer.start_exchange()
         optimizer.cancel_exchange()
+
+        optimizer.start_exchange()  # a NaN gradient on rank 1 only: both skip, both average
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        if rank == 1:
+            model.weight.grad[0, 0] = float("nan")
+        out["nan_applied"], _, _ = optimizer.step()
+        out["x2"], out["rounds_nan"] = _flat(model), optimizer.rounds_done
         return out
     finally:
         parallel_state.destroy_model_parallel()
@@ -101,6 +111,14 @@ def test_cancel_keeps_the_parameters_and_the_round(ranks):
     for rank in ranks:
         assert torch.equal(rank["x1_kept"], rank["x1"])
         assert rank["rounds_kept"] == 1
+
+
+def test_a_step_skipped_on_one_replica_is_skipped_on_all_and_still_averages(ranks):
+    mean = (ranks[0]["x1"] + ranks[1]["x1"]) / 2
+    for rank in ranks:
+        assert rank["nan_applied"] is False
+        torch.testing.assert_close(rank["x2"], mean, rtol=0, atol=1e-6)
+        assert rank["rounds_nan"] == 2
 
 
 def test_overlap_needs_decentralized_mode():
