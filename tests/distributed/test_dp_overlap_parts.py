@@ -5,6 +5,8 @@
 - ``DecentralizedOptimizer(overlap=True)``: one SGD step is ``mean(x) - lr * g_own``;
   ``cancel_exchange()`` keeps ``x`` and the round; misuse is refused; a step skipped for a
   NaN gradient on one replica is skipped on both, which still take the average;
+- through pretrain(): an iteration with a NaN loss (every rank skips it) drops its exchange
+  and keeps the parameters; one with a NaN gradient on rank 1 skips on both but averages;
 - ``--dp-overlap`` without ``--dp-mode decentralized`` is refused.
 """
 
@@ -20,6 +22,8 @@ from megatron.core.distributed.gossip import ParameterGossip
 from megatron.core.optimizer.decentralized import DecentralizedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from tests.dist_utils import run_distributed
+from tests.distributed.test_nonfinite_guard import Injector, _pretrain
+from tests.distributed.training_utils import base_argv, build_small_corpus
 
 LR = 0.1
 
@@ -125,3 +129,25 @@ def test_overlap_needs_decentralized_mode():
     with pytest.raises(ConfigError, match="--dp-overlap needs --dp-mode decentralized"):
         ParallelConfig(world_size=2, dp_overlap=True)
     ParallelConfig(world_size=2, dp_mode="decentralized", dp_overlap=True)
+
+
+def _train_with_nans(rank: int, world_size: int, corpus: str, folder: str) -> dict:
+    # iteration 2: a NaN loss on rank 1; iteration 4: a NaN gradient on rank 1
+    injector = Injector(rank, nan_loss=[(2, 1, 0)], nan_grad=[(4, 1, 0)])
+    argv = base_argv(corpus, f"{folder}/cache", **{
+        "--global-batch-size": 8, "--train-iters": 6, "--lr-warmup-iters": 0,
+        "--dp-mode": "decentralized", "--dp-overlap": True})
+    code, state, out, err = _pretrain(argv, injector)
+    return dict(code=code, err=err, history=state and state.history,
+                unchanged=injector.unchanged)
+
+
+def test_pretrain_with_overlap_skips_nan_iterations_on_both_replicas(tmp_path):
+    corpus = build_small_corpus(str(tmp_path / "corpus"))
+    results = run_distributed(_train_with_nans, 2, corpus, str(tmp_path), timeout=120)
+    for run in results:
+        assert run["code"] == 0, run["err"]
+        assert [h["iteration"] for h in run["history"] if h["skipped"]] == [2, 4]
+        # 2: no step and no average; 4: no local step, but the replicas (apart since the
+        # overlapped step 3) are averaged
+        assert run["unchanged"] == {1: False, 2: True, 3: False, 4: False, 5: False}
