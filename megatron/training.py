@@ -165,10 +165,12 @@ def wrap_decentralized(optimizer, cfg: RunConfig):
                                  full_group=parallel_state.get_data_parallel_group())
     except TopologyError as error:
         raise ConfigError(str(error)) from None
-    print_rank_0(f"> --dp-mode decentralized: gradients are not all-reduced; after each step "
+    when = ("while it computes its gradient (--dp-overlap)" if p.dp_overlap
+            else "after each step")
+    print_rank_0(f"> --dp-mode decentralized: gradients are not all-reduced; {when} "
                  f"every replica averages its parameters over its --dp-topology {p.dp_topology} "
                  f"group ({gossip.num_rounds()} round(s), data-parallel size {gossip.dp_size})")
-    return DecentralizedOptimizer(optimizer, gossip)
+    return DecentralizedOptimizer(optimizer, gossip, overlap=p.dp_overlap)
 
 
 def setup_model_and_optimizer(model_provider: Callable, ctx: RunContext):
@@ -285,6 +287,9 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    exchange = getattr(optimizer, "start_exchange", None)  # --dp-overlap: runs meanwhile
+    if exchange is not None:
+        exchange()
     timers("forward-backward", log_level=1).start()
     schedule = get_forward_backward_func()
     losses = schedule(forward_step_func=forward_step, data_iterator=data_iterator,
@@ -300,7 +305,8 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
     check = cfg.optimizer.check_for_nan_in_loss_and_grad
     bad_loss = locate_nonfinite_loss(losses) if check else None
     updated, grad_norm, num_zeros, nonfinite = False, None, None, None
-    if bad_loss is not None:
+    if bad_loss is not None:  # every rank: no step, and the exchange (if any) is dropped
+        getattr(optimizer, "cancel_exchange", lambda: None)()
         nonfinite = describe_nonfinite_loss(*bad_loss, num_microbatches)
     else:
         timers("optimizer", log_level=1).start()

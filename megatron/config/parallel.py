@@ -63,6 +63,10 @@ class ParallelConfig(Slice):
         "averages with whom: complete (everyone), ring (the left, then the right neighbour), "
         "exp (the rank 2^k away, k cycling), alternating-exp-ring (inside each node, then exp "
         "between nodes).")
+    dp_overlap: bool = option(
+        default=False, help="With --dp-mode decentralized, overlap the neighbour averaging "
+        "with the forward and backward: the average of the parameters before the step is "
+        "exchanged while the gradient is computed, and the local update is applied to it.")
 
     def __post_init__(self) -> None:
         positive(self, "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
@@ -83,6 +87,9 @@ class ParallelConfig(Slice):
         """The sizes ring and exp need (alternating-exp-ring's nodes are checked at start-up,
         where LOCAL_WORLD_SIZE is known)."""
         dp, name = self.data_parallel_size, self.dp_topology
+        require(not self.dp_overlap or self.dp_mode == "decentralized",
+                "--dp-overlap needs --dp-mode decentralized (all-reduce data parallelism "
+                "overlaps its gradient reduction with --overlap-grad-reduce)")
         if self.dp_mode != "decentralized" or dp == 1:
             return
         require(name != "ring" or dp % 2 == 0,

@@ -46,6 +46,7 @@ NEW_FLAGS = {
     "--dry-run",  # the planner behind pretrain_gpt.py (issue 12)
     # Decentralized data parallelism with AccumAdamW (issue 15).
     "--dp-mode", "--dp-topology", "--accum-steps",
+    "--dp-overlap",  # the neighbour exchange overlapped with forward/backward (issue 15)
     # DeepSpeed's activation checkpointing settings, Megatron-DeepSpeed's spellings (issue 12).
     "--partition-activations", "--contigious-checkpointing", "--checkpoint-in-cpu",
     "--synchronize-each-layer",

@@ -13,6 +13,10 @@ decent-dp, the library of "Pre-training GPT-2 on OpenWebText with Decentralized 
   data-parallel ranks), then an ``exp`` round between whole nodes (2 x ranks_per_node ranks
   together), alternately; the number of nodes a power of 2, at least 2.
 
+With ``--dp-overlap`` the average of a round starts before the iteration's forward and
+backward (``ParameterGossip.start_average``: asynchronous all-reduces of a flat copy of the
+parameters) and is waited for just before the optimizer step (``PendingAverage.wait``).
+
 Every weight is uniform inside a group (decent-dp's weights are too), so a round is one
 all-reduce of the flattened parameters over the group, scaled by 1/size. Data-parallel rank
 ``i`` means the i-th rank of a data-parallel group; with tensor or pipeline parallelism every
@@ -137,6 +141,15 @@ class ParameterGossip:
             all_reduce_mean(tensors, group, size)
 
     @torch.no_grad()
+    def start_average(self, tensors: Sequence[torch.Tensor],
+                      round_index: int) -> PendingAverage:
+        """Start averaging copies of ``tensors`` over this rank's group of round
+        ``round_index`` (asynchronous collectives); the tensors themselves may change meanwhile.
+        Every rank must ``wait()`` on the result before its next collective on the group."""
+        group, size = self._groups[round_index % len(self._groups)]
+        return PendingAverage(tensors, group if size > 1 else None, size)
+
+    @torch.no_grad()
     def average_all(self, tensors: Sequence[torch.Tensor]) -> None:
         """Replace each tensor by its mean over the whole data-parallel group."""
         if self.dp_size > 1:
@@ -154,3 +167,37 @@ def all_reduce_mean(tensors: Sequence[torch.Tensor], group: Any, size: int) -> N
         dist.all_reduce(flat, group=group)
         for t, value in zip(same, _unflatten_dense_tensors(flat, same)):
             t.copy_(value)
+
+
+class PendingAverage:
+    """The mean of copies of some tensors over a group, being computed: one flat buffer per
+    dtype, pre-scaled by 1/size (the copy of the values at the start), reduced asynchronously
+    (``async_op=True``: on NCCL its own stream, ordered after the copy)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], group: Any, size: int) -> None:
+        self._by_dtype: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._works: list[Any] = []
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for same in by_dtype.values():
+            # a new buffer holding the values as of now (torch.cat always copies;
+            # _flatten_dense_tensors returns a view of a lone tensor)
+            flat = torch.cat([t.reshape(-1) for t in same])
+            if group is not None:
+                flat.mul_(1.0 / size)
+                self._works.append(dist.all_reduce(flat, group=group, async_op=True))
+            self._by_dtype.append((same, flat))
+
+    @torch.no_grad()
+    def wait(self, copy_into: bool = True) -> None:
+        """Wait for the collectives; then (``copy_into``) each tensor given at the start
+        becomes the group's mean of its value at the start."""
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if not copy_into:
+            return
+        for same, flat in self._by_dtype:
+            for t, value in zip(same, _unflatten_dense_tensors(flat, same)):
+                t.copy_(value)
