@@ -99,6 +99,8 @@ def _without_batch_flags(args: list) -> list:
     return out
 
 
+@pytest.mark.skipif(shutil.which("deepspeed") is None,
+                    reason="needs DeepSpeed's launcher (pip install deepspeed)")
 def test_deepspeed_launcher_runs_the_single_node_recipe(corpus, tmp_path):
     """Megatron-DeepSpeed's single-node command: DeepSpeed's launcher, its engine with the
     JSON the script writes (ZeRO stage 1 by default), and DS_ARGS passed on."""
