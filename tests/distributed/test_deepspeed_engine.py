@@ -170,7 +170,7 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, two_rank_launch):
     manifest = json.loads((folder / "manifest.json").read_text())
     on_disk = {p.relative_to(folder).as_posix(): p.stat().st_size
                for p in folder.rglob("*") if p.is_file() and p.name != "manifest.json"}
-    assert DAMAGED in on_disk and any("optim_states" in rel for rel in on_disk)
+    assert DAMAGED.split("/")[1] in on_disk and any("optim_states" in rel for rel in on_disk)
     assert {rel: e["size"] for rel, e in manifest["files"].items()} == on_disk
     assert manifest["iteration"] == 3 and manifest["parallel_layout"]["engine"] == "deepspeed"
     assert not list(ckpt.glob("*.tmp-*")) and not list(folder.glob("*.tmp-*"))
