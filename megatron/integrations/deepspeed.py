@@ -13,7 +13,9 @@
   ``train_batch``/``eval_batch``.
 - **Recompute and checkpoints**: DeepSpeed's activation checkpointing configured with our RNG
   tracker; ``engine.save_checkpoint``/``load_checkpoint`` with the iteration, consumed samples,
-  our LR schedule and every data-parallel rank's RNG states as client state.
+  our LR schedule and every data-parallel rank's RNG states as client state; our manifest
+  (megatron/checkpointing/manifest.py) written into the folder before the `latest` tag, and
+  checked on load.
 - **Conversion helpers** for megatron/conversion/deepspeed_layout.py: ZeRO-3's weights
   gathered with DeepSpeed's ``zero_to_fp32``, and ZeRO's optimizer files unpickled.
 
