@@ -13,7 +13,9 @@
   ``train_batch``/``eval_batch``.
 - **Recompute and checkpoints**: DeepSpeed's activation checkpointing configured with our RNG
   tracker; ``engine.save_checkpoint``/``load_checkpoint`` with the iteration, consumed samples,
-  our LR schedule and every data-parallel rank's RNG states as client state.
+  our LR schedule and every data-parallel rank's RNG states as client state; our manifest
+  (megatron/checkpointing/manifest.py) written into the folder before the `latest` tag, and
+  checked on load.
 - **Conversion helpers** for megatron/conversion/deepspeed_layout.py: ZeRO-3's weights
   gathered with DeepSpeed's ``zero_to_fp32``, and ZeRO's optimizer files unpickled.
 
@@ -462,7 +464,11 @@ class DeepSpeedRun:
             "rng_states": rng_states, "config": self.cfg.to_dict(),
         }
         tag = f"global_step{iteration}"
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client)
+        # DeepSpeed writes `latest` itself only after its own barrier; ours comes after the
+        # manifest, so an interrupted save never leaves `latest` naming a partial folder.
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client, save_latest=False)
+        dist.barrier()  # every rank's files are on disk
+        _on_rank0_for_all(lambda: _publish_deepspeed_save(save_dir, tag, iteration, self.cfg))
         from megatron.utils import print_rank_0
 
         print_rank_0(f"  successfully saved DeepSpeed checkpoint at iteration {iteration} "
@@ -475,8 +481,12 @@ class DeepSpeedRun:
         from megatron.utils import print_rank_0
 
         ck = self.cfg.checkpoint
+        tag = _latest_tag(ck.load)
+        if tag is not None:
+            _on_rank0_for_all(lambda: _verify_deepspeed_folder(
+                os.path.join(ck.load, tag), checksums=not ck.no_verify_checkpoint))
         path, client = self.engine.load_checkpoint(
-            ck.load, load_optimizer_states=not (ck.no_load_optim or ck.finetune),
+            ck.load, tag=tag, load_optimizer_states=not (ck.no_load_optim or ck.finetune),
             load_lr_scheduler_states=not (ck.no_load_lr_state or ck.finetune),
             load_module_only=ck.finetune)
         if path is None:
@@ -501,6 +511,83 @@ class DeepSpeedRun:
         print_rank_0(f" loaded DeepSpeed checkpoint {path} at iteration {state.iteration} "
                      f"(consumed samples {state.consumed_train_samples})"
                      + (f"; starting anew: {', '.join(reset)}" if reset else ""))
+
+
+def _on_rank0_for_all(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on global rank 0; an error there is raised on every rank (so none waits in a
+    collective for a rank that stopped)."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            error = exc
+    shared = [None if error is None else (type(error).__name__, str(error))]
+    dist.broadcast_object_list(shared, src=0)
+    if error is not None:
+        raise error
+    if shared[0] is not None:
+        from megatron.checkpointing import CheckpointError
+
+        raise CheckpointError(f"on rank 0: {shared[0][0]}: {shared[0][1]}")
+
+
+def _folder_digests(folder: str) -> dict:
+    """Every file under ``folder`` (relative path with '/') -> its FileDigest, but the manifest."""
+    from megatron.checkpointing.files import file_digest
+    from megatron.checkpointing.paths import MANIFEST_FILENAME
+
+    digests = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
+            if rel != MANIFEST_FILENAME:
+                digests[rel] = file_digest(os.path.join(root, name))
+    return digests
+
+
+def _publish_deepspeed_save(save_dir: str, tag: str, iteration: int, cfg: RunConfig) -> None:
+    """Rank 0, after every rank saved: ``tag``'s manifest, then the `latest` tag, atomically."""
+    from megatron.checkpointing.files import write_text_atomic
+    from megatron.checkpointing.manifest import build_manifest, write_manifest
+
+    folder = os.path.join(save_dir, tag)
+    layout = {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+              "pipeline_model_parallel_size":
+                  parallel_state.get_pipeline_model_parallel_world_size(),
+              "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+              "engine": "deepspeed"}
+    write_manifest(folder, build_manifest(iteration, layout, cfg.to_dict(),
+                                          _folder_digests(folder)))
+    write_text_atomic(os.path.join(save_dir, DEEPSPEED_LATEST_FILE), tag)
+
+
+def _latest_tag(load_dir: str) -> Optional[str]:
+    """The tag DeepSpeed's `latest` file names; None without one."""
+    path = os.path.join(load_dir, DEEPSPEED_LATEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _verify_deepspeed_folder(folder: str, checksums: bool) -> None:
+    """``folder``'s files against its manifest (sizes; ``checksums``: CRC-32 too), naming the
+    first that differs; a folder without one (saved by DeepSpeed elsewhere) with a warning."""
+    from megatron.checkpointing.errors import CheckpointError
+    from megatron.checkpointing.manifest import read_manifest, verify_files
+    from megatron.checkpointing.paths import MANIFEST_FILENAME
+
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"DeepSpeed checkpoint folder {folder} (named by "
+                              f"'{DEEPSPEED_LATEST_FILE}') does not exist")
+    manifest = read_manifest(folder)
+    if manifest is None:
+        logging.getLogger(__name__).warning(
+            "DeepSpeed checkpoint %s has no %s (saved elsewhere, or by an older version): "
+            "its files are not verified", folder, MANIFEST_FILENAME)
+        return
+    verify_files(folder, manifest, list(manifest["files"]), checksums=checksums)
 
 
 def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpeedRun:

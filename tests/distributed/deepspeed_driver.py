@@ -6,13 +6,16 @@ tests/distributed/deepspeed_driver.py`` with ``DS_TEST_SPEC`` naming a JSON file
 ``{"out": path, "runs": [{"name": ..., "argv": [...]}, ...]}``. Between runs the
 model-parallel groups are torn down (the process group stays). Rank 0 writes
 ``{name: {"train": [[iteration, lm loss, grad norm], ...], "valid": last validation lm loss}}``
-to ``out``.
+to ``out``. A run may also name ``"damage": [source folder, copy, file in the copy]``: before
+it, rank 0 copies the folder and flips one byte in the middle of that file; a run that then
+stops with an error records ``{"error": message}`` instead (and the next run goes on).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -27,15 +30,34 @@ def main() -> None:
         spec = json.load(f)
     results = {}
     for run in spec["runs"]:
-        state = pretrain_gpt.main(run["argv"])
-        results[run["name"]] = {
-            "train": [[h["iteration"], h["losses"].get("lm loss"), h["grad_norm"]]
-                      for h in state.history],
-            "valid": state.last_valid_losses.get("lm loss")}
+        if "damage" in run:
+            _damaged_copy(*run["damage"])
+        try:
+            state = pretrain_gpt.main(run["argv"])
+        except Exception as error:  # noqa: BLE001 - recorded for the test to check
+            if "damage" not in run:
+                raise
+            results[run["name"]] = {"error": f"{type(error).__name__}: {error}"}
+        else:
+            results[run["name"]] = {
+                "train": [[h["iteration"], h["losses"].get("lm loss"), h["grad_norm"]]
+                          for h in state.history],
+                "valid": state.last_valid_losses.get("lm loss")}
         parallel_state.destroy_model_parallel()
     if dist.get_rank() == 0:
         with open(spec["out"], "w") as f:
             json.dump(results, f)
+
+
+def _damaged_copy(source: str, copy: str, rel: str) -> None:
+    if dist.get_rank() == 0:
+        shutil.copytree(source, copy)
+        with open(os.path.join(copy, rel), "r+b") as f:
+            f.seek(os.path.getsize(os.path.join(copy, rel)) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from tools.checkpoint import convert
 
 REPO = Path(__file__).resolve().parents[2]
 ITERS = 5
+DAMAGED = "global_step3/mp_rank_00_model_states.pt"
 pytestmark = pytest.mark.skipif(shutil.which("deepspeed") is None,
                                 reason="the deepspeed launcher is not installed")
 
@@ -68,7 +69,8 @@ def launch(num_ranks: int, runs: dict[str, list[str]], tmp_path: Path) -> tuple[
     out = tmp_path / f"results{num_ranks}.json"
     spec = tmp_path / f"spec{num_ranks}.json"
     spec.write_text(json.dumps({"out": str(out), "runs": [
-        {"name": name, "argv": a} for name, a in runs.items()]}))
+        {"name": name, **(a if isinstance(a, dict) else {"argv": a})}
+        for name, a in runs.items()]}, default=str))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "DS_TEST_SPEC": str(spec)}
     cmd = [shutil.which("deepspeed"), "--num_gpus", str(num_ranks), "--master_port",
@@ -118,6 +120,10 @@ def two_rank_launch(tmp_path_factory):
         "zero1_first3": zero(1, **{"--exit-interval": 3, "--save": ckpt,
                                    "--save-interval": 100}),
         "zero1_resumed": zero(1, **{"--load": ckpt}),
+        # One byte of a copy flipped: --load stops naming the file (checked against the
+        # manifest before DeepSpeed reads anything).
+        "zero1_damaged": {"argv": zero(1, **{"--load": tmp_path / "damaged"}),
+                          "damage": [str(ckpt), str(tmp_path / "damaged"), DAMAGED]},
         # ZeRO-3's checkpoint (partitioned parameters) for the conversion test.
         "zero3_first3": zero(3, **{"--exit-interval": 3, "--save": tmp_path / "ds_zero3_ckpt",
                                    "--save-interval": 100}),
@@ -159,6 +165,19 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, two_rank_launch):
     # Resume: iterations 4 and 5 after loading iteration 3 are those of the unbroken run.
     assert (ckpt / "latest").read_text().strip() == "global_step3"
     assert "loaded DeepSpeed checkpoint" in log
+    # Our manifest lists every file DeepSpeed wrote, with its size and CRC-32.
+    folder = ckpt / "global_step3"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    on_disk = {p.relative_to(folder).as_posix(): p.stat().st_size
+               for p in folder.rglob("*") if p.is_file() and p.name != "manifest.json"}
+    assert DAMAGED.split("/")[1] in on_disk and any("optim_states" in rel for rel in on_disk)
+    assert {rel: e["size"] for rel, e in manifest["files"].items()} == on_disk
+    assert manifest["iteration"] == 3 and manifest["parallel_layout"]["engine"] == "deepspeed"
+    assert not list(ckpt.glob("*.tmp-*")) and not list(folder.glob("*.tmp-*"))
+    # The damaged copy is refused on every rank, naming the file and its CRC-32.
+    error = results["zero1_damaged"]["error"]
+    assert re.search(rf"{re.escape(DAMAGED)} is damaged: its CRC-32 is \w+, \S+manifest.json "
+                     r"recorded", error), error
     resumed = results["zero1_resumed"]
     assert [r[0] for r in resumed["train"]] == [4, 5]
     assert resumed["train"] == results["zero1"]["train"][3:]  # bit for bit
