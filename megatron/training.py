@@ -509,6 +509,7 @@ class Trainer:
         # --log-params-norm: a collective over the model-parallel ranks, which all log alike.
         params_norm = (self.optimizer.params_norm()
                        if log.log_params_norm and (to_log or to_tensorboard) else None)
+        s.history[-1]["params_norm"] = params_norm
         now = time.perf_counter()
         if to_tensorboard:
             self._write_tensorboard(losses, gbs, result.grad_norm, result.num_zeros,

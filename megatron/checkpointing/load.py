@@ -71,6 +71,8 @@ class LoadReport(NamedTuple):
     optimizer: bool  # optimizer state restored
     scheduler: bool  # LR/weight-decay schedule restored
     rng: bool  # random generators restored
+    # a converted checkpoint without RNG state: the generators start from --seed
+    rng_from_seed: bool = False
 
 
 class LoadedCheckpoint(_LoadedFields):
@@ -138,12 +140,13 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
             raise error
         raise CheckpointError(f"loading the checkpoint from {ckpt.load} failed on another rank "
                               "(see its error)")
-    scheduler_loaded = _restore_training_state(files, ckpt, layout, optimizer,
-                                               opt_param_scheduler, model_only, load_optim)
+    scheduler_loaded, rng_loaded = _restore_training_state(
+        files, ckpt, layout, optimizer, opt_param_scheduler, model_only, load_optim)
     state = files.state
+    rng_wanted = not model_only and not ckpt.no_load_rng
     report = LoadReport(os.path.dirname(os.path.dirname(files.path)), tracker.iteration,
-                        tracker.release, load_optim, scheduler_loaded,
-                        not model_only and not ckpt.no_load_rng)
+                        tracker.release, load_optim, scheduler_loaded, rng_loaded,
+                        rng_from_seed=rng_wanted and not rng_loaded)
     if model_only:
         return LoadedCheckpoint(0, 0, 0, extra_entries(state), report)
     return LoadedCheckpoint(int(state["iteration"]), *consumed_samples(state),
@@ -233,9 +236,11 @@ def _read_distrib_optim(state: dict, optimizer: Any, path: str) -> Optional[dict
 
 
 def _restore_training_state(files: _RankFiles, ckpt: Any, layout: RankLayout, optimizer: Any,
-                            scheduler: Any, model_only: bool, load_optim: bool) -> bool:
+                            scheduler: Any, model_only: bool,
+                            load_optim: bool) -> tuple[bool, bool]:
     """Optimizer, scheduler and generators, after every rank has loaded its weights; returns
-    whether the scheduler's state was restored."""
+    whether the scheduler's state and the generators' state were restored (a converted
+    checkpoint holds no generator state)."""
     scheduler_loaded = False
     if load_optim:
         scheduler_loaded = _load_optimizer(files, optimizer,
@@ -247,12 +252,13 @@ def _restore_training_state(files: _RankFiles, ckpt: Any, layout: RankLayout, op
         if rng is None and CONVERTED_KEY in files.state:
             logger.info("%s was converted to this layout and holds no random-generator state: "
                         "the generators start from --seed", files.path)
-            return scheduler_loaded
+            return scheduler_loaded, False
         if rng is None:
             raise CheckpointError(f"{files.path} has no RNG state (saved with --no-save-rng?): "
                                   "pass --no-load-rng")
         restore_rng_state(rng)
-    return scheduler_loaded
+        return scheduler_loaded, True
+    return scheduler_loaded, False
 
 
 def _load_optimizer(files: _RankFiles, optimizer: Any, scheduler: Any) -> bool:

@@ -1,7 +1,8 @@
 """Pipeline-parallel layouts train the same model as one process, through the real CLI.
 
 Every (tensor, pipeline, data) layout below, interleaving and the distributed optimizer
-included, gives the one-process losses, grad norms and validation losses within 1e-5
+included, gives the one-process losses, grad norms, params norms (--log-params-norm: tied
+embeddings and tensor-parallel copies counted once) and validation losses within 1e-5
 relative (fp32, real WikiText-2 tokens). Along the way:
 
 - the tied word embeddings held by the first and the last stage are bit-identical before
@@ -36,7 +37,7 @@ def base_argv(corpus, cache_dir, **overrides) -> list[str]:
     return training_utils.base_argv(corpus, cache_dir, **{
         "--num-layers": 8, "--global-batch-size": 8, "--train-iters": ITERS, "--lr": 1e-3,
         "--min-lr": 1e-4, "--lr-warmup-iters": 1, "--lr-decay-iters": 10, "--eval-interval": 5,
-        "--eval-iters": 1, "--split": "90,10,0", **overrides})
+        "--eval-iters": 1, "--split": "90,10,0", "--log-params-norm": True, **overrides})
 
 
 # One training run inside a spawned rank --------------------------------------------------------
@@ -93,7 +94,8 @@ def train_once(argv: list[str]) -> dict:
                                  if line.startswith(" iteration")  # not the run summary
                                  and "tokens per GPU per second (TGS)" in line
                                  and "TFLOP/s per GPU" in line],
-            "steps": [(h["losses"]["lm loss"], h["grad_norm"]) for h in state.history],
+            "steps": [(h["losses"]["lm loss"], h["grad_norm"], h["params_norm"])
+                      for h in state.history],
             "evaluations": recorder.evaluations,
             "digests": recorder.digests,
             "layers": [[layer.layer_number for layer in m.encoder.layers] for m in recorder.models],
@@ -129,7 +131,9 @@ LAYOUTS = {  # name -> (world size, flags)
                            "--use-distributed-optimizer": True}),
     "pp4-vp2": (4, {"--pipeline-model-parallel-size": 4,
                     "--num-layers-per-virtual-pipeline-stage": 1, "--log-bubble": True}),
-    "tp2pp2dp2": (8, {"--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 2}),
+    "tp2pp2dp2-distopt": (8, {"--tensor-model-parallel-size": 2,
+                              "--pipeline-model-parallel-size": 2,
+                              "--use-distributed-optimizer": True}),
 }
 RESUMED = ("pp2", "pp4-vp2")  # trained 10 iterations, and 5 + checkpoint + 5
 
@@ -171,8 +175,10 @@ def spawn(corpus, cache, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(spawn):
     run = spawn(1)[0]["reference"]
-    losses = [loss for loss, _ in run["steps"]]
+    losses = [loss for loss, *_ in run["steps"]]
     assert losses[-1] < losses[0], "the reference run does not learn"
+    params_norms = [norm for *_, norm in run["steps"]]
+    assert params_norms[0] > 1.0 and params_norms[-1] != params_norms[0]
     assert len(run["evaluations"]) == 2  # at iterations 5 and 10
     return run
 

@@ -1,5 +1,6 @@
-"""Every (tensor, data) layout trains the same model: losses and grad norms through the
-real pretrain() entry equal the one-process run within 1e-5 relative (fp32)."""
+"""Every (tensor, data) layout trains the same model: losses, grad norms and params norms
+(--log-params-norm) through the real pretrain() entry equal the one-process run within 1e-5
+relative (fp32)."""
 
 import math
 
@@ -15,12 +16,12 @@ ITERS = 5
 def base_argv(corpus, cache_dir, **overrides):
     return training_utils.base_argv(corpus, cache_dir, **{
         "--global-batch-size": 8, "--train-iters": ITERS, "--lr": 1e-3, "--min-lr": 1e-4,
-        "--lr-warmup-iters": 1, **overrides})
+        "--lr-warmup-iters": 1, "--log-params-norm": True, **overrides})
 
 
 def _train(rank, world_size, argv):
     state = pretrain_gpt.main(argv)
-    return [(h["losses"]["lm loss"], h["grad_norm"]) for h in state.history]
+    return [(h["losses"]["lm loss"], h["grad_norm"], h["params_norm"]) for h in state.history]
 
 
 def train(world_size, argv):
@@ -32,17 +33,19 @@ def train(world_size, argv):
 
 def assert_same_run(got, expected, rel=1e-5):
     assert len(got) == len(expected) == ITERS
-    for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, expected)):
-        assert math.isclose(loss, ref_loss, rel_tol=rel), (i, loss, ref_loss)
-        assert math.isclose(norm, ref_norm, rel_tol=rel), (i, norm, ref_norm)
+    for i, (step, ref_step) in enumerate(zip(got, expected)):
+        for name, value, ref in zip(("loss", "grad norm", "params norm"), step, ref_step):
+            assert math.isclose(value, ref, rel_tol=rel), (i, name, value, ref)
 
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("cache"))
     run = train(1, base_argv(corpus, cache))
-    losses = [loss for loss, _ in run]
+    losses = [loss for loss, *_ in run]
     assert losses[-1] < losses[0], "the reference run does not learn"
+    params_norms = [norm for *_, norm in run]
+    assert params_norms[0] > 1.0 and params_norms[-1] != params_norms[0]
     return cache, run
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from megatron import checkpointing as ckpt
+from megatron.checkpointing.contents import CONVERTED_KEY
 from megatron.training_log import format_load_report
 from tests.unit.test_checkpointing import MICRO_BATCH, build, run_config, trained_run
 
@@ -49,3 +51,23 @@ def test_nothing_to_load_reports_nothing(tmp_path):
     config = run_config(tmp_path)
     model, optimizer, scheduler = build(config)
     assert ckpt.load_checkpoint(model, optimizer, scheduler, config).report is None
+
+
+def test_converted_checkpoint_says_generators_start_from_seed(tmp_path):
+    """A converted checkpoint holds no RNG state: the line must not claim it was restored."""
+    config = run_config(tmp_path)
+    trained_run(config, steps_after=0)
+    folder = tmp_path / "iter_0000002"
+    path = ckpt.checkpoint_path(str(tmp_path), 2, 0, 0, 1)
+    state = torch.load(path, weights_only=False)
+    del state["rng_state"]
+    state[CONVERTED_KEY] = "a full checkpoint"
+    torch.save(state, path)
+    os.remove(folder / "manifest.json")  # the rewritten file no longer matches it
+    model, optimizer, scheduler = build(config, seed=31)
+    loaded = ckpt.load_checkpoint(model, optimizer, scheduler, config)
+    line = format_load_report(loaded.report, config.checkpoint, loaded.consumed_train_samples)
+    assert line == (f"successfully loaded checkpoint from {tmp_path} at iteration 2 ({folder}, "
+                    "4 samples consumed); restored: model, optimizer state, LR schedule; reset "
+                    "(converted checkpoint, generators start from --seed): RNG state")
+    assert not loaded.report.rng and loaded.report.rng_from_seed
