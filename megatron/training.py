@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.checkpointing.ranks import any_true
 from megatron.config import (
     ConfigError,
     RunConfig,
@@ -375,15 +376,6 @@ class _SignalFlag:
         self.received = True
 
 
-def _any_rank(flag: bool) -> bool:
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32,
-                     device=parallel_state.get_default_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 # The loop --------------------------------------------------------------------------------
 
 
@@ -400,8 +392,8 @@ class Trainer:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.train_iter, self.valid_iter, self.test_iter = iterators
         # Middle pipeline stages read no data but must join every evaluation.
-        self.has_valid = _any_rank(self.valid_iter is not None)
-        self.has_test = _any_rank(self.test_iter is not None)
+        self.has_valid = any_true(self.valid_iter is not None)
+        self.has_test = any_true(self.test_iter is not None)
         self.state = state
         t = self.cfg.training
         self.calculator = NumMicroBatchesCalculator(
@@ -642,9 +634,9 @@ class Trainer:
         if ck.save and ck.save_interval and it % ck.save_interval == 0:
             self.save()
         reason = None
-        if _any_rank(self.signal.received):
+        if any_true(self.signal.received):
             reason = "signal"
-        elif t.exit_duration_in_mins and _any_rank(
+        elif t.exit_duration_in_mins and any_true(
                 (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins):
             reason = "duration"
         elif t.exit_interval and it % t.exit_interval == 0:

@@ -50,14 +50,23 @@ def current_layout() -> RankLayout:
     return RankLayout()
 
 
-def all_true(flag: bool) -> bool:
-    """True when ``flag`` is true on every rank; doubles as a barrier."""
+def _reduce_flag(flag: bool, op: dist.ReduceOp) -> bool:
     if not dist.is_initialized():
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32,
                      device=parallel_state.get_default_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=op)
     return bool(t.item())
+
+
+def all_true(flag: bool) -> bool:
+    """True when ``flag`` is true on every rank; doubles as a barrier."""
+    return _reduce_flag(flag, dist.ReduceOp.MIN)
+
+
+def any_true(flag: bool) -> bool:
+    """True when ``flag`` is true on any rank (collective over all ranks)."""
+    return _reduce_flag(flag, dist.ReduceOp.MAX)
 
 
 def broadcast_from_rank0(value: Any) -> Any:
