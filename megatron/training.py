@@ -45,7 +45,7 @@ from megatron.data.dataset_utils import train_valid_test_num_samples as data_sam
 from megatron.initialize import initialize_megatron
 from megatron.integrations.deepspeed import deepspeed_config_or_exit
 from megatron.microbatches import NumMicroBatchesCalculator
-from megatron.model.transformer import flash_attn_installed
+from megatron.model.transformer import compile_transformer_layers, flash_attn_installed
 from megatron.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,
@@ -112,6 +112,10 @@ def build_model_chunks(model_provider: Callable, ctx: RunContext) -> list[nn.Mod
             ctx, pre_process=pp_rank == 0 and v == 0,
             post_process=pp_rank == last_rank and v == vp - 1,
             first_layer=first_layer, num_layers=num_layers))
+    if cfg.training.compile:
+        compiled = sum(compile_transformer_layers(chunk) for chunk in chunks)
+        print_rank_0(f"> --compile: {compiled} transformer layers on this rank go through "
+                     "torch.compile (compiled on first use)")
     return chunks
 
 
@@ -124,7 +128,8 @@ def wrap_data_parallel(chunks: Sequence[nn.Module], cfg: RunConfig) -> list[nn.M
             overlap_grad_reduce=opt.overlap_grad_reduce,
             use_distributed_optimizer=opt.use_distributed_optimizer,
             bucket_size=opt.ddp_bucket_size,
-            average_gradients=cfg.parallel.dp_mode == "allreduce")
+            average_gradients=cfg.parallel.dp_mode == "allreduce",
+            gradient_accumulation_fusion=opt.gradient_accumulation_fusion)
         for chunk in chunks
     ]
 

@@ -28,7 +28,6 @@ NO_OP_FLAGS = {
     "masked_softmax_fusion": NoOpFlag("--no-masked-softmax-fusion", _FUSED),
     "bias_gelu_fusion": NoOpFlag("--no-bias-gelu-fusion", _FUSED),
     "bias_dropout_fusion": NoOpFlag("--no-bias-dropout-fusion", _FUSED),
-    "gradient_accumulation_fusion": NoOpFlag("--no-gradient-accumulation-fusion", _FUSED),
     "async_tensor_model_parallel_allreduce": NoOpFlag(
         "--no-async-tensor-model-parallel-allreduce", _FUSED),
     "persist_layer_norm": NoOpFlag("--no-persist-layer-norm", _FUSED),

@@ -73,6 +73,10 @@ class OptimizerConfig(Slice):
         "(ZeRO-1 style).")
     overlap_grad_reduce: bool = option(
         default=False, help="Start each gradient bucket's reduction during the backward pass.")
+    gradient_accumulation_fusion: bool = option(
+        "--no-gradient-accumulation-fusion", default=True, action="store_false",
+        help="Return weight gradients to autograd (added into the gradient buffer by a hook) "
+        "instead of adding them into the buffer inside the backward's matmul.")
     ddp_bucket_size: Optional[int] = option(
         default=None, help="Gradient elements per all-reduce bucket (one bucket per buffer "
         "when unset).")

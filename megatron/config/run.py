@@ -209,7 +209,10 @@ class RunConfig:
                  "parameters; DeepSpeed's engine holds its own (sharded by ZeRO-3), which are "
                  "not measured"),
                 (self.logging.log_num_zeros_in_grad, "--log-num-zeros-in-grad counts our "
-                 "optimizer's gradients; DeepSpeed's engine keeps its own and reports no count")):
+                 "optimizer's gradients; DeepSpeed's engine keeps its own and reports no count"),
+                (self.training.compile, "--compile is not wired into DeepSpeed's engine (its "
+                 "ZeRO hooks and pipeline module are not traced); drop it or train without "
+                 "--deepspeed")):
             require(not given, f"{why} (with --deepspeed)")
         require(not (self.deepspeed.no_pipeline_parallel and pp > 1),
                 f"--no-pipeline-parallel runs the plain model in DeepSpeed's engine, which has "

@@ -69,6 +69,10 @@ class TrainingConfig(Slice):
     deterministic_mode: bool = option(
         default=False, help="Deterministic kernels only (torch.use_deterministic_algorithms; "
         "CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set): a GPU run repeats bit for bit, slower.")
+    compile: bool = option(
+        default=False, help="torch.compile each transformer layer for training (inductor "
+        "fuses the LayerNorms, GeLU, dropout and residual adds around the matmuls); the first "
+        "iterations pay for compiling. Generation and evaluation tools stay eager.")
     distributed_timeout_minutes: int = option(
         default=10, help="Timeout of collectives (NCCL and gloo) before a hung rank fails.")
     empty_unused_memory_level: int = option(

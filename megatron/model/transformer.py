@@ -42,9 +42,16 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) 
     if not training or p == 0.0:
         return x
     if sequence_parallel:
-        with tensor_parallel.get_rng_tracker().fork():
-            return F.dropout(x, p, True)
+        return _dropout_on_own_stream(x, p)
     return F.dropout(x, p, True)
+
+
+# The RNG tracker swaps generator states, which torch.compile cannot trace: under --compile
+# these run eagerly between compiled graphs, so the masks stay the tracker's.
+@torch.compiler.disable
+def _dropout_on_own_stream(x: torch.Tensor, p: float) -> torch.Tensor:
+    with tensor_parallel.get_rng_tracker().fork():
+        return F.dropout(x, p, True)
 
 
 class CoreAttention(nn.Module):
@@ -67,6 +74,10 @@ class CoreAttention(nn.Module):
         p = self.dropout_p if self.training else 0.0
         if p == 0.0:
             return self._attend(q, k, v, attention_mask, 0.0)
+        return self._attend_with_dropout(q, k, v, attention_mask, p)
+
+    @torch.compiler.disable  # see _dropout_on_own_stream
+    def _attend_with_dropout(self, q, k, v, attention_mask, p: float) -> torch.Tensor:
         # Dropout on attention probabilities acts on this rank's own heads: its own stream.
         with tensor_parallel.get_rng_tracker().fork():
             return self._attend(q, k, v, attention_mask, p)
@@ -234,3 +245,14 @@ class ParallelTransformer(nn.Module):
             segment = self._segment(i, i + 1, rotary_freqs, attention_mask)
             x = tensor_parallel.checkpoint(segment, x) if i < k else segment(x)
         return x
+
+
+def compile_transformer_layers(module: nn.Module) -> int:
+    """``torch.compile`` every transformer layer inside ``module`` in place (parameter names
+    and checkpoints unchanged); returns how many. Each layer is one graph on its own: the
+    embedding, the LM head with its fused loss, pipeline exchanges and recomputation stay
+    eager around them. Layers share their compiled code (same shapes, same structure)."""
+    layers = [m for m in module.modules() if isinstance(m, ParallelTransformerLayer)]
+    for layer in layers:
+        layer.compile()
+    return len(layers)

@@ -221,6 +221,8 @@ def test_launcher_local_rank_and_no_op_flags_are_tolerated():
               "--fp32-residual-connection", "--distribute-checkpointed-activations",
               "--checkpoint-activations")
     assert c.model.recompute_granularity == "full"
+    assert not c.optimizer.gradient_accumulation_fusion
+    assert parse().optimizer.gradient_accumulation_fusion
     assert_names(error_of([*BASE, "--use-checkpoint-args"]), "--use-checkpoint-args",
                  "needs --load")
     assert_names(error_of([*BASE, "--wandb-exp-name", "p"]), "--wandb-exp-name",

@@ -4,6 +4,9 @@ Each parameter gets ``param.main_grad``, a view into a flat buffer (one per
 (param dtype, grad dtype) pair). A hook that runs after autograd has accumulated
 ``param.grad`` adds it into ``main_grad`` and frees ``param.grad``, so gradients of successive
 micro-batches sum in the buffer (in fp32 with ``accumulate_allreduce_grads_in_fp32``).
+Layers that can add a weight gradient into ``main_grad`` themselves do so (gradient-
+accumulation fusion, ``megatron/core/grad_accumulation.py``; ``gradient_accumulation_fusion=
+False`` turns it off) and flag the parameter so the hook does not add it again.
 ``finish_grad_sync()`` averages the buffers over the data-parallel group: an all-reduce, or a
 reduce-scatter when the distributed optimizer owns one shard per rank.
 
@@ -36,6 +39,7 @@ from torch import nn
 
 from megatron.core import parallel_state
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.core.grad_accumulation import mark_for_fusion
 
 # Megatron's default bucket when overlapping: large enough to keep the links busy.
 _DEFAULT_OVERLAP_BUCKET_SIZE = 40_000_000
@@ -56,7 +60,8 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, data_parallel_group: Optional[Any] = None,
                  accumulate_allreduce_grads_in_fp32: bool = True,
                  overlap_grad_reduce: bool = False, use_distributed_optimizer: bool = False,
-                 bucket_size: Optional[int] = None, average_gradients: bool = True) -> None:
+                 bucket_size: Optional[int] = None, average_gradients: bool = True,
+                 gradient_accumulation_fusion: bool = True) -> None:
         super().__init__()
         self.module = module
         if data_parallel_group is None:
@@ -78,6 +83,9 @@ class DistributedDataParallel(nn.Module):
         self._bucket_of: dict[nn.Parameter, Any] = {}
         self._buffer_of: dict[nn.Parameter, ParamAndGradBuffer] = {}
         self._build_buffers()
+        # Layers may add weight gradients into main_grad themselves (core/grad_accumulation).
+        for buffer in self.buffers:
+            mark_for_fusion(buffer.params, buffer.grad_dtype, gradient_accumulation_fusion)
         for param in self._buffer_of:
             param.register_post_accumulate_grad_hook(self._accumulate_hook)
 

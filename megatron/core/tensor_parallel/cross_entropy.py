@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.tensor_parallel.layers import main_grad_of
+from megatron.core.grad_accumulation import accumulate_matmul_, main_grad_of
 from megatron.core.tensor_parallel.mappings import _group, _world
 
 
@@ -158,7 +158,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
     """The LM head and the cross entropy in one: the logits exist only as the buffer that
     becomes the softmax and then the gradient, and no pass over them scales by the loss
     gradient (that scaling is applied to the narrow ``[N, h]`` operands instead). The weight
-    gradient is added into ``weight.main_grad`` when the data-parallel wrapper gave one."""
+    gradient is added into ``weight.main_grad`` when the data-parallel wrapper allows it."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, group, workspace):
@@ -176,20 +176,20 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         scale = grad_loss.unsqueeze(-1)  # [N, 1]
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = grad_weight = None
+        main_grad = main_grad_of(weight, hidden.dtype) if need_weight else None
         if grad.dtype == hidden.dtype:
             if need_hidden:
                 grad_hidden = grad.mm(weight).mul_(scale)  # [N, h]
-            main_grad = main_grad_of(weight, grad.dtype) if need_weight else None
-            if main_grad is not None:
-                main_grad.addmm_(grad.t(), hidden * scale)  # [V/tp, h], no new tensor
-            elif need_weight:
-                grad_weight = grad.t().mm(hidden * scale)  # [V/tp, h]
-        else:
+            rows = hidden * scale
+        else:  # half-precision hidden: the fp32 softmax gradient is scaled, then cast
             grad = grad.mul_(scale).to(hidden.dtype)
             if need_hidden:
                 grad_hidden = grad.mm(weight)
-            if need_weight:
-                grad_weight = grad.t().mm(hidden)
+            rows = hidden
+        if main_grad is not None:
+            accumulate_matmul_(main_grad, grad.t(), rows)  # [V/tp, h], no new tensor
+        elif need_weight:
+            grad_weight = grad.t().mm(rows)  # [V/tp, h]
         if ctx.workspace is not None:
             ctx.workspace.give(softmax)
         return grad_hidden, grad_weight, None, None, None

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core import parallel_state
+from megatron.core.grad_accumulation import accumulate_matmul_, accumulate_rows_, main_grad_of
 from megatron.core.tensor_parallel import mappings
 from megatron.core.utils import divide, set_tensor_model_parallel_attributes
 
@@ -88,7 +89,8 @@ def matmul_nt(x: torch.Tensor, weight: torch.Tensor,
     with the same fp32 accumulation up to rounding order. ``torch.backends.mkldnn.enabled =
     False`` turns it off.
     """
-    if (_ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
+    if (_ONEDNN_LINEAR is not None and not torch.compiler.is_compiling()
+            and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and torch.backends.mkldnn.enabled):
         if not (weight.is_contiguous() or weight.t().is_contiguous()):
             weight = weight.contiguous()  # a transposed weight is read in place
@@ -96,17 +98,10 @@ def matmul_nt(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight, bias)
 
 
-def main_grad_of(weight: torch.Tensor, grad_dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """The data-parallel wrapper's gradient buffer view for ``weight`` when a gradient of
-    ``grad_dtype`` can be added into it directly (Megatron's gradient-accumulation fusion):
-    the wrapper then finds it already accumulated and no ``weight.grad`` is made."""
-    main_grad = getattr(weight, "main_grad", None)
-    return main_grad if main_grad is not None and main_grad.dtype == grad_dtype else None
-
-
 class _Linear(torch.autograd.Function):
     """``F.linear`` with the matmuls of ``matmul_nt`` and the weight gradient added by the
-    matmul itself into ``weight.main_grad`` when the data-parallel wrapper gave one."""
+    matmul itself into ``weight.main_grad`` when the data-parallel wrapper allows it
+    (``megatron/core/grad_accumulation.py``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -128,7 +123,7 @@ class _Linear(torch.autograd.Function):
             if main_grad is None:
                 grad_weight = g.t().mm(x2)  # [out, in]
             else:
-                main_grad.addmm_(g.t(), x2)
+                accumulate_matmul_(main_grad, g.t(), x2)
                 # An unfilled stand-in, so the wrapper's hook still runs (overlapped reduction
                 # counts on it) and, seeing the flag, does not add it.
                 grad_weight = torch.empty_like(weight)
@@ -140,7 +135,15 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [..., in]`` through ``_Linear``."""
+    """``F.linear(x, weight, bias)`` for ``x [..., in]`` through ``_Linear``.
+
+    Inside ``torch.compile`` (``--compile``) it is plain ``F.linear``: the compiler traces
+    it and plans the matmuls itself, while ``_Linear``'s backward writes into ``main_grad``
+    behind autograd's back, which it cannot trace. The weight gradient then reaches the
+    data-parallel wrapper's hook as ``weight.grad``.
+    """
+    if torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias)
 
 
@@ -236,7 +239,7 @@ class RowParallelLinear(nn.Module):
 
 class _Embedding(torch.autograd.Function):
     """``F.embedding`` whose backward adds the looked-up rows' gradients straight into
-    ``weight.main_grad`` when it can, instead of making a dense ``[V, h]`` gradient."""
+    ``weight.main_grad`` when it may, instead of making a dense ``[V, h]`` gradient."""
 
     @staticmethod
     def forward(ctx, ids, weight):
@@ -249,7 +252,7 @@ class _Embedding(torch.autograd.Function):
         grad = grad_out.reshape(-1, grad_out.size(-1))  # [tokens, h]
         main_grad = main_grad_of(weight, grad.dtype)
         if main_grad is not None:
-            main_grad.index_add_(0, ids.reshape(-1), grad)
+            accumulate_rows_(main_grad, ids.reshape(-1), grad)
             return None, None
         return None, torch.zeros_like(weight).index_add_(0, ids.reshape(-1), grad)
 

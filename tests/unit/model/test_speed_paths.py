@@ -241,3 +241,56 @@ def test_matmul_nt_reads_weight_views():
     for weight in (w_t.t(), w[:, :16], w[:, ::2]):  # [24, 16] each
         torch.testing.assert_close(matmul_nt(x, weight), F.linear(x, weight), rtol=1e-5,
                                    atol=1e-5)
+
+
+def _bf16_main_grads(fusion: bool, watch: list):
+    """Two bf16 micro-batches through a wrapped tiny model (fp32 gradient buffer); returns
+    the main_grads and records in ``watch`` every weight gradient autograd saw."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.model.gpt_model import GPTModel
+
+    config = _tiny_config(bf16=True)
+    model = DistributedDataParallel(GPTModel(config), accumulate_allreduce_grads_in_fp32=True,
+                                    gradient_accumulation_fusion=fusion)
+    model.zero_grad_buffer()
+    weights = [p for p in model.module.parameters() if p.ndim == 2]
+    for weight in weights:
+        weight.register_hook(lambda grad: watch.append(grad) if grad is not None else None)
+    for seed in (0, 1):
+        tokens = _tokens(config, micro_batch=2 + seed)
+        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+    flags = {getattr(p, "fuse_grad_accumulation", None) for p in model.module.parameters()}
+    return {n: p.main_grad.clone() for n, p in model.module.named_parameters()}, flags
+
+
+def test_bf16_weight_grads_accumulate_into_fp32_main_grad():
+    """--bf16: the backward adds weight gradients into the fp32 buffer itself (no gradient
+    tensor reaches autograd for the embedding); --no-gradient-accumulation-fusion gives the
+    same buffer through the hook. On the CPU the linear layers' half-precision products are
+    added either way (equal bit for bit); the embedding sums repeated ids in fp32 instead of
+    bf16, so it agrees to bf16 rounding."""
+    fused_seen, plain_seen = [], []
+    fused, fused_flags = _bf16_main_grads(True, fused_seen)
+    plain, plain_flags = _bf16_main_grads(False, plain_seen)
+    assert fused_flags == {True} and plain_flags == {False}
+    assert all(g.dtype == torch.float32 for g in fused.values())
+    # Fused: linear weights get an unfilled stand-in (so overlap hooks run), and nothing at
+    # all for the word embeddings; unfused: a real gradient for every 2-D weight.
+    assert len(plain_seen) > len(fused_seen)
+    for name, grad in plain.items():
+        assert grad.abs().max() > 0, name
+        if "word_embeddings" in name:
+            torch.testing.assert_close(fused[name], grad, rtol=2e-2, atol=2e-2 * grad.abs().max())
+        else:
+            assert torch.equal(fused[name], grad), name
+
+
+def test_mixed_accumulation_support_is_decided_per_device():
+    from megatron.core.grad_accumulation import fusion_possible, mixed_accumulation_works
+
+    assert mixed_accumulation_works(torch.device("cpu"))
+    assert not mixed_accumulation_works(torch.device("meta"))
+    assert fusion_possible(torch.float32, torch.float32, torch.device("meta"))
+    assert fusion_possible(torch.bfloat16, torch.float32, torch.device("cpu"))
+    assert not fusion_possible(torch.bfloat16, torch.float32, torch.device("meta"))
+    assert not fusion_possible(torch.float32, torch.bfloat16, torch.device("cpu"))

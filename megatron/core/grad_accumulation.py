@@ -1,0 +1,102 @@
+"""Gradient-accumulation fusion: weight gradients added by the backward itself into the
+data-parallel wrapper's ``main_grad`` buffer (Megatron's ``--gradient-accumulation-fusion``,
+on by default, off with ``--no-gradient-accumulation-fusion``).
+
+Without it a layer returns its weight gradient as a new tensor, autograd stores it in
+``param.grad`` and the wrapper's hook adds it into ``main_grad``: one tensor of the weight's
+size written, read back and freed per micro-batch. With it the weight-gradient matmul adds
+into ``main_grad`` directly.
+
+Under ``--bf16``/``--fp16`` ``main_grad`` is fp32 while the gradient matmul's inputs are
+half precision. On CUDA that is one cuBLAS GEMM with half inputs and an fp32 C matrix
+(``torch.addmm(..., out_dtype=torch.float32)``), which also keeps the product unrounded, as
+Megatron's ``wgrad_gemm_accum_fp32`` kernel does. Whether the installed torch has that
+overload for an fp32 C is checked once per device (``mixed_accumulation_works``) when the
+wrapper is built; where it does not, half-precision weight gradients take the unfused path.
+On the CPU the half product is added to ``main_grad``: the unfused path's numbers, without
+the hook's round trip.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+_MIXED_WORKS: dict[tuple[str, Optional[int]], bool] = {}
+
+
+def mixed_accumulation_works(device: torch.device) -> bool:
+    """Whether ``accumulate_matmul_`` can add a half-precision product into an fp32 buffer
+    on ``device``: always on the CPU; on CUDA when torch's fp32-output ``addmm`` accepts an
+    fp32 ``input`` and gives the right numbers (tried once per device, a host sync)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda":
+        return False
+    key = (device.type, device.index)
+    if key not in _MIXED_WORKS:
+        _MIXED_WORKS[key] = _try_mixed_addmm(device)
+    return _MIXED_WORKS[key]
+
+
+def _try_mixed_addmm(device: torch.device) -> bool:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a, b, c = (torch.randn(*shape, generator=g) for shape in ((64, 32), (32, 48), (64, 48)))
+    a, b = a.to(device, torch.bfloat16), b.to(device, torch.bfloat16)
+    c = c.to(device)
+    expected = c + a.double().mm(b.double()).float()
+    try:
+        torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+    except (RuntimeError, TypeError):  # no such overload, or it wants a half-precision C
+        return False
+    return bool(torch.allclose(c, expected, rtol=1e-4, atol=1e-4))
+
+
+def fusion_possible(param_dtype: torch.dtype, grad_dtype: torch.dtype,
+                    device: torch.device) -> bool:
+    """Whether gradients of a ``param_dtype`` weight can be accumulated in the backward into
+    a ``grad_dtype`` buffer on ``device``."""
+    if param_dtype == grad_dtype:
+        return True
+    return (grad_dtype == torch.float32 and param_dtype in _HALF
+            and mixed_accumulation_works(device))
+
+
+def main_grad_of(weight: torch.Tensor, grad_dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``weight.main_grad`` when the backward should add a ``grad_dtype`` weight gradient
+    into it (the wrapper marked the weight ``fuse_grad_accumulation``), else None: then the
+    gradient is returned to autograd as usual."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None or not getattr(weight, "fuse_grad_accumulation", False):
+        return None
+    if grad_dtype != main_grad.dtype and grad_dtype != weight.dtype:
+        return None
+    return main_grad
+
+
+def accumulate_matmul_(main_grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``main_grad += a @ b`` (``a``, ``b`` of one dtype, ``main_grad`` theirs or fp32)."""
+    if a.dtype == main_grad.dtype:
+        main_grad.addmm_(a, b)
+    elif main_grad.is_cuda and not torch.compiler.is_compiling():
+        torch.addmm(main_grad, a, b, out_dtype=main_grad.dtype, out=main_grad)
+    else:
+        # The CPU, and traced code (inductor plans its own matmuls): the half product, added.
+        main_grad.add_(torch.mm(a, b))
+
+
+def accumulate_rows_(main_grad: torch.Tensor, index: torch.Tensor,
+                     rows: torch.Tensor) -> None:
+    """``main_grad[index[i]] += rows[i]`` for every i (an embedding's weight gradient), in
+    ``main_grad``'s dtype, so repeated ids sum in fp32 under mixed precision."""
+    main_grad.index_add_(0, index, rows.to(main_grad.dtype))
+
+
+def mark_for_fusion(params, grad_dtype: torch.dtype, enabled: bool) -> None:
+    """Tell the layers whether each parameter's gradient may go straight into ``main_grad``
+    (called by the data-parallel wrapper after it made the buffers)."""
+    for p in params:
+        p.fuse_grad_accumulation = enabled and fusion_possible(p.dtype, grad_dtype, p.device)
