@@ -50,6 +50,7 @@ NEW_FLAGS = {
     # DeepSpeed's activation checkpointing settings, Megatron-DeepSpeed's spellings (issue 12).
     "--partition-activations", "--contigious-checkpointing", "--checkpoint-in-cpu",
     "--synchronize-each-layer",
+    "--compile",  # torch.compile of the transformer layers (issue 10)
 }
 
 
