@@ -129,7 +129,10 @@ class MegatronOptimizer(ABC):
         return self.grad_scaler.scale if self.grad_scaler is not None else self._unit_scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` x loss scale, to call ``backward()`` on."""
+        """``loss`` x loss scale, to call ``backward()`` on (``loss`` itself without a
+        grad scaler). The scale is a CPU tensor, so reading it waits for no device."""
+        if self.grad_scaler is None:
+            return loss
         return loss * float(self.get_loss_scale())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
