@@ -46,7 +46,10 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step_setup(precision: list[str], device=torch.device("cpu")):
+CPU = torch.device("cpu")
+
+
+def _step_setup(precision: list[str], device: torch.device = CPU):
     cfg = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                       "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "4",
                       "--mock-data", "--lr", "1e-3", "--vocab-size", "300", *precision])
