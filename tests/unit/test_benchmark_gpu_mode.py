@@ -135,9 +135,14 @@ def test_gpu_driver_end_to_end_with_canned_runs(monkeypatch, capsys):
                      "--iters", "2", "--ours-args", "--foo"])
     out = capsys.readouterr().out
     ours = [c for c in calls if c[1].endswith("pretrain_gpt.py")]
-    assert len(ours) == 4 and all(c[-1] == "--foo" and "--bf16" in c for c in ours)
+    assert len(ours) == 8 and all("--foo" in c and "--bf16" in c for c in ours)
+    compiled = [c for c in ours if c[-1] == "--compile"]
+    assert len(compiled) == 4 and all(c[-2] == "--foo" for c in compiled)
     assert "Fake GPU" in out and "bf16 matmul peak" in out
     assert "| gpt2-124m | ours | 4000 |" in out and "| 1.3b | nanogpt-compile | 3500 |" in out
+    assert "| 1.3b | ours-compile | 4000 |" in out
+    # Two of three shapes measured; 4000 / 3500 by the first of the equally fast variants.
+    assert "not measured at all three shapes (gpt2-124m 1.143 by ours, 1.3b 1.143 by ours)" in out
     assert "hf, round 1, failed" in out
     assert "| 8123 | 1.000 |" in out  # the first run printed no memory line
     assert "ours >= 1.1x nanoGPT+compile at all three shapes: not measured" in out

@@ -273,9 +273,12 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             main.grad = None if grad is None else grad.float()
 
     def _copy_main_params_to_model_params(self) -> None:
-        for model, main in self._pairs():
-            if main is not model:
-                model.data.copy_(main.data)
+        pairs = [(model, main) for model, main in self._pairs() if main is not model]
+        if pairs:
+            # One multi-tensor kernel per dtype pair rather than one copy per parameter.
+            models, mains = zip(*pairs)
+            torch._foreach_copy_([m.data for m in models], [m.data for m in mains])
+        for _, main in self._pairs():
             main.grad = None
 
     def reload_model_params(self) -> None:
