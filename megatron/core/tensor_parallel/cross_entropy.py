@@ -27,15 +27,18 @@ def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _softmax_in_place(logits: torch.Tensor, target: torch.Tensor, group):
-    """Overwrite ``logits`` ``[N, V/tp]`` (fp32 or fp64, contiguous) with the softmax over the
-    whole vocabulary; return the per-row loss ``[N]`` and, for the backward, ``local_target``
-    and ``outside`` (target not in this rank's slice of the vocabulary).
+def _softmax(logits: torch.Tensor, target: torch.Tensor, group, in_place: bool):
+    """The softmax over the whole vocabulary of ``logits`` ``[N, V/tp]`` (contiguous), in
+    the softmax dtype (fp32 for half-precision logits), written over ``logits`` when
+    ``in_place`` (they must have that dtype then); returns it with the per-row loss ``[N]``
+    and, for the backward, ``local_target`` and ``outside`` (target not in this rank's slice
+    of the vocabulary).
 
     torch's softmax kernel normalises each row in one pass while the row is in cache, where
     separate max/subtract/exp/sum/divide ops would each stream the whole tensor from memory
-    (400 MB for 2048 tokens at GPT-2's vocabulary). Each rank normalises its own slice; the
-    slices are then rescaled to the global sum.
+    (400 MB for 2048 tokens at GPT-2's vocabulary). Half-precision logits are read as they
+    are (on CUDA one kernel reads bf16 and writes fp32), never copied to fp32 first. Each
+    rank normalises its own slice; the slices are then rescaled to the global sum.
     """
     world = _world(group)
     part = logits.size(-1)
@@ -43,22 +46,27 @@ def _softmax_in_place(logits: torch.Tensor, target: torch.Tensor, group):
     outside = (target < start) | (target >= start + part)
     local_target = (target - start).masked_fill(outside, 0)
 
-    local_max = logits.amax(dim=-1)  # [N]
-    target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-    torch.softmax(logits, dim=-1, out=logits)
-    # The row's largest probability is exp(0) / sum: its log gives log(sum) without the
-    # target's probability, which may underflow.
-    local_log_sum = logits.amax(dim=-1).log_().neg_()  # log sum_j exp(x_j - local_max)
+    dtype = _softmax_dtype(logits.dtype)
+    local_max, argmax = logits.max(dim=-1)  # [N], one pass over the narrow logits
+    local_max = local_max.to(dtype)
+    target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).to(dtype)
+    if in_place:
+        softmax = torch.softmax(logits, dim=-1, out=logits)
+    else:
+        softmax = torch.softmax(logits, dim=-1, dtype=dtype)
+    # The probability at the row's largest logit is exp(0) / sum: its log gives log(sum)
+    # without the target's probability, which may underflow.
+    local_log_sum = softmax.gather(-1, argmax.unsqueeze(-1)).squeeze(-1).log_().neg_()
     logits_max, log_sum = local_max, local_log_sum
     if world > 1:
         logits_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
         local_sum = (local_log_sum + local_max - logits_max).exp_()  # sum of exp(x - max)
         sum_exp = _all_reduce(local_sum.clone(), dist.ReduceOp.SUM, group)
-        logits.mul_((local_sum / sum_exp).unsqueeze(-1))
+        softmax.mul_((local_sum / sum_exp).unsqueeze(-1))
         log_sum = sum_exp.log_()
     target_logit = (target_logit - logits_max).masked_fill_(outside, 0.0)
     target_logit = _all_reduce(target_logit, dist.ReduceOp.SUM, group)
-    return log_sum - target_logit, local_target, outside
+    return softmax, log_sum - target_logit, local_target, outside
 
 
 def _softmax_grad_in_place(softmax: torch.Tensor, local_target: torch.Tensor,
@@ -80,10 +88,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # logits: [..., V/tp], target: [...]. The softmax is built in a new buffer (half
         # precision logits are upcast to fp32), so the caller's logits are left intact.
         part = logits.size(-1)
-        softmax = logits.to(_softmax_dtype(logits.dtype), copy=True,
-                            memory_format=torch.contiguous_format)
-        softmax = softmax.view(-1, part)  # [N, V/tp]
-        loss, local_target, outside = _softmax_in_place(softmax, target.reshape(-1), group)
+        flat = logits.reshape(-1, part)  # [N, V/tp]
+        wide = _is_wide(logits.dtype)
+        if wide:  # the softmax is written over a copy: the caller's logits stay intact
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        softmax, loss, local_target, outside = _softmax(flat.contiguous(), target.reshape(-1),
+                                                        group, in_place=wide)
 
         vocab_size = part * _world(group)
         if label_smoothing > 0:
@@ -144,14 +154,17 @@ class LogitsWorkspace:
 
 def _logits_into(hidden: torch.Tensor, weight: torch.Tensor,
                  workspace: Optional[LogitsWorkspace]) -> torch.Tensor:
-    """``hidden @ weight.T`` ``[N, V/tp]`` in the softmax dtype, in a workspace buffer if any."""
-    dtype = _softmax_dtype(hidden.dtype)
-    if workspace is None or hidden.device.type != "cpu":
-        return torch.mm(hidden, weight.t()).to(dtype)
-    logits = workspace.take(hidden.size(0), weight.size(0), dtype, hidden.device)
-    if dtype == hidden.dtype:
-        return torch.mm(hidden, weight.t(), out=logits)
-    return logits.copy_(torch.mm(hidden, weight.t()))
+    """``hidden @ weight.T`` ``[N, V/tp]`` in hidden's dtype; fp32 ones on the CPU go into a
+    workspace buffer if there is one (half-precision ones become a new fp32 softmax)."""
+    if workspace is None or hidden.device.type != "cpu" or not _is_wide(hidden.dtype):
+        return torch.mm(hidden, weight.t())
+    logits = workspace.take(hidden.size(0), weight.size(0), hidden.dtype, hidden.device)
+    return torch.mm(hidden, weight.t(), out=logits)
+
+
+def _is_wide(dtype: torch.dtype) -> bool:
+    """Whether logits of ``dtype`` are already in the softmax dtype (fp32, fp64)."""
+    return _softmax_dtype(dtype) == dtype
 
 
 class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
@@ -164,8 +177,9 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, group, workspace):
         # hidden [N, h], weight [V/tp, h], target [N]
         logits = _logits_into(hidden, weight, workspace)  # [N, V/tp]
-        loss, local_target, outside = _softmax_in_place(logits, target, group)
-        ctx.save_for_backward(hidden, weight, logits, local_target, outside)
+        softmax, loss, local_target, outside = _softmax(logits, target, group,
+                                                        in_place=_is_wide(logits.dtype))
+        ctx.save_for_backward(hidden, weight, softmax, local_target, outside)
         ctx.workspace = workspace
         return loss  # [N]
 
@@ -181,8 +195,9 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
             if need_hidden:
                 grad_hidden = grad.mm(weight).mul_(scale)  # [N, h]
             rows = hidden * scale
-        else:  # half-precision hidden: the fp32 softmax gradient is scaled, then cast
-            grad = grad.mul_(scale).to(hidden.dtype)
+        else:  # half-precision hidden: the fp32 softmax gradient is scaled and cast in one pass
+            grad = torch.mul(grad, scale, out=torch.empty(grad.shape, dtype=hidden.dtype,
+                                                          device=grad.device))
             if need_hidden:
                 grad_hidden = grad.mm(weight)
             rows = hidden
@@ -213,7 +228,8 @@ def linear_vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
                                                       workspace)
     else:  # no backward will give the buffer back
         logits = _logits_into(hidden, weight, workspace)
-        loss = _softmax_in_place(logits, target, _group(group))[0]
+        softmax, loss = _softmax(logits, target, _group(group),
+                                 in_place=_is_wide(logits.dtype))[:2]
         if workspace is not None and hidden.device.type == "cpu":
-            workspace.give(logits)
+            workspace.give(softmax)
     return loss.view(shape)
