@@ -89,24 +89,24 @@ def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: Optional[in
     after each EOD with ``reset_position_ids``.
     """
     b, s = tokens.shape
-    loss_mask = torch.ones(b, s, dtype=torch.float, device=tokens.device)
-    if eod_mask_loss and eod_token is not None:
-        loss_mask[tokens == eod_token] = 0.0
-    position_ids = torch.arange(s, dtype=torch.long, device=tokens.device).expand(b, s).clone()
+    device = tokens.device
+    loss_mask = torch.ones(b, s, dtype=torch.float, device=device)
+    positions = torch.arange(s, dtype=torch.long, device=device)
+    # Element-wise only: nothing here waits for the device (no boolean indexing, no .tolist()).
+    is_eod = tokens == eod_token if eod_token is not None else None
+    if eod_mask_loss and is_eod is not None:
+        loss_mask.masked_fill_(is_eod, 0.0)
+    doc_start = torch.zeros(b, s, dtype=torch.long, device=device)
+    if (reset_position_ids or reset_attention_mask) and is_eod is not None:
+        # A document starts one past each EOD: position p's document starts one past the
+        # last EOD before p (a running maximum, shifted by one position).
+        after_eod = torch.where(is_eod, positions + 1, 0)
+        doc_start[:, 1:] = after_eod.cummax(dim=1).values[:, :-1]
+    position_ids = positions.expand(b, s) - (doc_start if reset_position_ids else 0)
     attention_mask = None
     if reset_attention_mask:
-        causal = torch.tril(torch.ones(s, s, dtype=torch.bool, device=tokens.device))
-        attention_mask = causal.expand(b, 1, s, s).clone()
-    if (reset_position_ids or reset_attention_mask) and eod_token is not None:
-        for row in range(b):
-            eods = (tokens[row] == eod_token).nonzero().flatten().tolist()
-            start = 0
-            for eod in eods:
-                if reset_attention_mask:
-                    attention_mask[row, 0, eod + 1:, : eod + 1] = False
-                if reset_position_ids:
-                    position_ids[row, eod + 1:] -= eod + 1 - start
-                start = eod + 1
-    if attention_mask is not None:
-        attention_mask = ~attention_mask  # True = masked out
+        keys = positions.view(1, 1, 1, s)
+        queries = positions.view(1, 1, s, 1)
+        visible = (keys <= queries) & (keys >= doc_start.view(b, 1, s, 1))  # [b, 1, s, s]
+        attention_mask = ~visible  # True = masked out
     return attention_mask, loss_mask, position_ids

@@ -83,8 +83,10 @@ def test_micro_batch_loop_never_waits_for_the_gpu(on_cuda, precision):
     model_parallel_seed(1234)
     cfg, model, optimizer, ctx = _step_setup(precision, device=CUDA)
     g = torch.Generator().manual_seed(0)
-    samples = [{"text": torch.randint(0, 300, (2, 17), generator=g).pin_memory()}
-               for _ in range(4)]
+    samples = [{"text": torch.randint(0, 300, (2, 17), generator=g)} for _ in range(4)]
+    for sample in samples:
+        sample["text"][:, 5] = 0  # an EOD (the tokenizer's id 0) in every row
+        sample["text"] = sample["text"].pin_memory()
     model.zero_grad_buffer()
     step = functools.partial(forward_backward_no_pipelining,
                              forward_step_func=functools.partial(pretrain_gpt.forward_step, ctx),

@@ -52,12 +52,16 @@ CPU = torch.device("cpu")
 def _step_setup(precision: list[str], device: torch.device = CPU):
     cfg = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                       "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "4",
-                      "--mock-data", "--lr", "1e-3", "--vocab-size", "300", *precision])
+                      "--mock-data", "--lr", "1e-3", "--vocab-size", "300",
+                      # Per-document masks and positions: their EODs must not be looked up
+                      # on the host either.
+                      "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask",
+                      *precision])
     model = DistributedDataParallel(
         GPTModel(cfg.model, device=device), accumulate_allreduce_grads_in_fp32=True,
         gradient_accumulation_fusion=cfg.optimizer.gradient_accumulation_fusion)
     optimizer = get_megatron_optimizer(cfg.optimizer, [model])
-    ctx = SimpleNamespace(config=cfg, tokenizer=None, device=device)
+    ctx = SimpleNamespace(config=cfg, tokenizer=SimpleNamespace(eod=0), device=device)
     return cfg, model, optimizer, ctx
 
 
@@ -69,6 +73,8 @@ def test_micro_batch_loop_reads_nothing_back_from_the_device(precision, num_micr
     g = torch.Generator().manual_seed(0)
     samples = [{"text": torch.randint(0, 300, (2, 17), generator=g)}
                for _ in range(num_microbatches)]
+    for sample in samples:
+        sample["text"][:, 5] = 0  # an EOD in every row
     model.zero_grad_buffer()
     with HostReads() as reads:
         losses = forward_backward_no_pipelining(
