@@ -19,6 +19,7 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, activation_shape
 from megatron.model.gpt_model import GPTModel
 from tests.dist_utils import run_distributed
+from tests.unit.test_host_syncs import HostReads
 
 WORLD = 4
 SEQ, MBS, HIDDEN, VOCAB, LAYERS = 8, 2, 16, 60, 8
@@ -190,10 +191,11 @@ def check_schedule(tp: int, pp: int, vp: int, m: int, sequence_parallel: bool = 
                 sent.append(out)
             return out, loss_func
 
-        losses = schedule(forward_step_func=recording_step,
-                          data_iterator=iter(micro_batches(parallel_state.get_data_parallel_rank(), m)),
-                          model=chunks if vp > 1 else chunks[0], num_microbatches=m,
-                          seq_length=SEQ, micro_batch_size=MBS, communicator=comm)
+        data = iter(micro_batches(parallel_state.get_data_parallel_rank(), m))
+        with HostReads() as reads:  # on a GPU each would stall the queue (test_host_syncs)
+            losses = schedule(forward_step_func=recording_step, data_iterator=data,
+                              model=chunks if vp > 1 else chunks[0], num_microbatches=m,
+                              seq_length=SEQ, micro_batch_size=MBS, communicator=comm)
         finalize_model_grads(chunks)
         worst = 0.0
         for chunk, first in zip(chunks, firsts):
@@ -212,6 +214,7 @@ def check_schedule(tp: int, pp: int, vp: int, m: int, sequence_parallel: bool = 
                    and parallel_state.get_tensor_model_parallel_rank() == 0)
         return {"grad_err": worst, "losses": got_losses, "eval_losses": eval_losses,
                 "ref_losses": ref_losses, "last": last, "reports": reports,
+                "host_reads": reads.seen,
                 "sent_sizes": sorted({t.numel() for t in sent}), "num_sent": len(sent)}
     finally:
         parallel_state.destroy_model_parallel()
@@ -295,6 +298,7 @@ def test_sequence_parallel_shape_and_params_dtype(results):
 def test_schedule_matches_one_process(results, case):
     for r in results:
         assert r[case]["grad_err"] < 1e-5, (case, r[case]["grad_err"])
+        assert r[case]["host_reads"] == [], (case, r[case]["host_reads"])
         if not r[case]["last"]:
             assert r[case]["losses"] == r[case]["eval_losses"] == []
     (reporter,) = [r[case] for r in results if r[case]["reports"]]
