@@ -293,9 +293,7 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    exchange = getattr(optimizer, "start_exchange", None)  # --dp-overlap: runs meanwhile
-    if exchange is not None:
-        exchange()
+    optimizer.start_exchange()  # --dp-overlap: the neighbour average runs meanwhile
     timers("forward-backward", log_level=1).start()
     schedule = get_forward_backward_func()
     losses = schedule(forward_step_func=forward_step, data_iterator=data_iterator,
@@ -312,7 +310,7 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
     bad_loss = locate_nonfinite_loss(losses) if check else None
     updated, grad_norm, num_zeros, nonfinite = False, None, None, None
     if bad_loss is not None:  # every rank: no step, and the exchange (if any) is dropped
-        getattr(optimizer, "cancel_exchange", lambda: None)()
+        optimizer.cancel_exchange()
         nonfinite = describe_nonfinite_loss(*bad_loss, num_microbatches)
     else:
         timers("optimizer", log_level=1).start()
@@ -699,14 +697,12 @@ class Trainer:
                 print_rank_0(f"  not saving a checkpoint at iteration {s.iteration}: its step "
                              f"was NaN/Inf and skipped (latest checkpoint: {s.last_saved})")
             return False
-        average = getattr(self.optimizer, "average_replicas", None)
-        if average is not None:  # --dp-mode decentralized saves the replicas' mean
-            average()
         if self.engine is not None:
             folder = self.engine.save(self.cfg.checkpoint.save, s.iteration,
                                       s.consumed_train_samples, s.consumed_valid_samples)
             s.last_saved, s.last_checkpoint = s.iteration, folder
             return True
+        self.optimizer.average_replicas()  # --dp-mode decentralized saves the replicas' mean
         check_finite_for_save(self.chunks, self.optimizer, s.iteration)
         folder = checkpointing.save_checkpoint(
             s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,

@@ -106,6 +106,18 @@ class MegatronOptimizer(ABC):
     @abstractmethod
     def load_state_dict(self, state_dict: dict) -> None: ...
 
+    # Hooks of --dp-mode decentralized (core/optimizer/decentralized.py); nothing to do for
+    # replicas that average their gradients.
+
+    def start_exchange(self) -> None:
+        """Before an iteration's forward and backward."""
+
+    def cancel_exchange(self) -> None:
+        """An iteration that will not step."""
+
+    def average_replicas(self) -> None:
+        """Before a checkpoint is saved."""
+
     def norm_groups(self) -> Groups:
         """Groups over which gradient norms, zero counts and inf checks are summed."""
         return default_model_parallel_groups()
