@@ -111,12 +111,15 @@ class MegatronOptimizer(ABC):
 
     def start_exchange(self) -> None:
         """Before an iteration's forward and backward."""
+        return None
 
     def cancel_exchange(self) -> None:
         """An iteration that will not step."""
+        return None
 
     def average_replicas(self) -> None:
         """Before a checkpoint is saved."""
+        return None
 
     def norm_groups(self) -> Groups:
         """Groups over which gradient norms, zero counts and inf checks are summed."""
