@@ -43,13 +43,17 @@ def mixed_accumulation_works(device: torch.device) -> bool:
 
 
 def _try_mixed_addmm(device: torch.device) -> bool:
+    """The layers' call on operands laid out as theirs are: ``a`` the transpose of a
+    contiguous ``[tokens, out]`` gradient, ``b`` contiguous ``[tokens, in]``, the fp32
+    output a view into a flat buffer."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    a, b, c = (torch.randn(*shape, generator=g) for shape in ((64, 32), (32, 48), (64, 48)))
-    a, b = a.to(device, torch.bfloat16), b.to(device, torch.bfloat16)
-    c = c.to(device)
-    expected = c + a.double().mm(b.double()).float()
+    grad, rows = (torch.randn(*shape, generator=g).to(device, torch.bfloat16)
+                  for shape in ((32, 64), (32, 48)))
+    flat = torch.randn(16 + 64 * 48, generator=g).to(device)
+    c = flat[16:].view(64, 48)
+    expected = c + grad.t().double().mm(rows.double()).float()
     try:
-        torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+        torch.addmm(c, grad.t(), rows, out_dtype=torch.float32, out=c)
     except (RuntimeError, TypeError):  # no such overload, or it wants a half-precision C
         return False
     return bool(torch.allclose(c, expected, rtol=1e-4, atol=1e-4))

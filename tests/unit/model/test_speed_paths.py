@@ -294,3 +294,11 @@ def test_mixed_accumulation_support_is_decided_per_device():
     assert fusion_possible(torch.bfloat16, torch.float32, torch.device("cpu"))
     assert not fusion_possible(torch.bfloat16, torch.float32, torch.device("meta"))
     assert not fusion_possible(torch.float32, torch.bfloat16, torch.device("cpu"))
+
+
+def test_the_cuda_probe_runs_its_operands_and_reports_a_missing_kernel():
+    """The probe behind mixed_accumulation_works on CUDA, run on the CPU: the fp32-output
+    addmm has no CPU kernel, and that is reported as unsupported, not raised."""
+    from megatron.core.grad_accumulation import _try_mixed_addmm
+
+    assert _try_mixed_addmm(torch.device("cpu")) is False
