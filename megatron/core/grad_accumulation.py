@@ -15,6 +15,11 @@ overload for an fp32 C is checked once per device (``mixed_accumulation_works``)
 wrapper is built; where it does not, half-precision weight gradients take the unfused path.
 On the CPU the half product is added to ``main_grad``: the unfused path's numbers, without
 the hook's round trip.
+
+Which weights are fused is fixed when the wrapper is built: a weight is fused when its layer
+declared it (``mark_layer_weight``) and the wrapper allowed it (``fuse_grad_accumulation``).
+Such a weight's layer hands autograd either nothing or an unfilled stand-in (so the
+wrapper's hook still runs, which overlapped reduction counts on), and the hook adds nothing.
 """
 
 from __future__ import annotations
@@ -69,27 +74,52 @@ def fusion_possible(param_dtype: torch.dtype, grad_dtype: torch.dtype,
             and mixed_accumulation_works(device))
 
 
-def main_grad_of(weight: torch.Tensor, grad_dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """``weight.main_grad`` when the backward should add a ``grad_dtype`` weight gradient
-    into it (the wrapper marked the weight ``fuse_grad_accumulation``), else None: then the
-    gradient is returned to autograd as usual."""
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is None or not getattr(weight, "fuse_grad_accumulation", False):
+def main_grad_of(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """``weight.main_grad`` when the backward adds the weight gradient into it, else None:
+    then the gradient is returned to autograd as usual. It is the former exactly when the
+    wrapper marked the weight ``fuse_grad_accumulation``, a fixed property of the weight, so
+    the wrapper's hook knows without being told which gradients are already in the buffer
+    (``layer_adds_grad``)."""
+    if not getattr(weight, "fuse_grad_accumulation", False):
         return None
-    if grad_dtype != main_grad.dtype and grad_dtype != weight.dtype:
-        return None
-    return main_grad
+    return weight.main_grad
+
+
+def mark_layer_weight(weight: torch.Tensor) -> None:
+    """Declare that the layer owning ``weight`` adds its gradient into ``main_grad`` itself
+    whenever ``main_grad_of`` gives one (linear, embedding and LM-head weights)."""
+    weight.layer_adds_grad = True
+
+
+def grad_already_added(param: torch.Tensor) -> bool:
+    """Whether ``param``'s gradient reaches the buffer from its layer's backward, so that
+    what autograd hands the wrapper's hook is only a stand-in."""
+    return (getattr(param, "layer_adds_grad", False)
+            and getattr(param, "fuse_grad_accumulation", False))
 
 
 def accumulate_matmul_(main_grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``main_grad += a @ b`` (``a``, ``b`` of one dtype, ``main_grad`` theirs or fp32)."""
     if a.dtype == main_grad.dtype:
         main_grad.addmm_(a, b)
-    elif main_grad.is_cuda and not torch.compiler.is_compiling():
+    elif main_grad.is_cuda:
         torch.addmm(main_grad, a, b, out_dtype=main_grad.dtype, out=main_grad)
-    else:
-        # The CPU, and traced code (inductor plans its own matmuls): the half product, added.
+    else:  # the CPU: the half product, added
         main_grad.add_(torch.mm(a, b))
+
+
+@torch.library.custom_op("megatron::accumulate_weight_grad", mutates_args=("main_grad",))
+def accumulate_weight_grad(main_grad: torch.Tensor, grad: torch.Tensor,
+                           x: torch.Tensor) -> None:
+    """``main_grad += grad^T @ x`` (``grad`` ``[tokens, out]``, ``x`` ``[tokens, in]``) as
+    one opaque operator: torch.compile keeps it in the traced backward as it is (a mutation
+    of ``main_grad``), so compiled layers keep the fusion and its CUDA kernel."""
+    accumulate_matmul_(main_grad, grad.t(), x)
+
+
+@accumulate_weight_grad.register_fake
+def _(main_grad: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
+    return None
 
 
 def accumulate_rows_(main_grad: torch.Tensor, index: torch.Tensor,

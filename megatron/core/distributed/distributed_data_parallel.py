@@ -6,7 +6,7 @@ Each parameter gets ``param.main_grad``, a view into a flat buffer (one per
 micro-batches sum in the buffer (in fp32 with ``accumulate_allreduce_grads_in_fp32``).
 Layers that can add a weight gradient into ``main_grad`` themselves do so (gradient-
 accumulation fusion, ``megatron/core/grad_accumulation.py``; ``gradient_accumulation_fusion=
-False`` turns it off) and flag the parameter so the hook does not add it again.
+False`` turns it off); the hook then skips what autograd hands it for those weights.
 ``finish_grad_sync()`` averages the buffers over the data-parallel group: an all-reduce, or a
 reduce-scatter when the distributed optimizer owns one shard per rank.
 
@@ -39,7 +39,7 @@ from torch import nn
 
 from megatron.core import parallel_state
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
-from megatron.core.grad_accumulation import mark_for_fusion
+from megatron.core.grad_accumulation import grad_already_added, mark_for_fusion
 
 # Megatron's default bucket when overlapping: large enough to keep the links busy.
 _DEFAULT_OVERLAP_BUCKET_SIZE = 40_000_000
@@ -123,11 +123,9 @@ class DistributedDataParallel(nn.Module):
     # Gradient accumulation and synchronization -------------------------------------------------
 
     def _accumulate_hook(self, param: nn.Parameter) -> None:
-        if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
+        if param.grad is not None and not grad_already_added(param):
             param.main_grad.add_(param.grad)
         param.grad = None
-        if hasattr(param, "grad_added_to_main_grad"):
-            param.grad_added_to_main_grad = False
         if not (self.overlap_grad_reduce and self.is_last_microbatch):
             return
         bucket = self._bucket_of[param]

@@ -190,7 +190,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         scale = grad_loss.unsqueeze(-1)  # [N, 1]
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = grad_weight = None
-        main_grad = main_grad_of(weight, hidden.dtype) if need_weight else None
+        main_grad = main_grad_of(weight) if need_weight else None
         if grad.dtype == hidden.dtype:
             if need_hidden:
                 grad_hidden = grad.mm(weight).mul_(scale)  # [N, h]

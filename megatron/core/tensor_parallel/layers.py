@@ -19,7 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core import parallel_state
-from megatron.core.grad_accumulation import accumulate_matmul_, accumulate_rows_, main_grad_of
+from megatron.core.grad_accumulation import (
+    accumulate_rows_,
+    accumulate_weight_grad,
+    main_grad_of,
+    mark_layer_weight,
+)
 from megatron.core.tensor_parallel import mappings
 from megatron.core.utils import divide, set_tensor_model_parallel_attributes
 
@@ -99,13 +104,16 @@ def matmul_nt(x: torch.Tensor, weight: torch.Tensor,
 
 
 class _Linear(torch.autograd.Function):
-    """``F.linear`` with the matmuls of ``matmul_nt`` and the weight gradient added by the
-    matmul itself into ``weight.main_grad`` when the data-parallel wrapper allows it
-    (``megatron/core/grad_accumulation.py``)."""
+    """``F.linear`` with the matmuls of ``matmul_nt``; with ``main_grad`` (the wrapper's
+    buffer view, ``megatron/core/grad_accumulation.py``) the weight gradient is added into it
+    by the backward and autograd gets an unfilled stand-in, which the wrapper's hook skips.
+    Eager and compiled code run the same function (the accumulation is a custom operator)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, main_grad):
         ctx.save_for_backward(x, weight)
+        # Not saved for backward: earlier backwards add into it, which is what it is for.
+        ctx.main_grad = main_grad
         ctx.has_bias = bias is not None
         y = matmul_nt(x.reshape(-1, x.size(-1)), weight, bias)  # [tokens, out]
         return y.view(*x.shape[:-1], weight.size(0))
@@ -113,38 +121,27 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
+        main_grad = ctx.main_grad
         g = grad_y.reshape(-1, grad_y.size(-1))  # [tokens, out]
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = matmul_nt(g, weight.t()).view(x.shape)  # [.., in]
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.size(-1))  # [tokens, in]
-            main_grad = main_grad_of(weight, g.dtype)
             if main_grad is None:
                 grad_weight = g.t().mm(x2)  # [out, in]
             else:
-                accumulate_matmul_(main_grad, g.t(), x2)
-                # An unfilled stand-in, so the wrapper's hook still runs (overlapped reduction
-                # counts on it) and, seeing the flag, does not add it.
-                grad_weight = torch.empty_like(weight)
-                weight.grad_added_to_main_grad = True
+                accumulate_weight_grad(main_grad, g, x2)
+                grad_weight = torch.empty_like(weight)  # the stand-in
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.sum(dim=0)
-        return grad_x, grad_weight, grad_bias
+        return grad_x, grad_weight, grad_bias, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [..., in]`` through ``_Linear``.
-
-    Inside ``torch.compile`` (``--compile``) it is plain ``F.linear``: the compiler traces
-    it and plans the matmuls itself, while ``_Linear``'s backward writes into ``main_grad``
-    behind autograd's back, which it cannot trace. The weight gradient then reaches the
-    data-parallel wrapper's hook as ``weight.grad``.
-    """
-    if torch.compiler.is_compiling():
-        return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias)
+    """``F.linear(x, weight, bias)`` for ``x [..., in]`` through ``_Linear``."""
+    return _Linear.apply(x, weight, bias, main_grad_of(weight))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -170,6 +167,7 @@ class ColumnParallelLinear(nn.Module):
         kw = dict(dtype=params_dtype, device=device)
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, **kw))
         set_tensor_model_parallel_attributes(self.weight, True, dim=0)
+        mark_layer_weight(self.weight)
         _init_sharded(self.weight, (output_size, input_size), 0, world, rank, init_method)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, **kw))
@@ -214,6 +212,7 @@ class RowParallelLinear(nn.Module):
         kw = dict(dtype=params_dtype, device=device)
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, **kw))
         set_tensor_model_parallel_attributes(self.weight, True, dim=1)
+        mark_layer_weight(self.weight)
         _init_sharded(self.weight, (output_size, input_size), 1, world, rank, init_method)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, **kw))
@@ -250,7 +249,7 @@ class _Embedding(torch.autograd.Function):
     def backward(ctx, grad_out):
         ids, weight = ctx.saved_tensors
         grad = grad_out.reshape(-1, grad_out.size(-1))  # [tokens, h]
-        main_grad = main_grad_of(weight, grad.dtype)
+        main_grad = main_grad_of(weight)
         if main_grad is not None:
             accumulate_rows_(main_grad, ids.reshape(-1), grad)
             return None, None
@@ -275,6 +274,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, dtype=params_dtype,
                                                device=device))
         set_tensor_model_parallel_attributes(self.weight, True, dim=0)
+        mark_layer_weight(self.weight)
         _init_sharded(self.weight, (num_embeddings, embedding_dim), 0, world, rank, init_method)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

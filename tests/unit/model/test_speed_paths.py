@@ -229,7 +229,7 @@ def test_fused_weight_grads_keep_overlap_hooks_running():
     linear_weights = [p for n, p in model.module.named_parameters()
                       if n.endswith(".weight") and p.ndim == 2 and "embeddings" not in n]
     assert linear_weights and all(id(p) in ready for p in linear_weights)
-    assert not any(getattr(p, "grad_added_to_main_grad", False) for p in linear_weights)
+    assert all(getattr(p, "layer_adds_grad", False) for p in linear_weights)
 
 
 def test_matmul_nt_reads_weight_views():
@@ -302,3 +302,30 @@ def test_the_cuda_probe_runs_its_operands_and_reports_a_missing_kernel():
     from megatron.core.grad_accumulation import _try_mixed_addmm
 
     assert _try_mixed_addmm(torch.device("cpu")) is False
+
+
+def test_compiled_layers_keep_gradient_accumulation_fusion(monkeypatch):
+    """Under --compile the linear layers still add their weight gradients into main_grad in
+    the backward (a custom operator inside the compiled graph), to eager's values."""
+    import megatron.core.grad_accumulation as ga
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.model.gpt_model import GPTModel
+    from megatron.model.transformer import compile_transformer_layers
+
+    config = _tiny_config()
+    tokens = _tokens(config)
+    grads = []
+    calls = []
+    plain = ga.accumulate_matmul_
+    monkeypatch.setattr(ga, "accumulate_matmul_", lambda *a: calls.append(1) or plain(*a))
+    for compiled in (False, True):
+        model = DistributedDataParallel(GPTModel(config))
+        if compiled:
+            assert compile_transformer_layers(model) == config.num_layers
+        model.zero_grad_buffer()
+        calls.clear()
+        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+        assert len(calls) == 4 * config.num_layers  # qkv, dense, h->4h, 4h->h per layer
+        grads.append({n: p.main_grad.clone() for n, p in model.module.named_parameters()})
+    for name, grad in grads[0].items():
+        _assert_close_to_scale(grads[1][name], grad, name)
