@@ -20,6 +20,9 @@ Which weights are fused is fixed when the wrapper is built: a weight is fused wh
 declared it (``mark_layer_weight``) and the wrapper allowed it (``fuse_grad_accumulation``).
 Such a weight's layer hands autograd either nothing or an unfilled stand-in (so the
 wrapper's hook still runs, which overlapped reduction counts on), and the hook adds nothing.
+So under the wrapper a marked weight must get its gradient through its layer (``linear``,
+the vocab-parallel embedding, the fused LM-head loss): a gradient from, say, a direct
+``F.linear(x, layer.weight)`` would be taken for a stand-in and dropped.
 """
 
 from __future__ import annotations
