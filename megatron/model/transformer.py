@@ -42,16 +42,17 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) 
     if not training or p == 0.0:
         return x
     if sequence_parallel:
-        return _dropout_on_own_stream(x, p)
+        return on_tracker_stream(F.dropout, x, p, True)
     return F.dropout(x, p, True)
 
 
 # The RNG tracker swaps generator states, which torch.compile cannot trace: under --compile
-# these run eagerly between compiled graphs, so the masks stay the tracker's.
+# this runs eagerly between compiled graphs, so the masks stay the tracker's.
 @torch.compiler.disable
-def _dropout_on_own_stream(x: torch.Tensor, p: float) -> torch.Tensor:
+def on_tracker_stream(fn: Callable, *args):
+    """``fn(*args)`` drawing its randomness from the tensor-parallel RNG tracker's stream."""
     with tensor_parallel.get_rng_tracker().fork():
-        return F.dropout(x, p, True)
+        return fn(*args)
 
 
 class CoreAttention(nn.Module):
@@ -74,13 +75,8 @@ class CoreAttention(nn.Module):
         p = self.dropout_p if self.training else 0.0
         if p == 0.0:
             return self._attend(q, k, v, attention_mask, 0.0)
-        return self._attend_with_dropout(q, k, v, attention_mask, p)
-
-    @torch.compiler.disable  # see _dropout_on_own_stream
-    def _attend_with_dropout(self, q, k, v, attention_mask, p: float) -> torch.Tensor:
         # Dropout on attention probabilities acts on this rank's own heads: its own stream.
-        with tensor_parallel.get_rng_tracker().fork():
-            return self._attend(q, k, v, attention_mask, p)
+        return on_tracker_stream(self._attend, q, k, v, attention_mask, p)
 
     def _attend(self, q, k, v, attention_mask, p: float) -> torch.Tensor:
         if self.flash is not None and q.is_cuda and attention_mask is None:

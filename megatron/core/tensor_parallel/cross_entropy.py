@@ -27,12 +27,12 @@ def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _softmax(logits: torch.Tensor, target: torch.Tensor, group, in_place: bool):
+def _softmax(logits: torch.Tensor, target: torch.Tensor, group):
     """The softmax over the whole vocabulary of ``logits`` ``[N, V/tp]`` (contiguous), in
-    the softmax dtype (fp32 for half-precision logits), written over ``logits`` when
-    ``in_place`` (they must have that dtype then); returns it with the per-row loss ``[N]``
-    and, for the backward, ``local_target`` and ``outside`` (target not in this rank's slice
-    of the vocabulary).
+    the softmax dtype: written over ``logits`` when they have it (fp32, fp64), a new fp32
+    tensor for half-precision logits. Returns it with the per-row loss ``[N]`` and, for the
+    backward, ``local_target`` and ``outside`` (target not in this rank's slice of the
+    vocabulary).
 
     torch's softmax kernel normalises each row in one pass while the row is in cache, where
     separate max/subtract/exp/sum/divide ops would each stream the whole tensor from memory
@@ -50,7 +50,7 @@ def _softmax(logits: torch.Tensor, target: torch.Tensor, group, in_place: bool):
     local_max, argmax = logits.max(dim=-1)  # [N], one pass over the narrow logits
     local_max = local_max.to(dtype)
     target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).to(dtype)
-    if in_place:
+    if dtype == logits.dtype:
         softmax = torch.softmax(logits, dim=-1, out=logits)
     else:
         softmax = torch.softmax(logits, dim=-1, dtype=dtype)
@@ -89,11 +89,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # precision logits are upcast to fp32), so the caller's logits are left intact.
         part = logits.size(-1)
         flat = logits.reshape(-1, part)  # [N, V/tp]
-        wide = _is_wide(logits.dtype)
-        if wide:  # the softmax is written over a copy: the caller's logits stay intact
-            flat = flat.clone(memory_format=torch.contiguous_format)
+        if _is_wide(logits.dtype):  # the softmax is written over a copy: the caller's
+            flat = flat.clone(memory_format=torch.contiguous_format)  # logits stay intact
         softmax, loss, local_target, outside = _softmax(flat.contiguous(), target.reshape(-1),
-                                                        group, in_place=wide)
+                                                        group)
 
         vocab_size = part * _world(group)
         if label_smoothing > 0:
@@ -177,8 +176,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, group, workspace):
         # hidden [N, h], weight [V/tp, h], target [N]
         logits = _logits_into(hidden, weight, workspace)  # [N, V/tp]
-        softmax, loss, local_target, outside = _softmax(logits, target, group,
-                                                        in_place=_is_wide(logits.dtype))
+        softmax, loss, local_target, outside = _softmax(logits, target, group)
         ctx.save_for_backward(hidden, weight, softmax, local_target, outside)
         ctx.workspace = workspace
         return loss  # [N]
@@ -228,8 +226,7 @@ def linear_vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
                                                       workspace)
     else:  # no backward will give the buffer back
         logits = _logits_into(hidden, weight, workspace)
-        softmax, loss = _softmax(logits, target, _group(group),
-                                 in_place=_is_wide(logits.dtype))[:2]
+        softmax, loss = _softmax(logits, target, _group(group))[:2]
         if workspace is not None and hidden.device.type == "cpu":
             workspace.give(softmax)
     return loss.view(shape)
