@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any, NamedTuple, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from megatron.checkpointing.contents import (
@@ -129,6 +130,9 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
     layout = current_layout()
     model_only = ckpt.finetune or tracker.release
     load_optim = not model_only and not ckpt.no_load_optim
+    if _is_torch_dist(resolve_iteration_dir(ckpt.load, tracker)):
+        return _load_torch_dist(tracker, chunks, optimizer, opt_param_scheduler, config, layout,
+                                model_only, load_optim)
     error, files = None, None
     try:
         files = _read_rank_files(config, tracker, layout, optimizer, load_optim)
@@ -284,6 +288,66 @@ def _load_optimizer(files: _RankFiles, optimizer: Any, scheduler: Any) -> bool:
     return False
 
 
+def _is_torch_dist(iter_dir: str) -> bool:
+    from megatron.checkpointing import torch_dist
+
+    return torch_dist.is_torch_dist(iter_dir)
+
+
+def _load_torch_dist(tracker: Tracker, chunks: list[nn.Module], optimizer: Any, scheduler: Any,
+                     config: Any, layout: RankLayout, model_only: bool,
+                     load_optim: bool) -> LoadedCheckpoint:
+    """``load_checkpoint`` of a torch_dist folder (ours or Megatron-LM's), at any layout."""
+    from megatron.checkpointing import torch_dist
+
+    ckpt = config.checkpoint
+    iter_dir = resolve_iteration_dir(ckpt.load, tracker)
+    error, common = None, None
+    try:
+        _verify_torch_dist(iter_dir, layout, ckpt)
+        common = torch_dist.read_common(iter_dir)
+        torch_dist.check_stored_config(common, config, f"{iter_dir} (--load {ckpt.load})")
+    except Exception as e:  # noqa: BLE001 - decide together before any collective
+        error = e
+    if not all_true(error is None):
+        if error is not None:
+            raise error
+        raise CheckpointError(f"loading the checkpoint from {ckpt.load} failed on another rank "
+                              "(see its error)")
+    logger.info("loading torch_dist checkpoint from %s at iteration %d", ckpt.load,
+                tracker.iteration)
+    rng_wanted = not model_only and not ckpt.no_load_rng
+    restored = torch_dist.read_into(iter_dir, common, chunks, optimizer, scheduler, config,
+                                    layout, load_optim, rng_wanted)
+    report = LoadReport(iter_dir, tracker.iteration, tracker.release, restored.optimizer,
+                        restored.scheduler, restored.rng,
+                        rng_from_seed=rng_wanted and not restored.rng)
+    extra = torch_dist.extra_entries(common)
+    if model_only:
+        return LoadedCheckpoint(0, 0, 0, extra, report)
+    return LoadedCheckpoint(*torch_dist.counters(common), extra=extra, report=report)
+
+
+def _verify_torch_dist(iter_dir: str, layout: RankLayout, ckpt: Any) -> None:
+    """Every rank checks every file's size against the manifest (each reads pieces of
+    many); the checksums are shared out, each file read by one rank."""
+    manifest = read_manifest(iter_dir)
+    if manifest is None:
+        if layout.rank == 0:
+            logger.warning("checkpoint %s has no %s (saved by Megatron-LM?): its files are not "
+                           "verified", iter_dir, MANIFEST_FILENAME)
+        return
+    names = sorted(manifest["files"])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    try:
+        verify_files(iter_dir, manifest, names, checksums=False)
+        if not ckpt.no_verify_checkpoint:
+            verify_files(iter_dir, manifest, names[layout.rank::world], checksums=True)
+    except CheckpointCorruptError as error:
+        hint = _earlier_checkpoints_hint(ckpt.load, manifest.get("iteration"))
+        raise CheckpointCorruptError(f"{error}. {hint}") from error
+
+
 def load_checkpoint_config(load_dir: str) -> Optional[dict]:
     """The run configuration stored with the latest checkpoint of ``load_dir`` (plain dicts;
     Megatron's checkpoints: their argparse fields), or None if there is no checkpoint or it
@@ -295,6 +359,10 @@ def load_checkpoint_config(load_dir: str) -> Optional[dict]:
     manifest = read_manifest(iter_dir)
     if manifest is not None and manifest.get("config") is not None:
         return manifest["config"]
+    if _is_torch_dist(iter_dir):
+        from megatron.checkpointing import torch_dist
+
+        return torch_dist.stored_config(torch_dist.read_common(iter_dir), iter_dir)
     _, pp = saved_layout(iter_dir)
     return stored_config(read_torch(os.path.join(iter_dir, mp_rank_dir_name(0, 0, pp),
                                                  MODEL_FILENAME)))

@@ -69,18 +69,30 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
     logger.info("saving checkpoint at iteration %7d to %s", iteration, save_dir)
 
     rng_states = None if ckpt.no_save_rng else gather_rng_states(layout)
-    distrib_optim_state = None
-    if isinstance(optimizer, DistributedOptimizer) and not ckpt.no_save_optim:
-        distrib_optim_state = optimizer.state_dict()  # collective over data parallel
-    tmp_dir = _make_tmp_dir(save_dir, iteration, layout)
+    consumed = (consumed_train_samples, consumed_valid_samples)
+    if ckpt.ckpt_format == "torch_dist":
+        tmp_dir = _make_tmp_dir(save_dir, iteration, layout)
 
-    def state_fn() -> dict:
-        return build_state(iteration, chunks, optimizer, opt_param_scheduler, config, layout,
-                           rng_states, (consumed_train_samples, consumed_valid_samples), extra)
+        def write() -> dict[str, FileDigest]:
+            from megatron.checkpointing import torch_dist
+
+            return torch_dist.save_files(tmp_dir, iteration, chunks, optimizer,
+                                         opt_param_scheduler, config, layout, rng_states,
+                                         consumed, extra)
+    else:
+        distrib_optim_state = None
+        if isinstance(optimizer, DistributedOptimizer) and not ckpt.no_save_optim:
+            distrib_optim_state = optimizer.state_dict()  # collective over data parallel
+        tmp_dir = _make_tmp_dir(save_dir, iteration, layout)
+
+        def write() -> dict[str, FileDigest]:
+            return _write_rank_files(tmp_dir, layout, lambda: build_state(
+                iteration, chunks, optimizer, opt_param_scheduler, config, layout, rng_states,
+                consumed, extra), distrib_optim_state)
 
     error, digests = None, {}
     try:
-        digests = _write_rank_files(tmp_dir, layout, state_fn, distrib_optim_state)
+        digests = write()
     except Exception as e:  # noqa: BLE001 - every rank must reach the vote below
         error = e
     if not all_true(error is None):

@@ -54,6 +54,17 @@ SHARDED_FORMAT = "megatron-distributed-optimizer/sharded-v1"
 # checkpoint (a state saved with fused CUDA kernels must load on a CPU run).
 _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
+
+
+def merge_param_groups(saved: Optional[Sequence[dict]], current: Sequence[dict]) -> list[dict]:
+    """torch param groups holding ``current``'s parameters (and implementation switches) with
+    the ``saved`` hyper-parameters (``current``'s own when None)."""
+    if saved is None:
+        return [dict(c) for c in current]
+    return [{**s, **{k: c[k] for k in _IMPLEMENTATION_KEYS if k in c}, "params": c["params"]}
+            for s, c in zip(saved, current)]
+
+
 # Optimizer state tensors that have the shape of the parameter (and are sharded like it).
 _SHARDED_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "accum_grad")
 
@@ -240,33 +251,52 @@ class DistributedOptimizer(MegatronOptimizer):
         return entry
 
     def _load_gathered(self, state_dict: dict) -> None:
-        current = self.optimizer.state_dict()["param_groups"]
-        saved = state_dict["param_groups"]
-        if len(saved) != len(current):
-            raise ValueError(f"optimizer checkpoint has {len(saved)} param groups, "
-                             f"this model has {len(current)}")
-        state = {}
-        for index, main in enumerate(self._ordered_mains()):
+        pieces = []
+        for main in self._ordered_mains():
             shard = self._shard_of_main[main]
             entry = self._saved_entry(state_dict, shard)
-            piece = {k: v.reshape(-1)[shard.param_lo:shard.param_hi].clone()
-                     for k, v in entry.items()}
+            pieces.append({k: v.reshape(-1)[shard.param_lo:shard.param_hi]
+                           for k, v in entry.items()})
+        self.load_shard_state(pieces, state_dict["param_groups"], state_dict.get("step"),
+                              state_dict.get("grad_scaler"))
+
+    def main_shards(self) -> list[tuple[int, str, int, int]]:
+        """``(chunk index, parameter name, param_lo, param_hi)`` of each main shard of this
+        rank, in the torch optimizer's index order: the flat elements ``[param_lo,
+        param_hi)`` of that model parameter are this rank's."""
+        return self._layout()
+
+    def load_shard_state(self, pieces: Sequence[dict], param_groups: Optional[Sequence[dict]],
+                         step: Optional[float], grad_scaler: Optional[dict]) -> None:
+        """Load this rank's shards: ``pieces[i]`` holds main shard ``i``'s (``main_shards()``
+        order) fp32 main weights under ``param`` and its optimizer state tensors (flat, of the
+        shard's length; none before the first step). ``param_groups``: the saved groups'
+        hyper-parameters (None: keep this run's). Collective over data parallel (the model
+        parameters are re-gathered from the shards)."""
+        current = self.optimizer.state_dict()["param_groups"]
+        if param_groups is not None and len(param_groups) != len(current):
+            raise ValueError(f"optimizer checkpoint has {len(param_groups)} param groups, "
+                             f"this model has {len(current)}")
+        state = {}
+        for index, (main, piece) in enumerate(zip(self._ordered_mains(), pieces)):
+            piece = {k: v.clone() for k, v in piece.items()}
             with torch.no_grad():
                 main.data.copy_(piece.pop("param"))
             if piece:
-                if state_dict.get("step") is not None:
-                    piece["step"] = torch.tensor(float(state_dict["step"]))
+                if step is not None:
+                    piece["step"] = torch.tensor(float(step))
                 state[index] = piece
-        self.optimizer.load_state_dict({
-            "state": state,
-            "param_groups": [
-                {**s, **{k: c[k] for k in _IMPLEMENTATION_KEYS if k in c}, "params": c["params"]}
-                for s, c in zip(saved, current)
-            ],
-        })
-        self._load_scaler(state_dict)
+        self.optimizer.load_state_dict({"state": state,
+                                        "param_groups": merge_param_groups(param_groups, current)})
+        if self.grad_scaler is not None and grad_scaler:
+            self.grad_scaler.load_state_dict(grad_scaler)
         with torch.no_grad():
             self._copy_main_params_to_model_params()
+
+    def global_step(self) -> Optional[float]:
+        """The optimizer's step count (the largest over data-parallel ranks: a rank may own no
+        shard); a collective over data parallel."""
+        return self._global_step()
 
     def _load_scaler(self, state_dict: dict) -> None:
         if self.grad_scaler is not None and state_dict.get("grad_scaler"):
