@@ -62,10 +62,13 @@ _TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_na
 
 def saved_checkpoint_layout(load_dir: str) -> tuple[int, int]:
     """(tensor, pipeline) sizes ``load_dir``'s latest checkpoint was saved with."""
-    from megatron.checkpointing import read_tracker
+    from megatron.checkpointing import read_tracker, torch_dist
     from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout
 
-    return saved_layout(resolve_iteration_dir(load_dir, read_tracker(load_dir)))
+    iter_dir = resolve_iteration_dir(load_dir, read_tracker(load_dir))
+    if torch_dist.is_torch_dist(iter_dir):
+        return torch_dist.saved_layout(torch_dist.read_common(iter_dir))
+    return saved_layout(iter_dir)
 
 
 def launch_layout(saved: tuple[int, int], world_size: int, tp: Optional[int] = None,
@@ -226,7 +229,7 @@ def _saved_at_this_layout(cfg: RunConfig) -> bool:
     """Whether --load's latest checkpoint has this run's tensor/pipeline/virtual layout (so
     each rank reads its own file). A missing checkpoint answers True: the native loader
     names it."""
-    from megatron.checkpointing import read_manifest, read_tracker
+    from megatron.checkpointing import read_manifest, read_tracker, torch_dist
     from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout
 
     load, p = cfg.checkpoint.load, cfg.parallel
@@ -234,6 +237,8 @@ def _saved_at_this_layout(cfg: RunConfig) -> bool:
     if tracker is None:
         return True
     iter_dir = resolve_iteration_dir(load, tracker)
+    if torch_dist.is_torch_dist(iter_dir):
+        return True  # each rank reads its own pieces at any layout
     if saved_layout(iter_dir) != (p.tensor_model_parallel_size, p.pipeline_model_parallel_size):
         return False
     manifest = read_manifest(iter_dir) or {}

@@ -177,6 +177,8 @@ def _load_object(data: bytes, what: str) -> Any:
 
 
 def _object_bytes(value: Any) -> bytes:
+    """A DCP byte object as megatron-core writes one: ``torch.save`` of a list holding the
+    values of the rank's objects of that name (one)."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
@@ -389,7 +391,7 @@ def save_files(folder: str, iteration: int, model_chunks: ModelChunks, optimizer
                 objects.update(_extra_state_objects(chunks, config.model.num_layers))
             if rng_states is not None:
                 key = rng_key(layout.pp_rank, layout.tp_rank, layout.pp_size, layout.tp_size)
-                objects[key] = _object_bytes([_megatron_rng(e) for e in rng_states])
+                objects[key] = _object_bytes([[_megatron_rng(e) for e in rng_states]])
         if save_optim:
             pieces += _optimizer_pieces(optimizer, chunks, config, layout)
     except Exception as e:  # noqa: BLE001 - every rank must reach the vote
@@ -512,6 +514,9 @@ def _saved_step(common: dict) -> Optional[float]:
 
     def walk(value: Any) -> None:
         if isinstance(value, dict):
+            common_step = value.get("common_step")  # megatron-core's per-optimizer step
+            if isinstance(common_step, (int, float, torch.Tensor)):
+                steps.append(float(common_step))
             if isinstance(value.get("param_groups"), list):
                 steps.extend(float(g["step"]) for g in value["param_groups"]
                              if isinstance(g, dict) and isinstance(g.get("step"), (int, float)))
@@ -582,7 +587,9 @@ def saved_layout(common: dict) -> tuple[int, int]:
 def _rng_entry(objects: dict, key: Optional[str], layout: RankLayout) -> Optional[dict]:
     if key is None or key not in objects:
         return None
-    entries = _load_object(objects[key], f"the random-generator state {key}")
+    # megatron-core stores a list of the objects of that name on the writing rank: one here.
+    stored = _load_object(objects[key], f"the random-generator state {key}")
+    entries = stored[0] if isinstance(stored, list) and len(stored) == 1 else None
     if not isinstance(entries, list) or not entries:
         return None
     return entries[layout.dp_rank] if len(entries) == layout.dp_size else entries[0]

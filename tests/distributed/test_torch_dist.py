@@ -1,0 +1,244 @@
+"""Megatron-LM's torch_dist format both ways, against real megatron-core.
+
+One run of ours at tp 2 x pp 2 x dp 2 with the distributed optimizer trains 6 iterations and
+saves at iteration 3 with --ckpt-format torch_dist. megatron-core 0.16.1 from PyPI
+(tests/mcore_driver.py, in a process of its own: its package is also named ``megatron``)
+saves Megatron-LM checkpoints of a small GPT at tp 1 (tied embeddings, fused bias-GeLU = tanh
+GeLU, with megatron-core's Adam state after one step) and tp 2 (untied, erf GeLU, model
+only), and loads our checkpoint into its GPTModel at tp 2.
+
+Each layout of ours below then, with --use-checkpoint-args (no model flags) and --load:
+reads both megatron-core checkpoints and gives megatron-core's logits within 1e-5 (and, for
+tp 1, its Adam state exactly, its iteration and consumed samples); reads our checkpoint and
+gives the logits megatron-core computed from it; and resumes training from our checkpoint:
+at the saved layout bit for bit, at tp 1 x dp 4 and pp 2 x tp 2 (dp 1) within 1e-5 of the
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.checkpointing import CheckpointError, load_checkpoint
+from megatron.checkpointing.mcore_layout import chunk_places
+from megatron.config import parse_args
+from megatron.core import parallel_state
+from megatron.core.distributed.distributed_data_parallel import unwrap_model
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.initialize import initialize_megatron
+from megatron.text_generation.forward import forward_logits
+from megatron.training import (
+    RunContext,
+    build_run_tokenizer,
+    pretrain,
+    setup_model_and_optimizer,
+)
+from tests.dist_utils import run_distributed
+from tests.distributed.training_utils import captured_stdout
+
+try:
+    importlib.metadata.version("megatron-core")
+    HAVE_MCORE = True
+except importlib.metadata.PackageNotFoundError:
+    HAVE_MCORE = False
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed "
+                                 "(pip install '.[test]')")]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SAVED_AT, ITERS = 3, 6
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--max-position-embeddings", "16"]
+RUN = ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "3e-3", "--min-lr",
+       "3e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--clip-grad", "1.0",
+       "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0",
+       "--num-workers", "0", "--mock-data", "--tokenizer-type", "NullTokenizer", "--seed",
+       "1234", "--use-cpu", "--use-distributed-optimizer"]
+OURS_VOCAB = ["--vocab-size", "255", "--make-vocab-size-divisible-by", "64"]
+MCORE_VOCAB = ["--vocab-size", "126"]  # 127 tokens; megatron-core's are padded to 128
+LAYOUTS = {"tp1dp4": (1, 1, 4), "tp2pp2": (2, 2, 4), "tp2": (2, 1, 2)}
+
+
+def _layout_flags(tp: int, pp: int) -> list[str]:
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+
+
+def _train(rank, world_size, argv):
+    with captured_stdout():
+        state = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                         pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
+    return [(h["iteration"], h["losses"]["lm loss"]) for h in state.history if h["losses"]]
+
+
+def _losses(per_rank: list) -> list[tuple[int, float]]:
+    """The losses of the rank that reports them (the last pipeline stage)."""
+    return [run for run in per_rank if run][-1]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("ours") / "ckpt")
+    argv = MODEL + RUN + OURS_VOCAB + _layout_flags(2, 2) + [
+        "--train-iters", str(ITERS), "--save", save, "--save-interval", str(SAVED_AT),
+        "--ckpt-format", "torch_dist"]
+    losses = _losses(run_distributed(_train, 8, argv, timeout=600))
+    assert [it for it, _ in losses] == list(range(1, ITERS + 1))
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(SAVED_AT))  # resume from the middle of the run
+    return save, losses
+
+
+@pytest.fixture(scope="module")
+def mcore(trained, tmp_path_factory):
+    """megatron-core's checkpoints and logits (tests/mcore_driver.py's reference.pt)."""
+    out = str(tmp_path_factory.mktemp("mcore"))
+    ours = os.path.join(trained[0], f"iter_{SAVED_AT:07d}")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-I", os.path.join(REPO, "tests", "mcore_driver.py"),
+                           out, ours], cwd=out, env={**env, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    reference = torch.load(os.path.join(out, "reference.pt"), weights_only=False)
+    return out, reference
+
+
+def _load(load: str, world: int, tp: int, pp: int, vocab: list[str], *extra: str):
+    argv = ["--use-checkpoint-args", "--load", load, "--train-iters", str(ITERS), *RUN[:-1],
+            *vocab, *_layout_flags(tp, pp), *extra]
+    cfg = parse_args(argv, world_size=world)
+    cfg = cfg.with_vocab_size(build_run_tokenizer(cfg).vocab_size)
+    device = initialize_megatron(cfg)
+    chunks, optimizer, scheduler = setup_model_and_optimizer(
+        pretrain_gpt.model_provider, RunContext(cfg, device=device))
+    with captured_stdout():
+        loaded = load_checkpoint(chunks, optimizer, scheduler, cfg)
+    return cfg, chunks, optimizer, loaded
+
+
+def _logits(chunks, tokens):
+    model = unwrap_model(chunks[0]).eval()
+    logits = forward_logits(model, tokens, None, all_positions=True)
+    if logits is None or parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None
+    return logits.detach().clone()
+
+
+def _adam_differences(cfg, chunks, optimizer, adam: dict) -> float:
+    """The largest difference between this rank's Adam state and megatron-core's (global
+    tensors by megatron-core's names); every parameter must have both moments."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp = cfg.parallel.tensor_model_parallel_size
+    places = {name: (param, place) for name, param, place in chunk_places(
+        unwrap_model(chunks[0]), cfg.model.num_layers, tp_rank, tp)}
+    if isinstance(optimizer, DistributedOptimizer):  # flat shards of the parameters
+        slots = [(name, lo, hi) for _, name, lo, hi in optimizer.main_shards()]
+    else:
+        names = {p: n for n, (p, _) in places.items()}
+        slots = [(names[p], None, None) for p in optimizer.get_main_params()]
+    worst = 0.0
+    for (name, lo, hi), main in zip(slots, optimizer.get_main_params()):
+        param, place = places[name]
+        offset, sizes = place.box((0,) * param.dim(), tuple(param.shape))
+        for kind in ("exp_avg", "exp_avg_sq"):
+            full = adam[kind][place.key][tuple(slice(o, o + s) for o, s in zip(offset, sizes))]
+            want = full.reshape(-1)[lo:hi] if lo is not None else full.reshape(param.shape)
+            got = optimizer.optimizer.state[main][kind]
+            worst = max(worst, (got - want).abs().max().item())
+    return worst
+
+
+def _at_layout(rank, world, name, mcore_dir, reference, ours, tokens):
+    """One layout: megatron-core's checkpoints, ours, and the resumed run."""
+    tp, pp, _ = LAYOUTS[name]
+    out = {}
+    tp1, tp2 = (os.path.join(mcore_dir, d) for d in ("mcore_tp1", "mcore_tp2"))
+    # Into our distributed optimizer at tp 1 x dp 4, the plain one elsewhere.
+    flags = ["--use-distributed-optimizer"] if name == "tp1dp4" else []
+    cfg, chunks, optimizer, loaded = _load(tp1, world, tp, pp, MCORE_VOCAB, *flags)
+    out["mcore_tp1"] = _logits(chunks, tokens)
+    out["counters_tp1"] = tuple(loaded)
+    out["report_tp1"] = loaded.report
+    out["adam_difference"] = _adam_differences(cfg, chunks, optimizer, reference)
+    try:
+        _load(tp2, world, tp, pp, MCORE_VOCAB)
+        out["tp2_optimizer_error"] = None
+    except CheckpointError as error:
+        out["tp2_optimizer_error"] = str(error)
+    _, chunks, _, _ = _load(tp2, world, tp, pp, MCORE_VOCAB, "--no-load-optim", "--no-load-rng")
+    out["mcore_tp2"] = _logits(chunks, tokens)
+    _, chunks, _, _ = _load(ours, world, tp, pp, OURS_VOCAB, "--no-load-optim")
+    out["ours"] = _logits(chunks, tokens)
+    if name != "tp2":
+        parallel_state.destroy_model_parallel()
+        argv = MODEL + RUN + OURS_VOCAB + _layout_flags(tp, pp) + [
+            "--train-iters", str(ITERS), "--load", ours]
+        out["resumed"] = _train(rank, world, argv)
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts(trained, mcore):
+    mcore_dir, reference = mcore
+    adam = {kind: reference["adam_tp1"][kind] for kind in ("exp_avg", "exp_avg_sq")}
+    runs = {}
+    for name, (_, _, world) in LAYOUTS.items():
+        runs[name] = run_distributed(_at_layout, world, name, mcore_dir, adam, trained[0],
+                                     reference["tokens"], timeout=600)
+    return runs
+
+
+def _first(per_rank: list, key: str):
+    return next(r[key] for r in per_rank if r.get(key) is not None)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_megatron_core_checkpoints_load_into_ours(layouts, mcore, name):
+    reference, runs = mcore[1], layouts[name]
+    for tp in (1, 2):
+        got = _first(runs, f"mcore_tp{tp}")[..., :127]
+        want = reference[f"logits_tp{tp}"][..., :127]
+        print(f"{name} <- megatron-core tp {tp}: max |difference|",
+              (got - want).abs().max().item())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert all(r["counters_tp1"] == (10, 80, 0) for r in runs)
+    assert max(r["adam_difference"] for r in runs) == 0.0
+    report = runs[0]["report_tp1"]
+    assert report.optimizer and report.scheduler
+    # Its generators are restored where the layout is the saved one (tp 1, pp 1).
+    assert report.rng == (name == "tp1dp4") and report.rng_from_seed == (name != "tp1dp4")
+    error = _first(runs, "tp2_optimizer_error")
+    assert "holds no optimizer state" in error and "--no-load-optim" in error
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_our_checkpoint_loads_into_megatron_core(layouts, mcore, name):
+    got = mcore[1]["ours"][0]  # megatron-core's GPTModel at tp 2
+    ours = _first(layouts[name], "ours")
+    print(f"megatron-core vs ours at {name}: max |difference|", (got - ours).abs().max().item())
+    torch.testing.assert_close(got, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_resume_at_the_saved_layout_is_bit_for_bit(trained):
+    save, uninterrupted = trained
+    argv = MODEL + RUN + OURS_VOCAB + _layout_flags(2, 2) + ["--train-iters", str(ITERS),
+                                                            "--load", save]
+    resumed = _losses(run_distributed(_train, 8, argv, timeout=600))
+    assert resumed == uninterrupted[SAVED_AT:]
+
+
+@pytest.mark.parametrize("name", ["tp1dp4", "tp2pp2"])
+def test_resume_at_another_layout_continues_the_loss_curve(trained, layouts, name):
+    uninterrupted = trained[1][SAVED_AT:]
+    resumed = _losses([r.get("resumed") for r in layouts[name]])
+    assert [it for it, _ in resumed] == [it for it, _ in uninterrupted]
+    got, want = [loss for _, loss in resumed], [loss for _, loss in uninterrupted]
+    print(name, "max relative difference:", max(abs(a - b) / abs(b) for a, b in zip(got, want)))
+    assert got == pytest.approx(want, rel=1e-5)
