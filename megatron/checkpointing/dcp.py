@@ -24,6 +24,7 @@ import dataclasses
 import io
 import math
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -97,6 +98,16 @@ def flat_boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple, tupl
     return out
 
 
+@contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    """DCP warns that it "assumes" one process when torch.distributed is not initialized;
+    the converter reads and writes in one process on purpose."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 # Writing -------------------------------------------------------------------------------------
 
 
@@ -167,8 +178,9 @@ def write_pieces(folder: str, pieces: Sequence[Piece], objects: dict[str, bytes]
                                   thread_count=1)
     fs = _DigestingFileSystem()
     writer.fs = fs  # DCP's writer does its file I/O through this attribute
-    dcp.save({}, storage_writer=writer, planner=_PieceSavePlanner(pieces, objects),
-             process_group=process_group, no_dist=not dist.is_initialized())
+    with _single_process_quietly():
+        dcp.save({}, storage_writer=writer, planner=_PieceSavePlanner(pieces, objects),
+                 process_group=process_group, no_dist=not dist.is_initialized())
     return dict(fs.digests)
 
 
@@ -242,6 +254,7 @@ def read_pieces(folder: str, pieces: Sequence[Piece], object_keys: Sequence[str]
     if len(keys) != len(pieces):
         raise ValueError("two requested pieces share a key and an offset")
     planner = _PieceLoadPlanner(pieces, object_keys)
-    dcp.load({}, storage_reader=dcp.FileSystemReader(folder), planner=planner,
-             process_group=process_group, no_dist=not dist.is_initialized())
+    with _single_process_quietly():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(folder), planner=planner,
+                 process_group=process_group, no_dist=not dist.is_initialized())
     return planner.objects

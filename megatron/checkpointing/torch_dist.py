@@ -421,7 +421,7 @@ class TorchDistState(NamedTuple):
     rng: bool
 
 
-def _check_model_keys(metadata: Any, places: list[Place], model_config: Any,
+def check_model_keys(metadata: Any, places: list[Place], model_config: Any,
                       where: str) -> None:
     """Every tensor this rank needs is stored with the shape this model has (the
     vocabulary may be padded otherwise; it must hold this run's vocabulary)."""
@@ -449,7 +449,7 @@ def _check_model_keys(metadata: Any, places: list[Place], model_config: Any,
                               f"{'; '.join(dict.fromkeys(problems))}")
 
 
-def _optimizer_kinds(metadata: Any, key: str) -> list[str]:
+def optimizer_kinds(metadata: Any, key: str) -> list[str]:
     prefix, suffix = OPTIMIZER_PREFIX, f".{key}"
     return [k[len(prefix):-len(suffix)] for k in metadata.state_dict_metadata
             if k.startswith(prefix) and k.endswith(suffix)
@@ -481,7 +481,7 @@ def _optimizer_requests(optimizer: Any, chunks: list[nn.Module], places: dict, m
     values, pieces = [], []
     for slot in slots:
         param, place = places[(slot.chunk, slot.name)]
-        kinds = _optimizer_kinds(metadata, place.key)
+        kinds = optimizer_kinds(metadata, place.key)
         state_kinds = [k for k in kinds if k not in _MAIN_KINDS]
         if not state_kinds and common.get("optimizer", {}).get("step") is not None:
             raise _no_optimizer_state(common, where)
@@ -504,7 +504,7 @@ def _has_optimizer(metadata: Any, common: dict) -> bool:
         k.startswith(("optimizer.", "optimizer/")) for k in metadata.state_dict_metadata)
 
 
-def _saved_step(common: dict) -> Optional[float]:
+def saved_step(common: dict) -> Optional[float]:
     """The optimizer step: ours at ``optimizer.step``; Megatron-LM keeps it in its torch
     param groups (nested in its optimizer wrappers' dicts)."""
     opt = common.get("optimizer")
@@ -534,7 +534,7 @@ def _apply_optimizer(optimizer: Any, chunks: list[nn.Module], read: _OptimizerRe
     ours = isinstance(common.get("config"), dict)
     opt_common = common.get("optimizer") if ours else {}
     groups = opt_common.get("param_groups") if ours else None
-    step, scaler = _saved_step(common), (opt_common or {}).get("grad_scaler")
+    step, scaler = saved_step(common), (opt_common or {}).get("grad_scaler")
     if not ours and isinstance(common.get("optimizer"), dict):
         found = common["optimizer"].get("grad_scaler")
         scaler = found if isinstance(found, dict) and "scale" in found else None
@@ -602,7 +602,7 @@ def prepare_read(iter_dir: str, common: dict, chunks: list[nn.Module], optimizer
     pieces (into the parameters), the optimizer pieces and the byte objects."""
     metadata = dcp.read_metadata(iter_dir)
     places = _places_by_param(chunks, config.model.num_layers, layout)
-    _check_model_keys(metadata, [p for _, p in places.values()], config.model, iter_dir)
+    check_model_keys(metadata, [p for _, p in places.values()], config.model, iter_dir)
     pieces = []
     for param, place in places.values():
         if place.key in ("embedding.word_embeddings.weight", "output_layer.weight"):

@@ -114,12 +114,20 @@ def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
     """Read the checkpoint of ``load_dir`` (the tracker's, or ``iteration``'s) at whatever
     tensor/pipeline/virtual-pipeline layout it was saved with, into one ``FullCheckpoint``.
 
-    Reads our checkpoints (checked against their manifest unless ``verify`` is False) and
+    Reads our checkpoints (checked against their manifest unless ``verify`` is False),
     Megatron-DeepSpeed / Megatron-LM ones (their ``language_model`` layout, model only;
-    ``true_vocab_size`` when their flags do not record the unpadded vocabulary).
+    ``true_vocab_size`` when their flags do not record the unpadded vocabulary), and
+    torch_dist folders, Megatron-LM's or ours (``conversion/torch_dist.py``).
     ``optimizer=False`` reads (and checks) the model files only: ``optimizer`` stays None.
     """
     iter_dir, tracker = _iteration_folder(load_dir, iteration)
+    from megatron.checkpointing.torch_dist import is_torch_dist
+
+    if is_torch_dist(iter_dir):
+        from megatron.conversion.torch_dist import load_torch_dist_checkpoint
+
+        return load_torch_dist_checkpoint(iter_dir, tracker, verify=verify,
+                                          true_vocab_size=true_vocab_size, optimizer=optimizer)
     manifest = read_manifest(iter_dir)
     if manifest is not None and verify:
         wanted = [f for f in manifest["files"]

@@ -242,3 +242,46 @@ def test_resume_at_another_layout_continues_the_loss_curve(trained, layouts, nam
     got, want = [loss for _, loss in resumed], [loss for _, loss in uninterrupted]
     print(name, "max relative difference:", max(abs(a - b) / abs(b) for a, b in zip(got, want)))
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def _hf_logits(folder: str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def test_converter_reads_torch_dist_into_hf_and_ours(trained, mcore, tmp_path):
+    from megatron.checkpointing.mcore_layout import full_places
+    from megatron.conversion import load_full_checkpoint
+    from tools.checkpoint import convert
+
+    mcore_dir, reference = mcore
+    tp1 = os.path.join(mcore_dir, "mcore_tp1")
+    for loader, source, out in (("core", tp1, "hf_mcore"), ("megatron", trained[0], "hf_ours")):
+        assert convert.main(["--model-type", "GPT", "--loader", loader, "--saver", "hf",
+                             "--load-dir", source, "--save-dir", str(tmp_path / out)]) == 0
+    got = _hf_logits(str(tmp_path / "hf_mcore"), reference["tokens"])
+    torch.testing.assert_close(got[..., :127], reference["logits_tp1"][..., :127],
+                               rtol=1e-5, atol=1e-5)
+    got = _hf_logits(str(tmp_path / "hf_ours"), reference["tokens"])
+    torch.testing.assert_close(got, reference["ours"][0][..., :got.size(-1)], rtol=1e-5,
+                               atol=1e-5)
+    # To our torch format at tp 2, with megatron-core's Adam state, no model flags given.
+    assert convert.main(["--model-type", "GPT", "--loader", "core", "--saver", "megatron",
+                         "--load-dir", tp1, "--save-dir", str(tmp_path / "ours"),
+                         "--target-tensor-parallel-size", "2"]) == 0
+    source, converted = load_full_checkpoint(tp1), load_full_checkpoint(str(tmp_path / "ours"))
+    assert converted.iteration == 10 and converted.consumed_train_samples == 80
+    assert converted.config["model"]["activation"] == "gelu_tanh"
+    for name, tensor in source.model.items():
+        assert torch.equal(converted.model[name], tensor), name
+    places = full_places({n: t.shape for n, t in source.model.items()},
+                         source.config["model"]["num_layers"])
+    for name, place in places.items():
+        layer = (place.offset[0],) if place.stacked else ()
+        for kind in ("exp_avg", "exp_avg_sq"):
+            want = reference["adam_tp1"][kind][place.key][layer]
+            assert torch.equal(converted.optimizer["param_state"][name][kind], want), name
+    assert converted.optimizer["step"] == 1.0
