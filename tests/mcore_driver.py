@@ -42,7 +42,8 @@ import megatron.core  # noqa: E402 - megatron-core's, see the module docstring
 if not hasattr(megatron.core, "dist_checkpointing"):
     sys.exit(f"error: 'megatron' is {megatron.__path__}, not megatron-core's package")
 
-from megatron.core.dist_checkpointing.mapping import ShardedObject  # noqa: E402
+from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor  # noqa: E402
 from megatron.core.dist_checkpointing.optimizer import (  # noqa: E402
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
@@ -160,6 +161,21 @@ def adam_step(model: GPTModel) -> torch.optim.Adam:
     return adam
 
 
+def adam_by_checkpoint_name(adam: torch.optim.Adam, model: GPTModel) -> dict:
+    """``{kind: {key: global tensor}}``: Adam's moments under the checkpoint's tensor names
+    (layer-stacked), as one rank at tensor-parallel size 1 holds them."""
+    out = {"exp_avg": {}, "exp_avg_sq": {}}
+    for sh in nested_values(model.sharded_state_dict()):
+        if not isinstance(sh, ShardedTensor) or sh.data not in adam.state:
+            continue
+        sizes = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+        box = tuple(slice(o, o + n) for o, n in zip(sh.global_offset, sizes))
+        for kind, full in out.items():
+            target = full.setdefault(sh.key, torch.zeros(sh.global_shape))
+            target[box] = adam.state[sh.data][kind].view(sizes)
+    return out
+
+
 def optimizer_sharded_state(adam: torch.optim.Adam, model_sd: dict) -> dict:
     """megatron-core's FP32Optimizer.sharded_state_dict, step for step, through its own
     dist_checkpointing.optimizer helpers (the class itself allocates on CUDA when built)."""
@@ -246,10 +262,7 @@ def _run(rank: int, world: int, port: int, out: str, ours: list[str]) -> None:
         save_like_megatron_lm(os.path.join(out, f"mcore_tp{tp}"), model, args, optimizer)
         result[f"logits_tp{tp}"] = logits(model)
         if optimizer is not None:
-            state = optimizer.state
-            named = dict(model.named_parameters())
-            result["adam_tp1"] = {n: {k: v.clone() for k, v in state[p].items()}
-                                  for n, p in named.items() if p in state}
+            result["adam_tp1"] = adam_by_checkpoint_name(optimizer, model)
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(2, 1)
     result["ours"] = [load_ours(d) for d in ours]

@@ -98,7 +98,7 @@ def place(name: str, shape: tuple[int, ...], layer: Optional[int], num_layers: i
         offset[dim] = tp_rank * shape[dim]
     writer = (dim is not None or tp_rank == 0) and name != TIED_COPY
     m = _OUR_LAYER_RE.fullmatch(name)
-    if m:
+    if m and m.group(2) in _LAYER_NAMES:
         return Place(LAYERS + _LAYER_NAMES[m.group(2)], (num_layers, *full), (layer, *offset),
                      True, writer)
     if name not in _OTHER_NAMES:
