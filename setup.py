@@ -46,7 +46,10 @@ setup(
         "flask>=2.2",  # tools/run_text_generation_server.py (Megatron's REST API)
     ],
     extras_require={
-        "test": ["pytest", "ruff", "datasets", "pyarrow", "wandb"],
+        # megatron-core: tests write real Megatron-LM torch_dist checkpoints with it (on CPU,
+        # in a process of its own: its package is also named "megatron"); psutil: it needs it.
+        "test": ["pytest", "ruff", "datasets", "pyarrow", "wandb", "megatron-core==0.16.1",
+                 "psutil"],
         "hf-data": ["datasets", "pyarrow"],  # preprocess_data.py --input of local HF datasets
         "wandb": ["wandb"],  # --wandb-project (offline runs)
         "cuda": ["apex", "flash-attn"],

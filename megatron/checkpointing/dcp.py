@@ -69,6 +69,9 @@ class Piece:
     def index(self) -> MetadataIndex:
         return MetadataIndex(self.key, torch.Size(self.offset))
 
+    def with_tensor(self, tensor: torch.Tensor) -> Piece:
+        return dataclasses.replace(self, tensor=tensor)
+
 
 def flat_boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
     """The elements ``[lo, hi)`` of a row-major tensor of ``shape`` as boxes

@@ -374,16 +374,26 @@ def _common(iteration: int, chunks: list[nn.Module], optimizer: Any, scheduler: 
     return common
 
 
-def save_files(folder: str, iteration: int, model_chunks: ModelChunks, optimizer: Any,
-               scheduler: Any, config: Any, layout: RankLayout,
-               rng_states: Optional[list[dict]], consumed: tuple[int, int],
-               extra: Optional[dict]) -> dict[str, FileDigest]:
-    """Write this rank's part of a torch_dist checkpoint into ``folder`` (every rank calls
-    it; a collective). Returns the digests of the files this rank wrote, by name."""
+class PreparedSave(NamedTuple):
+    """This rank's part of a save, ready to write: its pieces (views of the live tensors, or
+    host copies), byte objects, and on global rank 0 the ``common.pt`` dict."""
+
+    pieces: list
+    objects: dict
+    common: Optional[dict]
+
+
+def prepare_save(iteration: int, model_chunks: ModelChunks, optimizer: Any, scheduler: Any,
+                 config: Any, layout: RankLayout, rng_states: Optional[list[dict]],
+                 consumed: tuple[int, int], extra: Optional[dict], *,
+                 to_host: bool = False) -> PreparedSave:
+    """What this rank writes (every rank calls it: the distributed optimizer's step count is
+    agreed over data parallel, and the ranks vote on success). ``to_host``: copy the tensors
+    to host memory, so training may change the originals while ``write_save`` runs."""
     chunks = as_chunks(model_chunks)
     save_optim = optimizer is not None and not config.checkpoint.no_save_optim
     optimizer_common = _optimizer_common(optimizer) if save_optim else None
-    pieces, objects, error = [], {}, None
+    pieces, objects, common, error = [], {}, None, None
     try:  # what can fail on one rank alone, decided together before DCP's collectives
         if layout.dp_rank == 0:
             pieces += _model_pieces(chunks, config, layout)
@@ -394,19 +404,42 @@ def save_files(folder: str, iteration: int, model_chunks: ModelChunks, optimizer
                 objects[key] = _object_bytes([[_megatron_rng(e) for e in rng_states]])
         if save_optim:
             pieces += _optimizer_pieces(optimizer, chunks, config, layout)
+        if to_host:
+            pieces = [p.with_tensor(p.tensor.detach().to("cpu", copy=True))
+                      for p in pieces]
+        if layout.rank == 0:
+            common = _common(iteration, chunks, optimizer, scheduler, config, layout, consumed,
+                             extra, optimizer_common)
     except Exception as e:  # noqa: BLE001 - every rank must reach the vote
         error = e
     if not all_true(error is None):
         raise error or CheckpointError("preparing the checkpoint failed on another rank (see "
                                        "its error)")
-    digests = dcp.write_pieces(folder, pieces, objects)
-    if layout.rank == 0:
-        common = _common(iteration, chunks, optimizer, scheduler, config, layout, consumed,
-                         extra, optimizer_common)
-        digests[COMMON_FILENAME] = write_torch(common, os.path.join(folder, COMMON_FILENAME))
+    return PreparedSave(pieces, objects, common)
+
+
+def write_save(folder: str, prepared: PreparedSave,
+               process_group: Optional[Any] = None) -> dict[str, FileDigest]:
+    """Write a prepared save into ``folder`` (a collective over ``process_group``, default
+    all ranks: a background writer passes a group of its own). Returns the digests of the
+    files this rank wrote, by name."""
+    digests = dcp.write_pieces(folder, prepared.pieces, prepared.objects, process_group)
+    if prepared.common is not None:
+        digests[COMMON_FILENAME] = write_torch(prepared.common,
+                                               os.path.join(folder, COMMON_FILENAME))
         write_text_atomic(os.path.join(folder, BACKEND_FILENAME), json.dumps(_BACKEND))
         digests[BACKEND_FILENAME] = file_digest(os.path.join(folder, BACKEND_FILENAME))
     return digests
+
+
+def save_files(folder: str, iteration: int, model_chunks: ModelChunks, optimizer: Any,
+               scheduler: Any, config: Any, layout: RankLayout,
+               rng_states: Optional[list[dict]], consumed: tuple[int, int],
+               extra: Optional[dict]) -> dict[str, FileDigest]:
+    """Write this rank's part of a torch_dist checkpoint into ``folder`` now (every rank
+    calls it; a collective). Returns the digests of the files this rank wrote, by name."""
+    return write_save(folder, prepare_save(iteration, model_chunks, optimizer, scheduler,
+                                           config, layout, rng_states, consumed, extra))
 
 
 # Reading -------------------------------------------------------------------------------------

@@ -1,18 +1,19 @@
 """Megatron-LM's torch_dist format both ways, against real megatron-core.
 
-One run of ours at tp 2 x pp 2 x dp 2 with the distributed optimizer trains 6 iterations and
-saves at iteration 3 with --ckpt-format torch_dist. megatron-core 0.16.1 from PyPI
-(tests/mcore_driver.py, in a process of its own: its package is also named ``megatron``)
-saves Megatron-LM checkpoints of a small GPT at tp 1 (tied embeddings, fused bias-GeLU = tanh
-GeLU, with megatron-core's Adam state after one step) and tp 2 (untied, erf GeLU, model
-only), and loads our checkpoint into its GPTModel at tp 2.
+One launch of ours at tp 2 x pp 2 x dp 2 with the distributed optimizer trains 6 iterations
+saving at iteration 3 with --ckpt-format torch_dist, then resumes from 3 at that layout: bit
+for bit. megatron-core 0.16.1 from PyPI (tests/mcore_driver.py, in a process of its own: its
+package is also named ``megatron``) saves Megatron-LM checkpoints of a small GPT at tp 1
+(tied embeddings, fused bias-GeLU = tanh GeLU, megatron-core's Adam state after one step) and
+tp 2 (untied, erf GeLU, model only), and loads our checkpoint into its GPTModel at tp 2.
 
-Each layout of ours below then, with --use-checkpoint-args (no model flags) and --load:
-reads both megatron-core checkpoints and gives megatron-core's logits within 1e-5 (and, for
-tp 1, its Adam state exactly, its iteration and consumed samples); reads our checkpoint and
-gives the logits megatron-core computed from it; and resumes training from our checkpoint:
-at the saved layout bit for bit, at tp 1 x dp 4 and pp 2 x tp 2 (dp 1) within 1e-5 of the
-uninterrupted run.
+Our layouts tp 1 (x dp 4, distributed optimizer), tp 2 (x dp 2) and tp 2 x pp 2, with
+--use-checkpoint-args (no model flags) and --load, each read both megatron-core checkpoints
+and give megatron-core's logits within 1e-5 (for tp 1 its Adam state exactly, its
+iteration, consumed samples and schedule), say that the tp 2 one holds no optimizer state,
+and give from our checkpoint the logits megatron-core computed from it. Training resumed from
+ours at tp 1 x dp 4 and at pp 2 x tp 2 (dp 1) continues the uninterrupted run within 1e-5.
+The converter reads both kinds into HF (megatron-core's logits) and into ours.
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ RUN = ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "3e-3", "-
        "1234", "--use-cpu", "--use-distributed-optimizer"]
 OURS_VOCAB = ["--vocab-size", "255", "--make-vocab-size-divisible-by", "64"]
 MCORE_VOCAB = ["--vocab-size", "126"]  # 127 tokens; megatron-core's are padded to 128
-LAYOUTS = {"tp1dp4": (1, 1, 4), "tp2pp2": (2, 2, 4), "tp2": (2, 1, 2)}
+# Layouts that load (tp, pp) on 4 processes, by the launch that runs them (ranks start up
+# slowly on 2 cores: one launch does several), and the launch's resumed run.
+LOADS = {"tp1dp4": (1, 1), "tp2dp2": (2, 1), "tp2pp2": (2, 2)}
+LAUNCHES = {"tp1dp4": ("tp1dp4", "tp2dp2"), "tp2pp2": ("tp2pp2",)}
 
 
 def _layout_flags(tp: int, pp: int) -> list[str]:
@@ -83,17 +87,28 @@ def _losses(per_rank: list) -> list[tuple[int, float]]:
     return [run for run in per_rank if run][-1]
 
 
+def _train_save_resume(rank, world_size, save):
+    """6 iterations saving at 3, then from 3 again at the same layout (tp 2 x pp 2 x dp 2)."""
+    argv = MODEL + RUN + OURS_VOCAB + _layout_flags(2, 2) + ["--train-iters", str(ITERS)]
+    straight = _train(rank, world_size, argv + ["--save", save, "--save-interval",
+                                                str(SAVED_AT), "--ckpt-format", "torch_dist"])
+    if rank == 0:
+        with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(SAVED_AT))  # resume from the middle of the run
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()  # the next pretrain() makes its own groups
+    return straight, _train(rank, world_size, argv + ["--load", save])
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    """Our checkpoint folder, the uninterrupted losses, and the losses resumed at the saved
+    layout."""
     save = str(tmp_path_factory.mktemp("ours") / "ckpt")
-    argv = MODEL + RUN + OURS_VOCAB + _layout_flags(2, 2) + [
-        "--train-iters", str(ITERS), "--save", save, "--save-interval", str(SAVED_AT),
-        "--ckpt-format", "torch_dist"]
-    losses = _losses(run_distributed(_train, 8, argv, timeout=600))
-    assert [it for it, _ in losses] == list(range(1, ITERS + 1))
-    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(str(SAVED_AT))  # resume from the middle of the run
-    return save, losses
+    runs = run_distributed(_train_save_resume, 8, save, timeout=900)
+    straight, resumed = _losses([r[0] for r in runs]), _losses([r[1] for r in runs])
+    assert [it for it, _ in straight] == list(range(1, ITERS + 1))
+    return save, straight, resumed
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +170,9 @@ def _adam_differences(cfg, chunks, optimizer, adam: dict) -> float:
     return worst
 
 
-def _at_layout(rank, world, name, mcore_dir, reference, ours, tokens):
-    """One layout: megatron-core's checkpoints, ours, and the resumed run."""
-    tp, pp, _ = LAYOUTS[name]
+def _loads_at(world, name, mcore_dir, reference, ours, tokens) -> dict:
+    """One layout of ours reads megatron-core's checkpoints and ours."""
+    tp, pp = LOADS[name]
     out = {}
     tp1, tp2 = (os.path.join(mcore_dir, d) for d in ("mcore_tp1", "mcore_tp2"))
     # Into our distributed optimizer at tp 1 x dp 4, the plain one elsewhere.
@@ -176,22 +191,32 @@ def _at_layout(rank, world, name, mcore_dir, reference, ours, tokens):
     out["mcore_tp2"] = _logits(chunks, tokens)
     _, chunks, _, _ = _load(ours, world, tp, pp, OURS_VOCAB, "--no-load-optim")
     out["ours"] = _logits(chunks, tokens)
-    if name != "tp2":
-        parallel_state.destroy_model_parallel()
-        argv = MODEL + RUN + OURS_VOCAB + _layout_flags(tp, pp) + [
-            "--train-iters", str(ITERS), "--load", ours]
-        out["resumed"] = _train(rank, world, argv)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def _launch(rank, world, launch, mcore_dir, reference, ours, tokens):
+    """The loads of one launch, then training resumed from our checkpoint at its layout."""
+    out = {name: _loads_at(world, name, mcore_dir, reference, ours, tokens)
+           for name in LAUNCHES[launch]}
+    argv = MODEL + RUN + OURS_VOCAB + _layout_flags(*LOADS[launch]) + [
+        "--train-iters", str(ITERS), "--load", ours]
+    out["resumed"] = _train(rank, world, argv)
     return out
 
 
 @pytest.fixture(scope="module")
 def layouts(trained, mcore):
+    """Per layout name, each rank's results; ``resumed`` under the launch's name too."""
     mcore_dir, reference = mcore
     adam = {kind: reference["adam_tp1"][kind] for kind in ("exp_avg", "exp_avg_sq")}
-    runs = {}
-    for name, (_, _, world) in LAYOUTS.items():
-        runs[name] = run_distributed(_at_layout, world, name, mcore_dir, adam, trained[0],
-                                     reference["tokens"], timeout=600)
+    runs: dict = {}
+    for launch in LAUNCHES:
+        per_rank = run_distributed(_launch, 4, launch, mcore_dir, adam, trained[0],
+                                   reference["tokens"], timeout=900)
+        for name in LAUNCHES[launch]:
+            runs[name] = [r[name] for r in per_rank]
+        runs[f"resumed {launch}"] = [r["resumed"] for r in per_rank]
     return runs
 
 
@@ -199,7 +224,7 @@ def _first(per_rank: list, key: str):
     return next(r[key] for r in per_rank if r.get(key) is not None)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(LOADS))
 def test_megatron_core_checkpoints_load_into_ours(layouts, mcore, name):
     reference, runs = mcore[1], layouts[name]
     for tp in (1, 2):
@@ -218,7 +243,7 @@ def test_megatron_core_checkpoints_load_into_ours(layouts, mcore, name):
     assert "holds no optimizer state" in error and "--no-load-optim" in error
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(LOADS))
 def test_our_checkpoint_loads_into_megatron_core(layouts, mcore, name):
     got = mcore[1]["ours"][0]  # megatron-core's GPTModel at tp 2
     ours = _first(layouts[name], "ours")
@@ -227,20 +252,20 @@ def test_our_checkpoint_loads_into_megatron_core(layouts, mcore, name):
 
 
 def test_resume_at_the_saved_layout_is_bit_for_bit(trained):
-    save, uninterrupted = trained
-    argv = MODEL + RUN + OURS_VOCAB + _layout_flags(2, 2) + ["--train-iters", str(ITERS),
-                                                            "--load", save]
-    resumed = _losses(run_distributed(_train, 8, argv, timeout=600))
+    _, uninterrupted, resumed = trained
     assert resumed == uninterrupted[SAVED_AT:]
 
 
-@pytest.mark.parametrize("name", ["tp1dp4", "tp2pp2"])
-def test_resume_at_another_layout_continues_the_loss_curve(trained, layouts, name):
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_resume_at_another_layout_continues_the_loss_curve(trained, layouts, launch):
     uninterrupted = trained[1][SAVED_AT:]
-    resumed = _losses([r.get("resumed") for r in layouts[name]])
+    resumed = _losses(layouts[f"resumed {launch}"])
     assert [it for it, _ in resumed] == [it for it, _ in uninterrupted]
     got, want = [loss for _, loss in resumed], [loss for _, loss in uninterrupted]
-    print(name, "max relative difference:", max(abs(a - b) / abs(b) for a, b in zip(got, want)))
+    print(launch, "max relative difference:",
+          max(abs(a - b) / abs(b) for a, b in zip(got, want)))
+    # Measured without the optimizer state (--no-load-optim, tp 1 x dp 4): 2.7e-4 to 4.4e-4
+    # off at iterations 5 and 6; with it 1e-7 or less.
     assert got == pytest.approx(want, rel=1e-5)
 
 
