@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
 
@@ -27,7 +28,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.checkpointing import CheckpointError, load_checkpoint
+from megatron.checkpointing import CheckpointError, load_checkpoint, read_manifest
 from megatron.checkpointing.mcore_layout import chunk_places
 from megatron.config import parse_args
 from megatron.core import parallel_state
@@ -195,28 +196,72 @@ def _loads_at(world, name, mcore_dir, reference, ours, tokens) -> dict:
     return out
 
 
-def _launch(rank, world, launch, mcore_dir, reference, ours, tokens):
-    """The loads of one launch, then training resumed from our checkpoint at its layout."""
+def _corrupted_load_error(rank, world, ours: str, scratch: str) -> str:
+    """--load of a copy of our checkpoint with bytes of one shard file changed."""
+    damaged = os.path.join(scratch, "damaged")
+    if rank == 0:
+        shutil.copytree(ours, damaged)
+        path = os.path.join(damaged, f"iter_{SAVED_AT:07d}", "__5_0.distcp")
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            data = f.read(64)
+            f.seek(os.path.getsize(path) // 2)
+            f.write(bytes(b ^ 0xFF for b in data))
+    torch.distributed.barrier()
+    try:
+        _load(damaged, world, 2, 2, OURS_VOCAB)
+    except CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def _bf16_save_resume(rank, world, scratch: str):
+    """bf16 with the plain mixed-precision optimizer (fp32 main weights stored as
+    optimizer.state.fp32_param.*): 4 iterations saving at 2, then resumed from 2."""
+    save = os.path.join(scratch, "bf16")
+    argv = MODEL + RUN[:-1] + OURS_VOCAB + _layout_flags(2, 2) + ["--bf16", "--train-iters", "4"]
+    straight = _train(rank, world, argv + ["--save", save, "--save-interval", "2",
+                                           "--ckpt-format", "torch_dist"])
+    if rank == 0:
+        with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("2")
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    return straight, _train(rank, world, argv + ["--load", save])
+
+
+def _launch(rank, world, launch, mcore_dir, reference, ours, tokens, scratch):
+    """The loads of one launch, then training resumed from our checkpoint at its layout
+    (and at tp 2 x pp 2: a damaged copy, and bf16)."""
     out = {name: _loads_at(world, name, mcore_dir, reference, ours, tokens)
            for name in LAUNCHES[launch]}
     argv = MODEL + RUN + OURS_VOCAB + _layout_flags(*LOADS[launch]) + [
         "--train-iters", str(ITERS), "--load", ours]
     out["resumed"] = _train(rank, world, argv)
+    if launch == "tp2pp2":
+        parallel_state.destroy_model_parallel()
+        out["damaged"] = _corrupted_load_error(rank, world, ours, scratch)
+        parallel_state.destroy_model_parallel()
+        out["bf16"] = _bf16_save_resume(rank, world, scratch)
     return out
 
 
 @pytest.fixture(scope="module")
-def layouts(trained, mcore):
-    """Per layout name, each rank's results; ``resumed`` under the launch's name too."""
+def layouts(trained, mcore, tmp_path_factory):
+    """Per layout name, each rank's results; ``resumed <launch>``, ``damaged``, ``bf16``."""
     mcore_dir, reference = mcore
     adam = {kind: reference["adam_tp1"][kind] for kind in ("exp_avg", "exp_avg_sq")}
     runs: dict = {}
     for launch in LAUNCHES:
+        scratch = str(tmp_path_factory.mktemp(launch))
         per_rank = run_distributed(_launch, 4, launch, mcore_dir, adam, trained[0],
-                                   reference["tokens"], timeout=900)
+                                   reference["tokens"], scratch, timeout=900)
         for name in LAUNCHES[launch]:
             runs[name] = [r[name] for r in per_rank]
         runs[f"resumed {launch}"] = [r["resumed"] for r in per_rank]
+        for key in ("damaged", "bf16"):
+            if key in per_rank[0]:
+                runs[key] = [r[key] for r in per_rank]
     return runs
 
 
@@ -284,6 +329,8 @@ def test_converter_reads_torch_dist_into_hf_and_ours(trained, mcore, tmp_path):
 
     mcore_dir, reference = mcore
     tp1 = os.path.join(mcore_dir, "mcore_tp1")
+    ours = os.path.join(trained[0], f"iter_{SAVED_AT:07d}")  # the manifest lists every file
+    assert set(read_manifest(ours)["files"]) == set(os.listdir(ours)) - {"manifest.json"}
     for loader, source, out in (("core", tp1, "hf_mcore"), ("megatron", trained[0], "hf_ours")):
         assert convert.main(["--model-type", "GPT", "--loader", loader, "--saver", "hf",
                              "--load-dir", source, "--save-dir", str(tmp_path / out)]) == 0
@@ -310,3 +357,17 @@ def test_converter_reads_torch_dist_into_hf_and_ours(trained, mcore, tmp_path):
             want = reference["adam_tp1"][kind][place.key][layer]
             assert torch.equal(converted.optimizer["param_state"][name][kind], want), name
     assert converted.optimizer["step"] == 1.0
+
+
+def test_a_damaged_shard_file_stops_the_load_naming_it(layouts):
+    errors = layouts["damaged"]
+    named = [e for e in errors if "__5_0.distcp is damaged" in e]
+    assert named and "CRC-32" in named[0], errors
+    assert all(e == named[0] or "failed on another rank" in e for e in errors), errors
+
+
+def test_bf16_resumes_bit_for_bit_with_its_fp32_main_weights(layouts):
+    straight, resumed = _losses([r[0] for r in layouts["bf16"]]), \
+        _losses([r[1] for r in layouts["bf16"]])
+    assert [it for it, _ in straight] == [1, 2, 3, 4]
+    assert resumed == straight[2:]
