@@ -29,16 +29,31 @@ tracker names; the next save removes the temporary folder such a crash left behi
 Files are read with ``torch.load(weights_only=True)``: everything stored is tensors and plain
 Python values.
 
-Modules: ``paths`` (names, tracker files, --save/--load checks), ``files`` (atomic writes,
-checksums, safe reads), ``ranks`` (this rank's place, collectives), ``contents`` (what a file
-holds), ``rng``, ``manifest`` (verification), ``model_shape``, ``save``, ``load``,
-``retention`` (leftovers, pruning, best).
+Modules: ``folder`` (the one owner of the folder layout of each format: tracker files,
+iteration folders, the latest complete checkpoint, publishing; other formats register
+there), ``paths`` (file names, --save checks), ``files`` (atomic writes, checksums, safe
+reads), ``ranks`` (this rank's place, collectives), ``contents`` (what a file holds), ``rng``,
+``manifest`` (verification), ``model_shape``, ``save``, ``load``, ``retention`` (leftovers,
+pruning, best).
 """
 
 from megatron.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointLayoutError,
+)
+from megatron.checkpointing.folder import (
+    CheckpointFolder,
+    FolderFormat,
+    Tracker,
+    check_load_dir,
+    checkpoint_at,
+    checkpoint_path,
+    iteration_dir_name,
+    latest_checkpoint,
+    list_iterations,
+    read_tracker,
+    register_format,
 )
 from megatron.checkpointing.load import (
     LoadedCheckpoint,
@@ -55,15 +70,9 @@ from megatron.checkpointing.paths import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
     BestCheckpoint,
-    Tracker,
-    check_load_dir,
     check_save_dir,
-    checkpoint_path,
-    iteration_dir_name,
-    list_iterations,
     mp_rank_dir_name,
     read_best,
-    read_tracker,
 )
 from megatron.checkpointing.retention import (
     prune_checkpoints,
@@ -82,14 +91,18 @@ __all__ = [
     "BestCheckpoint",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointFolder",
     "CheckpointLayoutError",
+    "FolderFormat",
     "LoadReport",
     "LoadedCheckpoint",
     "Tracker",
     "check_load_dir",
     "check_save_dir",
+    "checkpoint_at",
     "checkpoint_path",
     "iteration_dir_name",
+    "latest_checkpoint",
     "list_iterations",
     "load_checkpoint",
     "load_checkpoint_config",
@@ -98,6 +111,7 @@ __all__ = [
     "read_best",
     "read_manifest",
     "read_tracker",
+    "register_format",
     "remove_leftover_folders",
     "save_checkpoint",
     "update_best_checkpoint",

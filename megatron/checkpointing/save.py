@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
-import uuid
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -20,14 +18,14 @@ from megatron.checkpointing.contents import (
     parallel_layout_dict,
 )
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.files import FileDigest, fsync_dir, write_text_atomic, write_torch
-from megatron.checkpointing.manifest import build_manifest, write_manifest
-from megatron.checkpointing.paths import (
-    DISTRIB_OPTIM_FILENAME,
-    MODEL_FILENAME,
-    TRACKER_FILENAME,
+from megatron.checkpointing.files import FileDigest, write_torch
+from megatron.checkpointing.folder import (
     iteration_dir_name,
+    make_tmp_folder,
+    publish_checkpoint,
 )
+from megatron.checkpointing.manifest import build_manifest
+from megatron.checkpointing.paths import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME
 from megatron.checkpointing.ranks import (
     RankLayout,
     all_true,
@@ -42,7 +40,6 @@ from megatron.checkpointing.retention import (
 )
 from megatron.checkpointing.rng import gather_rng_states
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.file_modes import chmod_as_created
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +105,7 @@ def _make_tmp_dir(save_dir: str, iteration: int, layout: RankLayout) -> str:
     tmp_dir, problem = None, None
     if layout.rank == 0:
         try:
-            os.makedirs(save_dir, exist_ok=True)
-            tmp_dir = tempfile.mkdtemp(prefix=f"{iteration_dir_name(iteration)}.tmp-",
-                                       dir=save_dir)
-            chmod_as_created(tmp_dir)  # mkdtemp's 0700 would become iter_XXXXXXX's mode
+            tmp_dir = make_tmp_folder(save_dir, iteration_dir_name(iteration))
         except OSError as error:  # the other ranks wait for the name: tell them instead
             problem = f"cannot create a folder in --save {save_dir}: {error}"
     tmp_dir, problem = broadcast_from_rank0((tmp_dir, problem))
@@ -144,32 +138,10 @@ def _merge(per_rank: list[dict[str, FileDigest]]) -> dict[str, FileDigest]:
     return merged
 
 
-def publish_folder(save_dir: str, tmp_dir: str, name: str) -> Optional[str]:
-    """Rename the finished folder ``tmp_dir`` into place as ``save_dir/name``; returns an
-    older folder of that name's new name (to delete once the tracker is written), if there was
-    one. Training's saves and the conversion tools publish alike."""
-    final = os.path.join(save_dir, name)
-    backup = None
-    if os.path.lexists(final):
-        backup = f"{final}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(final, backup)
-    os.rename(tmp_dir, final)
-    fsync_dir(save_dir)
-    return backup
-
-
 def _finish_on_rank0(save_dir: str, tmp_dir: str, iteration: int, config: Any,
                      valid_loss: Optional[float], manifest: dict) -> None:
     ckpt = config.checkpoint
-    try:
-        write_manifest(tmp_dir, manifest)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    backup = publish_folder(save_dir, tmp_dir, iteration_dir_name(iteration))
-    write_text_atomic(os.path.join(save_dir, TRACKER_FILENAME), str(iteration))
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
+    publish_checkpoint(save_dir, tmp_dir, iteration, manifest)
     remove_leftover_folders(save_dir)
     if ckpt.save_best and valid_loss is not None:
         update_best_checkpoint(save_dir, iteration, valid_loss)
