@@ -167,8 +167,7 @@ def _iteration_folder(load_dir: str, iteration: Optional[int]) -> CheckpointFold
             hint = "it looks like a DeepSpeed checkpoint: use --loader deepspeed"
         elif os.path.isfile(os.path.join(load_dir, "config.json")):
             hint = "it looks like a Hugging Face model: use --loader hf"
-        raise CheckpointError(f"--load-dir {load_dir} holds no {TRACKER_FILENAME} (nor a "
-                              f"complete checkpoint folder): {hint}")
+        raise CheckpointError(f"--load-dir {load_dir} holds no {TRACKER_FILENAME}: {hint}")
     return folder
 
 
