@@ -41,14 +41,15 @@ class SaveJob(Protocol):
 
     iteration: int
     save_dir: str
+    folder: str  # where the checkpoint will be once published
 
     def write(self) -> dict[str, FileDigest]:
         """This rank's files, written into the temporary folder; their digests by path
         relative to the iteration folder. May run in a background thread."""
 
-    def publish(self, digests: dict[str, FileDigest]) -> str:
+    def publish(self, digests: dict[str, FileDigest]) -> None:
         """Global rank 0, once every rank has written: the manifest of ``digests`` (every
-        rank's), the folder renamed into place, the tracker moved; returns the folder."""
+        rank's), the folder renamed into place, the tracker moved."""
 
     def abandon(self) -> None:
         """Global rank 0, when a rank failed: remove what the save wrote."""
@@ -66,17 +67,17 @@ def finish_save(job: SaveJob, error: Optional[BaseException],
     merged: dict[str, FileDigest] = {}
     for part in gather_to_all(digests):
         merged.update(part)
-    folder, error = "", None
+    error = None
     if rank == 0:
         try:
-            folder = job.publish(merged)
+            job.publish(merged)
         except Exception as e:  # noqa: BLE001 - every rank must reach the vote below
             error = e
     if not all_true(error is None):
         _raise_failure(job, error, rank)
     logger.info("successfully saved checkpoint at iteration %7d to %s", job.iteration,
                 job.save_dir)
-    return folder
+    return job.folder
 
 
 def _raise_failure(job: SaveJob, error: Optional[BaseException], rank: int) -> None:

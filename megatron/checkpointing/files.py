@@ -184,9 +184,10 @@ class Deferred:
         for n in reversed(self.shape):
             stride.append(step)
             step *= n
+        # Fresh tuples, as each tensor's own: a shared one would pickle as a memo reference.
         return (torch._utils._rebuild_tensor_v2,
-                (_DeferredStorage(self), 0, self.shape, tuple(reversed(stride)), False,
-                 collections.OrderedDict()))
+                (_DeferredStorage(self), 0, tuple(list(self.shape)), tuple(reversed(stride)),
+                 False, collections.OrderedDict()))
 
 
 class _DeferredStorage(NamedTuple):
