@@ -79,11 +79,11 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
     check_extra(extra)
     chunks = as_chunks(model_chunks)
     layout = current_layout()
-    logger.info("saving checkpoint at iteration %7d to %s%s", iteration, ckpt.save,
-                " (written in the background)" if saver is not None else "")
     background = saver is not None
     if background:
         saver.wait()  # one save at a time: the previous one is published first
+    logger.info("saving checkpoint at iteration %7d to %s%s", iteration, ckpt.save,
+                " (written in the background)" if background else "")
     rng_states = None if ckpt.no_save_rng else gather_rng_states(layout)
     shards = None
     if isinstance(optimizer, DistributedOptimizer) and not ckpt.no_save_optim:

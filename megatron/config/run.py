@@ -212,7 +212,9 @@ class RunConfig:
                  "optimizer's gradients; DeepSpeed's engine keeps its own and reports no count"),
                 (self.training.compile, "--compile is not wired into DeepSpeed's engine (its "
                  "ZeRO hooks and pipeline module are not traced); drop it or train without "
-                 "--deepspeed")):
+                 "--deepspeed"),
+                (self.checkpoint.async_save, "--async-save: DeepSpeed's engine writes its own "
+                 "checkpoints, synchronously")):
             require(not given, f"{why} (with --deepspeed)")
         require(not (self.deepspeed.no_pipeline_parallel and pp > 1),
                 f"--no-pipeline-parallel runs the plain model in DeepSpeed's engine, which has "
