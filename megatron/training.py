@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.checkpointing.async_save import AsyncSaver
+from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ranks import any_true
 from megatron.config import (
     ConfigError,
@@ -794,6 +795,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     if cfg.training.dry_run:
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
     device = initialize_megatron(cfg)
+    save_lock = _lock_save_folder_or_exit(cfg)
     cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
@@ -851,6 +853,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     _end_run(trainer, start, loop_seconds)
+    if save_lock is not None:
+        save_lock.release()
     return state
 
 
@@ -947,6 +951,30 @@ def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
     except checkpointing.CheckpointError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _lock_save_folder_or_exit(cfg: RunConfig):
+    """Global rank 0 locks --save for this run (megatron/checkpointing/lock.py); a folder
+    another live run saves into ends every rank with ``error: ...`` (rank 0) and status 2,
+    before the model is built. Returns the lock (rank 0), else None."""
+    from megatron.checkpointing.lock import SaveLock
+    from megatron.checkpointing.ranks import broadcast_from_rank0
+
+    if not cfg.checkpoint.save:
+        return None
+    lock, problem = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        lock = SaveLock(cfg.checkpoint.save)
+        try:
+            lock.acquire()
+        except (CheckpointError, OSError) as error:
+            lock, problem = None, str(error)
+    problem = broadcast_from_rank0(problem)
+    if problem is not None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return lock
 
 
 def _warn_slow_precision(cfg: RunConfig, device: torch.device) -> None:
