@@ -113,7 +113,7 @@ def pretrain_argv(args: argparse.Namespace, mode: str, save: str) -> list[str]:
         "--micro-batch-size", "1", "--global-batch-size", str(args.dp),
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4",
         "--train-iters", str(args.save_at + args.iters_after), "--log-interval", "1",
-        "--eval-iters", "0", "--use-cpu", "--use-distributed-optimizer",
+        "--eval-iters", "0", "--num-workers", "0", "--use-cpu", "--use-distributed-optimizer",
         "--save", save, "--save-interval", str(args.save_at),
     ]
     if mode.startswith("torch_dist"):
@@ -192,11 +192,16 @@ def run_mode(args: argparse.Namespace, mode: str, root: str) -> Result:
     sampler, clock = _Sampler([p.pid for p in procs]), _LineClock(procs[0].stdout)
     sampler.start()
     clock.start()
-    for p in procs[1:]:
-        p.communicate()
-    procs[0].wait()
-    clock.join()
-    sampler.done.set()
+    try:
+        for p in procs[1:]:
+            p.communicate()
+        procs[0].wait()
+        clock.join()
+    finally:
+        sampler.done.set()
+        for p in procs:  # a failed or interrupted run leaves no rank behind
+            if p.poll() is None:
+                p.kill()
     log = "".join(line for _, line in clock.lines)
     if any(p.returncode != 0 for p in procs):
         if "torch_dist" in mode and "ckpt-format" in log:

@@ -16,8 +16,10 @@ dicts), ``parallel_layout``, ``consumed_train_samples``/``consumed_valid_samples
 ``opt_param_scheduler``, ``rng_state`` (one entry per data-parallel rank: python, numpy, torch
 CPU/CUDA generators and the tensor-parallel tracker) and whatever the caller passed as
 ``extra`` (e.g. ``num_floating_point_operations_so_far``) as further top-level keys.
-The distributed optimizer's state is gathered over data parallel into ``distrib_optim.pt``
-(full, unsharded tensors keyed by parameter name), so it loads at any data-parallel size.
+The distributed optimizer's state is in ``distrib_optim.pt`` (full, unsharded tensors keyed by
+parameter name), so it loads at any data-parallel size; data-parallel rank 0 receives it one
+parameter at a time and streams it into the file, so no rank holds more than its own shard
+and one parameter's buffer.
 ``manifest.json`` (see ``manifest.py``) records what an intact folder is; loading checks each
 file it reads against it, and compares the model flags with the config stored there. Folders
 without one (older saves, Megatron-LM's) load with a warning that they were not verified.
@@ -25,7 +27,12 @@ without one (older saves, Megatron-LM's) load with a warning that they were not 
 A save writes everything into ``SAVE/iter_XXXXXXX.tmp-<unique>``; when every rank has
 succeeded, global rank 0 writes the manifest, renames that folder to ``iter_XXXXXXX`` and only
 then replaces the tracker file. A crash at any point leaves the previous checkpoint the one the
-tracker names; the next save removes the temporary folder such a crash left behind.
+tracker names; the next save removes the temporary folder such a crash left behind. Loading
+takes the tracker's folder, or the newest complete one when the tracker is missing, empty or
+names a folder that is gone or incomplete (``folder.latest_checkpoint``). With
+``--async-save`` the files are written by a background thread from a host copy and published
+later (``async_save.AsyncSaver``). A run holds an advisory lock on its ``--save`` folder
+(``lock.py``).
 Files are read with ``torch.load(weights_only=True)``: everything stored is tensors and plain
 Python values.
 

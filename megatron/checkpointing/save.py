@@ -88,20 +88,23 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
     shards = None
     if isinstance(optimizer, DistributedOptimizer) and not ckpt.no_save_optim:
         shards = optimizer.shard_snapshot(copy=background)  # collective over data parallel
-    model_state = None
+    model_state, problem = None, None
     if layout.dp_rank == 0:  # the replicas' model files would be the same
-        model_state = build_state(iteration, chunks, optimizer, opt_param_scheduler, config,
-                                  layout, rng_states,
-                                  (consumed_train_samples, consumed_valid_samples), extra)
-        if background:
-            model_state = host_copy(model_state)
+        try:
+            model_state = build_state(iteration, chunks, optimizer, opt_param_scheduler,
+                                      config, layout, rng_states,
+                                      (consumed_train_samples, consumed_valid_samples), extra)
+            if background:
+                model_state = host_copy(model_state)
+        except Exception as error:  # noqa: BLE001 - raised by write(), so the ranks vote
+            problem = error
     job = TorchSaveJob(
         iteration=iteration, save_dir=ckpt.save,
         tmp_dir=_make_tmp_dir(ckpt.save, iteration, layout), layout=layout,
         manifest_layout=parallel_layout_dict(layout, len(chunks)),
         config=config_dict(config), checkpoint=ckpt, valid_loss=valid_loss,
         model_state=model_state, shards=shards,
-        transfer=_transfer(layout, saver))
+        transfer=_transfer(layout, saver), problem=problem)
     if saver is None:
         return run_job(job)
     saver.start(job)
@@ -158,6 +161,7 @@ class TorchSaveJob:
     model_state: Optional[dict]  # data-parallel rank 0: model_optim_rng.pt's dict
     shards: Optional[ShardSnapshot]  # the distributed optimizer's share of this rank
     transfer: _Transfer
+    problem: Optional[Exception] = None  # what went wrong taking the state, raised by write
 
     @property
     def folder(self) -> str:
@@ -167,22 +171,29 @@ class TorchSaveJob:
         """Data-parallel rank 0 of each (tensor, pipeline) rank writes model_optim_rng.pt
         and, with the distributed optimizer, distrib_optim.pt (the other data-parallel ranks
         send it their pieces); returns the digests by path relative to the folder."""
-        layout, digests = self.layout, {}
-        if layout.dp_rank == 0:
+        layout, digests, error = self.layout, {}, self.problem
+        if layout.dp_rank == 0 and error is None:
             folder = os.path.join(self.tmp_dir, layout.mp_rank_dir)
-            os.makedirs(folder, exist_ok=True)
-            digests[f"{layout.mp_rank_dir}/{MODEL_FILENAME}"] = write_torch(
-                self.model_state, os.path.join(folder, MODEL_FILENAME))
+            try:
+                os.makedirs(folder, exist_ok=True)
+                digests[f"{layout.mp_rank_dir}/{MODEL_FILENAME}"] = write_torch(
+                    self.model_state, os.path.join(folder, MODEL_FILENAME))
+            except Exception as e:  # noqa: BLE001 - raised once the optimizer pieces are in
+                error = e
             self.model_state = None  # a background save frees its host copy as it goes
         if self.shards is not None:
-            digests.update(self._write_optimizer())
+            # The other data-parallel ranks send their pieces whatever happened here: take
+            # them (writing nothing after an error) so that no rank waits forever.
+            digests.update(self._write_optimizer(write=error is None))
+        if error is not None:
+            raise error
         return digests
 
-    def _write_optimizer(self) -> dict[str, FileDigest]:
+    def _write_optimizer(self, write: bool) -> dict[str, FileDigest]:
         t = self.transfer
         tensors = gather_to_first(self.shards, t.group, t.dp_ranks, t.device)
-        if self.layout.dp_rank != 0:
-            for _ in tensors:  # sends this rank's pieces
+        if self.layout.dp_rank != 0 or not write:
+            for _ in tensors:  # sends this rank's pieces (or takes the others', unwritten)
                 pass
             return {}
         skeleton, deferred = gathered_skeleton(self.shards)

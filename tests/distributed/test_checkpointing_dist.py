@@ -227,9 +227,40 @@ def _streamed_and_background(rank: int, root: str) -> dict:
     unpublished = (saver.pending, ckpt.read_tracker(os.path.join(root, "async")))
     losses = [ddp_step(model, optimizer, scheduler, STEPS_BEFORE + i) for i in range(2)]
     folder = saver.wait()
+    failures = _model_file_failing_on_rank0(rank, root, model, optimizer, scheduler, saver)
     parallel_state.destroy_model_parallel()
     return {"unpublished": unpublished, "folder": folder, "after": losses,
-            "pending_after": saver.pending}
+            "pending_after": saver.pending, "failures": failures}
+
+
+def _model_file_failing_on_rank0(rank, root, model, optimizer, scheduler, saver) -> list[str]:
+    """Data-parallel rank 0's model file fails (a full disk) while rank 1 streams it its
+    optimizer pieces: both ranks fail the save, now and in the background, without waiting
+    for each other forever."""
+    from megatron.checkpointing import save as save_module
+
+    config = run_config(os.path.join(root, "failing"), world_size=2, dropout=0.0,
+                        distributed_optimizer=True)
+    real = save_module.write_torch
+
+    def full_disk(obj, path):
+        raise OSError(28, "No space left on device (simulated)")
+
+    if rank == 0:
+        save_module.write_torch = full_disk
+    failures = []
+    try:
+        for background in (None, saver):
+            try:
+                ckpt.save_checkpoint(4, [model], optimizer, scheduler, config,
+                                     consumed_train_samples=16, saver=background)
+                if background is not None:
+                    background.wait()
+            except ckpt.CheckpointError as error:
+                failures.append(str(error))
+    finally:
+        save_module.write_torch = real
+    return failures
 
 
 def _picklable(tensors: dict) -> dict:
@@ -402,6 +433,11 @@ def test_optimizer_state_streams_to_rank0_and_background_saves_equal_synchronous
         assert result["folder"] == background and result["pending_after"] is None
         # the steps taken while it was written are the uninterrupted run's
         assert result["after"] == runs["ranks"][0]["dp"]["reference"][:2]
+    rank0, rank1 = (r["stream"]["failures"] for r in runs["ranks"])
+    assert len(rank0) == len(rank1) == 2  # the synchronous save, then the background one
+    assert all("failed on rank 0: [Errno 28] No space left on device" in m for m in rank0)
+    assert all("failed on another rank" in m for m in rank1)
+    assert os.listdir(os.path.join(root, "failing")) == []  # nothing published, nothing left
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "truncated-unverified"])

@@ -84,14 +84,18 @@ def gather_to_first(snapshot: ShardSnapshot, group: Any, dp_ranks: list[int],
     """On data-parallel rank 0: each (parameter, key) of ``snapshot.entries()`` as one whole
     tensor of the parameter's shape (fp32, on the CPU). On the other ranks: nothing (it sends
     this rank's pieces as rank 0 asks for them); every data-parallel rank must draw the
-    iterator to its end. ``group`` carries the point-to-point messages (global ranks
-    ``dp_ranks[r]`` for data-parallel rank ``r``); pieces travel on ``device``."""
+    iterator to its end, once (it empties ``snapshot.own`` as it goes). ``group`` carries the
+    point-to-point messages (global ranks ``dp_ranks[r]`` for data-parallel rank ``r``);
+    pieces travel on ``device``."""
     first = snapshot.dp_rank == 0
-    for param, key in snapshot.entries():
-        if first:
-            yield _assemble(snapshot, param, key, group, dp_ranks, device)
-        else:
-            _send_own(snapshot, param, key, group, dp_ranks[0], device)
+    for param in snapshot.params:
+        for key in snapshot.keys:
+            if first:
+                yield _assemble(snapshot, param, key, group, dp_ranks, device)
+            else:
+                _send_own(snapshot, param, key, group, dp_ranks[0], device)
+        # Sent or written: a host copy taken for a background save is freed as it goes.
+        snapshot.own.pop((param.chunk, param.name), None)
 
 
 def _assemble(snapshot: ShardSnapshot, param: ParamPieces, key: str, group: Any,
