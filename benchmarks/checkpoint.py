@@ -22,9 +22,9 @@ checkout of the code before issue 23 (e.g. ``git worktree add /tmp/before main``
 Figures per mode (each from the same run):
 
 - step: the median time of an iteration without a save (the log's elapsed time per iteration)
-- stopped: how long the loop stood still for the save: the elapsed time of the iteration the
-  save came after, less the median step (the log times iteration ends, so a save made after
-  iteration k shows in iteration k + 1)
+- stopped: how long the loop stood still for the save, on rank 0's clock (the time each line
+  of its output arrived): from the "saving checkpoint" line to the "successfully saved" line,
+  or with --async-save to the "copied to host memory" line (after which training goes on)
 - write: from the "saving checkpoint" line to the "successfully saved" line (the save's
   publication; for --async-save it runs beside training)
 - slower steps: for --async-save, the median step while the write ran, over the median step
@@ -61,6 +61,7 @@ _ITERATION = re.compile(r" iteration +(\d+)/ *\d+ \| .*?elapsed time per iterati
                         r"([\d.]+)")
 _SAVING = re.compile(r"saving checkpoint at iteration +(\d+)")
 _SAVED = re.compile(r"successfully saved checkpoint at iteration +(\d+)")
+_COPIED = re.compile(r"checkpoint of iteration +(\d+) copied to host memory")
 
 
 @dataclasses.dataclass
@@ -223,7 +224,10 @@ def _figures(args, mode: str, log: str, clock: _LineClock, sampler: _Sampler,
              and it < args.save_at + args.iters_after]
     step = statistics.median(quiet) if quiet else statistics.median(elapsed.values())
     train_start = clock.first(_ITERATION_ANY, 2) or start - 1.0
-    result = Result(mode, step_s=step, stopped_s=max(elapsed.get(k + 1, step) - step, 0.0),
+    resumed = clock.first(_COPIED, k) if mode.endswith("-async") else published
+    if resumed is None:
+        raise RuntimeError(f"{mode}: no 'copied to host memory' line for iteration {k}")
+    result = Result(mode, step_s=step, stopped_s=resumed - start,
                     write_s=published - start, own_mb=sampler.peak(train_start, start),
                     peak_mb=sampler.peak(start, published),
                     checkpoint_mb=_folder_mb(os.path.join(save, f"iter_{k:07d}")))

@@ -15,6 +15,8 @@ import dataclasses
 import logging
 import os
 import shutil
+import time
+from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -84,10 +86,15 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
         saver.wait()  # one save at a time: the previous one is published first
     logger.info("saving checkpoint at iteration %7d to %s%s", iteration, ckpt.save,
                 " (written in the background)" if background else "")
+    started = time.perf_counter()
+    copy_to_host = None
+    if background:
+        saver.buffers.restart()
+        copy_to_host = saver.buffers.copy
     rng_states = None if ckpt.no_save_rng else gather_rng_states(layout)
     shards = None
     if isinstance(optimizer, DistributedOptimizer) and not ckpt.no_save_optim:
-        shards = optimizer.shard_snapshot(copy=background)  # collective over data parallel
+        shards = optimizer.shard_snapshot(copy_to_host)  # collective over data parallel
     model_state, problem = None, None
     if layout.dp_rank == 0:  # the replicas' model files would be the same
         try:
@@ -95,7 +102,7 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
                                       config, layout, rng_states,
                                       (consumed_train_samples, consumed_valid_samples), extra)
             if background:
-                model_state = host_copy(model_state)
+                model_state = host_copy(model_state, copy_to_host)
         except Exception as error:  # noqa: BLE001 - raised by write(), so the ranks vote
             problem = error
     job = TorchSaveJob(
@@ -108,23 +115,25 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
     if saver is None:
         return run_job(job)
     saver.start(job)
+    logger.info("checkpoint of iteration %7d copied to host memory in %.2f s; training goes on "
+                "while it is written", iteration, time.perf_counter() - started)
     return job.folder
 
 
-def host_copy(obj: Any) -> Any:
-    """``obj`` with every tensor copied to host memory (dicts, lists and tuples rebuilt),
-    so training may change the originals while the copy is written."""
+def host_copy(obj: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by ``copy_tensor(tensor)`` (a host copy; dicts,
+    lists and tuples rebuilt), so training may change the originals while it is written."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return copy_tensor(obj)
     if isinstance(obj, dict):
         out = copy.copy(obj)  # keeps the type and attributes (a state dict's _metadata)
         for k, v in obj.items():
-            out[k] = host_copy(v)
+            out[k] = host_copy(v, copy_tensor)
         return out
     if isinstance(obj, list):
-        return [host_copy(v) for v in obj]
+        return [host_copy(v, copy_tensor) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(host_copy(v) for v in obj)
+        return tuple(host_copy(v, copy_tensor) for v in obj)
     return obj
 
 

@@ -30,7 +30,7 @@ Checkpoints (what ``megatron/checkpointing/`` calls):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -231,11 +231,12 @@ class DistributedOptimizer(MegatronOptimizer):
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
         }
 
-    def shard_snapshot(self, copy: bool = False) -> ShardSnapshot:
+    def shard_snapshot(self, copy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                       ) -> ShardSnapshot:
         """This rank's share of the state and where every rank's pieces go, for
         ``shard_gather.gather_to_first`` (collective over the data-parallel group: which
-        state keys exist, the step). ``copy``: the pieces are host copies (training may go
-        on while they are written); otherwise they are the live tensors."""
+        state keys exist, the step). ``copy``: makes each piece's host copy (training may go
+        on while they are written); without it the pieces are the live tensors."""
         keys = ["param"] + self._present_state_keys()
         step = self._global_step()
         params, own = [], {}
@@ -252,7 +253,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 value = s.main.data if key == "param" else state.get(key)
                 if value is None:  # no state yet: zeros, as gathered_state_dict saves
                     value = torch.zeros_like(s.main.data)
-                piece[key] = value.detach().to("cpu", copy=True) if copy else value.detach()
+                piece[key] = copy(value) if copy is not None else value.detach()
             own[(s.chunk, s.name)] = piece
         groups = [{k: v for k, v in g.items() if k != "params"}
                   for g in self.optimizer.state_dict()["param_groups"]]
