@@ -11,8 +11,9 @@ and how long the loop stands still per save (issue 23).
 Each mode runs ``pretrain_gpt.py`` (``--mock-data``, fp32, ``--use-distributed-optimizer``,
 ``--log-interval 1``) on ``--dp`` CPU ranks over gloo, started directly with RANK/WORLD_SIZE so
 that this script can sample each rank's resident memory (``/proc/PID/status`` VmRSS, every
-10 ms). The run saves at iteration ``--save-at`` and trains ``--iters-after`` more iterations;
-only that first save is measured. Modes: ``torch`` (Megatron's folder, saved synchronously),
+10 ms). The run saves every ``--save-at`` iterations, ``--saves`` times, and trains ``--iters-after``
+more iterations; each of those saves is measured (the first copies into fresh host memory,
+later ones into the buffers --async-save keeps). Modes: ``torch`` (Megatron's folder, saved synchronously),
 ``torch-async`` (the same with ``--async-save``), ``torch_dist`` / ``torch_dist-async``
 (``--ckpt-format torch_dist``: a slot, reported as unavailable where the tree refuses the
 flag). ``--tree DIR`` runs DIR's ``pretrain_gpt.py`` with DIR first on PYTHONPATH: pass a
@@ -23,13 +24,14 @@ Figures per mode (each from the same run):
 
 - step: the median time of an iteration without a save (the log's elapsed time per iteration)
 - stopped: how long the loop stood still for the save, on rank 0's clock (the time each line
-  of its output arrived): from the "saving checkpoint" line to the "successfully saved" line,
-  or with --async-save to the "copied to host memory" line (after which training goes on)
+  of its output arrived): from the log line of the iteration saved to the "successfully
+  saved" line, or with --async-save to the "copied to host memory" line (after which
+  training goes on); it includes waiting for the previous background write, if any
 - write: from the "saving checkpoint" line to the "successfully saved" line (the save's
   publication; for --async-save it runs beside training)
 - slower steps: for --async-save, the median step while the write ran, over the median step
-- own: each rank's largest resident memory while it trained before the save (its model,
-  gradients and optimizer shard); peak: its largest from the save's start to its
+- own: each rank's largest resident memory while it trained before the first save (its
+  model, gradients and optimizer shard); peak: its largest from the save's start to its
   publication; overhead = peak / own - 1
 
 Goals (issue 23): no rank above its own shard plus 10% during a save; with --async-save the
@@ -94,10 +96,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=64,
                    help="short: the save is measured, not the step")
     p.add_argument("--vocab-size", type=int, default=50257)
-    p.add_argument("--save-at", type=int, default=10,
-                   help="the iteration saved (and --save-interval: keep --iters-after below it)")
-    p.add_argument("--iters-after", type=int, default=9,
-                   help="iterations after the save (a background write must end within them)")
+    p.add_argument("--save-at", type=int, default=6,
+                   help="--save-interval (keep --iters-after below it)")
+    p.add_argument("--saves", type=int, default=2, help="saves measured")
+    p.add_argument("--iters-after", type=int, default=5,
+                   help="iterations after the last save (its background write should end "
+                   "within them)")
     p.add_argument("--save-dir", default=None,
                    help="where checkpoints go (default: a temporary folder, removed after)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
@@ -113,7 +117,8 @@ def pretrain_argv(args: argparse.Namespace, mode: str, save: str) -> list[str]:
         "--max-position-embeddings", str(max(args.seq_length, 1024)),
         "--micro-batch-size", "1", "--global-batch-size", str(args.dp),
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4",
-        "--train-iters", str(args.save_at + args.iters_after), "--log-interval", "1",
+        "--train-iters", str(args.save_at * args.saves + args.iters_after),
+        "--log-interval", "1",
         "--eval-iters", "0", "--num-workers", "0", "--use-cpu", "--use-distributed-optimizer",
         "--save", save, "--save-interval", str(args.save_at),
     ]
@@ -177,7 +182,7 @@ class _LineClock(threading.Thread):
         return None
 
 
-def run_mode(args: argparse.Namespace, mode: str, root: str) -> Result:
+def run_mode(args: argparse.Namespace, mode: str, root: str) -> list[Result]:
     save = os.path.join(root, mode)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -206,35 +211,44 @@ def run_mode(args: argparse.Namespace, mode: str, root: str) -> Result:
     log = "".join(line for _, line in clock.lines)
     if any(p.returncode != 0 for p in procs):
         if "torch_dist" in mode and "ckpt-format" in log:
-            return Result(mode, available=False, why="--ckpt-format torch_dist is refused by "
-                          f"{args.tree}")
+            return [Result(mode, available=False, why="--ckpt-format torch_dist is refused "
+                           f"by {args.tree}")]
         raise RuntimeError(f"{mode}: a rank failed:\n{log[-4000:]}")
     return _figures(args, mode, log, clock, sampler, save)
 
 
 def _figures(args, mode: str, log: str, clock: _LineClock, sampler: _Sampler,
-             save: str) -> Result:
-    k = args.save_at
+             save: str) -> list[Result]:
     elapsed = {int(m.group(1)): float(m.group(2)) / 1000 for m in _ITERATION.finditer(log)}
-    start, published = clock.first(_SAVING, k), clock.first(_SAVED, k)
-    if start is None or published is None:
-        raise RuntimeError(f"{mode}: no save of iteration {k} in the log:\n{log[-3000:]}")
-    writing = [it for it, t in _iteration_times(clock).items() if start < t < published]
-    quiet = [elapsed[it] for it in elapsed if it > 2 and it != k + 1 and it not in writing
-             and it < args.save_at + args.iters_after]
+    ends = _iteration_times(clock)
+    saves = [args.save_at * (i + 1) for i in range(args.saves)]
+    windows = {}
+    for k in saves:
+        start, published = clock.first(_SAVING, k), clock.first(_SAVED, k)
+        if start is None or published is None:
+            raise RuntimeError(f"{mode}: no save of iteration {k} in the log:\n{log[-3000:]}")
+        windows[k] = (start, published)
+    busy = {it for it, t in ends.items() for a, b in windows.values() if a - 1e-3 < t < b}
+    last = args.save_at * args.saves + args.iters_after
+    quiet = [elapsed[it] for it in elapsed
+             if it > 2 and it - 1 not in saves and it not in busy and it < last]
     step = statistics.median(quiet) if quiet else statistics.median(elapsed.values())
-    train_start = clock.first(_ITERATION_ANY, 2) or start - 1.0
-    resumed = clock.first(_COPIED, k) if mode.endswith("-async") else published
-    if resumed is None:
-        raise RuntimeError(f"{mode}: no 'copied to host memory' line for iteration {k}")
-    result = Result(mode, step_s=step, stopped_s=resumed - start,
-                    write_s=published - start, own_mb=sampler.peak(train_start, start),
-                    peak_mb=sampler.peak(start, published),
-                    checkpoint_mb=_folder_mb(os.path.join(save, f"iter_{k:07d}")))
-    during = [elapsed[it] for it in writing if it != k + 1]
-    if mode.endswith("-async") and during:
-        result.slower_steps = statistics.median(during) / step
-    return result
+    own = sampler.peak(ends.get(2, windows[saves[0]][0] - 1.0), windows[saves[0]][0])
+    results = []
+    for n, k in enumerate(saves, 1):
+        start, published = windows[k]
+        resumed = clock.first(_COPIED, k) if mode.endswith("-async") else published
+        if resumed is None:
+            raise RuntimeError(f"{mode}: no 'copied to host memory' line for iteration {k}")
+        result = Result(f"{mode} #{n}", step_s=step, stopped_s=resumed - ends[k],
+                        write_s=published - start, own_mb=own,
+                        peak_mb=sampler.peak(start, published),
+                        checkpoint_mb=_folder_mb(os.path.join(save, f"iter_{k:07d}")))
+        during = [elapsed[it] for it, t in ends.items() if start < t < published and it > k + 1]
+        if mode.endswith("-async") and during:
+            result.slower_steps = statistics.median(during) / step
+        results.append(result)
+    return results
 
 
 _ITERATION_ANY = re.compile(r" iteration +(\d+)/")
@@ -260,7 +274,7 @@ def report(results: list[Result], args: argparse.Namespace) -> str:
              f"--use-distributed-optimizer; code: {args.tree}",
              f"{'mode':18} {'ckpt MB':>8} {'step s':>7} {'stopped s':>9} {'write s':>8} "
              f"{'own MB per rank':>20} {'peak MB per rank':>20} {'overhead':>16}"]
-    sync = {r.mode: r for r in results if r.available and not r.mode.endswith("-async")}
+    sync = {r.mode: r for r in results if r.available and "-async" not in r.mode}
     for r in results:
         if not r.available:
             lines.append(f"{r.mode:18} not measured: {r.why}")
@@ -275,7 +289,7 @@ def report(results: list[Result], args: argparse.Namespace) -> str:
         ok = all(o <= MEMORY_GOAL for o in r.overhead)
         lines.append(f"  {r.mode}: memory goal (peak <= own + {MEMORY_GOAL:.0%}) "
                      f"{'met' if ok else 'NOT met'}")
-        base = sync.get(r.mode[:-len("-async")]) if r.mode.endswith("-async") else None
+        base = sync.get(r.mode.replace("-async", "")) if "-async" in r.mode else None
         if base is not None and base.stopped_s > 0:
             share = r.stopped_s / base.stopped_s
             lines.append(f"  {r.mode}: stops the loop {share:.1%} of {base.mode}'s time "
@@ -290,7 +304,7 @@ def main(argv=None) -> int:
     args.tree = os.path.abspath(args.tree)
     root = args.save_dir or tempfile.mkdtemp(prefix="checkpoint-benchmark-")
     try:
-        results = [run_mode(args, mode.strip(), root) for mode in args.modes.split(",")]
+        results = [r for mode in args.modes.split(",") for r in run_mode(args, mode.strip(), root)]
     finally:
         if args.save_dir is None:
             shutil.rmtree(root, ignore_errors=True)
