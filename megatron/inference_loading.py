@@ -60,15 +60,21 @@ _TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_na
                      "vocab_size")
 
 
+def _latest(load_dir: str):
+    """``load_dir``'s latest checkpoint folder (``megatron.checkpointing.folder``); an error
+    when there is none."""
+    from megatron.checkpointing import CheckpointError, latest_checkpoint
+
+    folder = latest_checkpoint(load_dir)
+    if folder is None:
+        raise CheckpointError(f"--load {load_dir} holds no checkpoint "
+                              "(no latest_checkpointed_iteration.txt)")
+    return folder
+
+
 def saved_checkpoint_layout(load_dir: str) -> tuple[int, int]:
     """(tensor, pipeline) sizes ``load_dir``'s latest checkpoint was saved with."""
-    from megatron.checkpointing import read_tracker, torch_dist
-    from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout
-
-    iter_dir = resolve_iteration_dir(load_dir, read_tracker(load_dir))
-    if torch_dist.is_torch_dist(iter_dir):
-        return torch_dist.saved_layout(torch_dist.read_common(iter_dir))
-    return saved_layout(iter_dir)
+    return _latest(load_dir).layout()
 
 
 def launch_layout(saved: tuple[int, int], world_size: int, tp: Optional[int] = None,
@@ -91,16 +97,14 @@ def config_from_checkpoint(load_dir: str, world_size: int = 1, tp: Optional[int]
     """The run configuration to run ``load_dir``'s latest checkpoint on ``world_size``
     processes: its model and tokenizer as saved, the layout of ``launch_layout`` (any, not
     only the saved one), one model chunk per stage, one data-parallel replica."""
-    from megatron.checkpointing import CheckpointError, load_checkpoint_config
+    from megatron.checkpointing import CheckpointError
 
-    stored = load_checkpoint_config(load_dir)
-    if stored is None:
-        raise CheckpointError(f"--load {load_dir} holds no checkpoint "
-                              "(no latest_checkpointed_iteration.txt)")
+    folder = _latest(load_dir)
+    stored = folder.config() or {}
     if not isinstance(stored.get("model"), dict):
         raise CheckpointError(f"--load {load_dir}: the checkpoint stores no configuration of "
                               "ours (saved by Megatron-LM?); convert it first")
-    saved = saved_checkpoint_layout(load_dir)
+    saved = folder.layout()
     tp, pp = launch_layout(saved, world_size, tp, pp)
     saved_parallel = dict(stored.get("parallel", {}))
     if (tp, pp) != saved:  # an uneven stage split was chosen for the saved pipeline size
@@ -229,22 +233,18 @@ def _saved_at_this_layout(cfg: RunConfig) -> bool:
     """Whether --load's latest checkpoint has this run's tensor/pipeline/virtual layout (so
     each rank reads its own file). A missing checkpoint answers True: the native loader
     names it."""
-    from megatron.checkpointing import read_manifest, read_tracker, torch_dist
-    from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout
+    from megatron.checkpointing import latest_checkpoint
 
     load, p = cfg.checkpoint.load, cfg.parallel
-    tracker = read_tracker(load) if os.path.isdir(load) else None
-    if tracker is None:
+    folder = latest_checkpoint(load) if os.path.isdir(load) else None
+    if folder is None:
         return True
-    iter_dir = resolve_iteration_dir(load, tracker)
-    if torch_dist.is_torch_dist(iter_dir):
+    if folder.format.name == "torch_dist":
         return True  # each rank reads its own pieces at any layout
-    if saved_layout(iter_dir) != (p.tensor_model_parallel_size, p.pipeline_model_parallel_size):
+    if folder.layout() != (p.tensor_model_parallel_size, p.pipeline_model_parallel_size):
         return False
-    manifest = read_manifest(iter_dir) or {}
-    chunks = (manifest.get("parallel_layout") or {}).get("num_model_chunks", 1)
-    saved = ((manifest.get("config") or {}).get("parallel") or {})
-    return chunks == (p.virtual_pipeline_model_parallel_size or 1) and all(
+    saved = ((folder.manifest or {}).get("config") or {}).get("parallel") or {}
+    return folder.num_model_chunks() == (p.virtual_pipeline_model_parallel_size or 1) and all(
         saved.get(k) == getattr(p, k) for k in ("decoder_first_pipeline_num_layers",
                                                 "decoder_last_pipeline_num_layers"))
 

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.checkpointing.async_save import AsyncSaver
+from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ranks import any_true
 from megatron.config import (
     ConfigError,
@@ -371,12 +373,20 @@ class _SignalFlag:
     """Remembers that SIGTERM arrived; the loop checks it between iterations."""
 
     def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
         self.received = False
         if enabled:
             signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.received = True
+
+    def catch_while_writing(self, writing: bool) -> None:
+        """Without --exit-signal-handler SIGTERM ends the process at once, except while a
+        checkpoint is written in the background: then it is remembered, and the run ends
+        once that checkpoint is finished."""
+        if not self.enabled:
+            signal.signal(signal.SIGTERM, self._handle if writing else signal.SIG_DFL)
 
 
 # The loop --------------------------------------------------------------------------------
@@ -408,6 +418,9 @@ class Trainer:
         self.tensorboard = TensorBoard(self.cfg.logging.tensorboard_dir, is_logger,
                                        self.cfg.logging.tensorboard_queue_size, wandb)
         self.signal = _SignalFlag(t.exit_signal_handler)
+        # --async-save: checkpoints written in the background (built on every rank: a group).
+        self.saver = AsyncSaver(t.distributed_timeout_minutes) \
+            if self.cfg.checkpoint.async_save else None
         self.guard = NonFiniteGuard(t.max_consecutive_nonfinite_iterations)
         self._refused_save: Optional[int] = None
         self.start_time = time.time()
@@ -629,6 +642,8 @@ class Trainer:
         s, cfg = self.state, self.cfg
         it = s.iteration
         t, ck = cfg.training, cfg.checkpoint
+        if self.saver is not None and self.saver.poll() is not None:
+            self.signal.catch_while_writing(False)
         if t.eval_interval and it % t.eval_interval == 0 and self.has_valid:
             losses = self.run_evaluation(f"validation loss at iteration {it}", self.valid_iter,
                                          t.eval_iters)
@@ -638,14 +653,16 @@ class Trainer:
             self.save()
         reason = None
         if any_true(self.signal.received):
-            reason = "signal"
+            reason = "signal" if t.exit_signal_handler else "signal-while-writing"
         elif t.exit_duration_in_mins and any_true(
                 (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins):
             reason = "duration"
         elif t.exit_interval and it % t.exit_interval == 0:
             reason = "interval"
-        if reason and ck.save:
+        if reason and ck.save and reason != "signal-while-writing":
             self.save()  # once: a no-op if this iteration is saved already
+        if reason:
+            self.finish_writing()
         return reason
 
     def finish(self) -> None:
@@ -658,6 +675,7 @@ class Trainer:
             self._track_best(losses)
         if self.cfg.checkpoint.save:
             self.save()
+            self.finish_writing()
         self.run_evaluation(f"test loss at the end of training (iteration {s.iteration})",
                             self.test_iter, t.eval_iters, self.has_test)
 
@@ -677,15 +695,26 @@ class Trainer:
             return
         if loss < self.state.best_valid_loss:
             self.state.best_valid_loss = loss
+            if self.state.last_saved != self.state.iteration and self.engine is None:
+                self.save(valid_loss=loss)  # recorded as the best when it is published
+                return
+            self.finish_writing()  # this iteration's folder must exist to be named the best
             if self.save() and (not dist.is_initialized() or dist.get_rank() == 0):
                 from megatron import checkpointing
 
                 checkpointing.update_best_checkpoint(ck.save, self.state.iteration, loss)
 
-    def save(self) -> bool:
-        """Save this iteration once; returns whether it has a checkpoint now. None is saved at
-        an iteration whose step was skipped as non-finite, and none that holds a NaN/Inf
-        (``NonFiniteError`` on every rank instead)."""
+    def finish_writing(self) -> None:
+        """Wait for a checkpoint written in the background (--async-save) and publish it;
+        collective. A failed write raises ``CheckpointError`` on every rank."""
+        if self.saver is not None and self.saver.wait() is not None:
+            self.signal.catch_while_writing(False)
+
+    def save(self, valid_loss: Optional[float] = None) -> bool:
+        """Save this iteration once; returns whether it has a checkpoint now (or, with
+        --async-save, is being written). None is saved at an iteration whose step was skipped
+        as non-finite, and none that holds a NaN/Inf (``NonFiniteError`` on every rank
+        instead). ``valid_loss``: recorded as the best checkpoint's (--save-best) if lowest."""
         s = self.state
         from megatron import checkpointing
 
@@ -704,10 +733,13 @@ class Trainer:
             return True
         self.optimizer.average_replicas()  # --dp-mode decentralized saves the replicas' mean
         check_finite_for_save(self.chunks, self.optimizer, s.iteration)
+        if self.saver is not None:  # from before the writer thread starts
+            self.signal.catch_while_writing(True)
         folder = checkpointing.save_checkpoint(
             s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
             consumed_train_samples=s.consumed_train_samples,
-            consumed_valid_samples=s.consumed_valid_samples)
+            consumed_valid_samples=s.consumed_valid_samples, valid_loss=valid_loss,
+            saver=self.saver)
         # checkpointing logs the save ("successfully saved checkpoint ..."); the run summary
         # names the last folder.
         s.last_saved, s.last_checkpoint = s.iteration, folder
@@ -763,6 +795,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     if cfg.training.dry_run:
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
     device = initialize_megatron(cfg)
+    save_lock = _lock_save_folder_or_exit(cfg)
     cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
@@ -808,14 +841,20 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             trainer.finish()
         else:
             print_rank_0(_exit_message(reason, state, cfg))
+        if reason == "signal-while-writing":  # SIGTERM's own status, once the save is done
+            _end_run(trainer, start, loop_seconds)
+            raise SystemExit(128 + signal.SIGTERM)
     except NonFiniteError as error:
         # Every rank raised it at the same point (its decisions are collective).
+        trainer.finish_writing()  # a checkpoint of a finite iteration being written
         trainer.tensorboard.close()
         _finish()
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     _end_run(trainer, start, loop_seconds)
+    if save_lock is not None:
+        save_lock.release()
     return state
 
 
@@ -882,6 +921,8 @@ def _end_run(trainer: Trainer, start: _RunStart, loop_seconds: float) -> None:
 
 _EXIT_MESSAGES = {
     "signal": "SIGTERM received with --exit-signal-handler",
+    "signal-while-writing": "SIGTERM received while a checkpoint was written in the "
+    "background: it was finished first",
     "duration": "--exit-duration-in-mins reached",
     "interval": "--exit-interval reached",
 }
@@ -910,6 +951,30 @@ def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
     except checkpointing.CheckpointError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _lock_save_folder_or_exit(cfg: RunConfig):
+    """Global rank 0 locks --save for this run (megatron/checkpointing/lock.py); a folder
+    another live run saves into ends every rank with ``error: ...`` (rank 0) and status 2,
+    before the model is built. Returns the lock (rank 0), else None."""
+    from megatron.checkpointing.lock import SaveLock
+    from megatron.checkpointing.ranks import broadcast_from_rank0
+
+    if not cfg.checkpoint.save:
+        return None
+    lock, problem = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        lock = SaveLock(cfg.checkpoint.save)
+        try:
+            lock.acquire()
+        except (CheckpointError, OSError) as error:
+            lock, problem = None, str(error)
+    problem = broadcast_from_rank0(problem)
+    if problem is not None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return lock
 
 
 def _warn_slow_precision(cfg: RunConfig, device: torch.device) -> None:

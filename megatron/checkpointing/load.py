@@ -27,7 +27,12 @@ from megatron.checkpointing.errors import (
     CheckpointLayoutError,
 )
 from megatron.checkpointing.files import read_torch
-from megatron.checkpointing.manifest import read_manifest, verify_files
+from megatron.checkpointing.folder import (
+    CheckpointFolder,
+    check_load_dir,
+    latest_checkpoint,
+    list_iterations,
+)
 from megatron.checkpointing.model_shape import check_model_shape
 from megatron.checkpointing.paths import (
     DISTRIB_OPTIM_FILENAME,
@@ -35,14 +40,6 @@ from megatron.checkpointing.paths import (
     MODEL_FILENAME,
     RESHARD_HINT,
     TRACKER_FILENAME,
-    Tracker,
-    check_layout,
-    check_load_dir,
-    list_iterations,
-    mp_rank_dir_name,
-    read_tracker,
-    resolve_iteration_dir,
-    saved_layout,
 )
 from megatron.checkpointing.ranks import (
     RankLayout,
@@ -117,25 +114,25 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
     if ckpt.load is None:
         return LoadedCheckpoint()
     check_load_dir(ckpt.load)
-    tracker = read_tracker(ckpt.load)
-    check_same_everywhere(-1 if tracker is None else tracker.iteration, "the latest iteration")
-    if tracker is None:
+    folder = _agreed_latest(ckpt.load)
+    if folder is None:
         if ckpt.exit_on_missing_checkpoint:
             raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint in --load "
                                   f"{ckpt.load} (no {TRACKER_FILENAME} there)")
-        logger.warning("no %s in %s: starting from scratch", TRACKER_FILENAME, ckpt.load)
+        logger.warning("no checkpoint in %s (no %s there): starting from scratch", ckpt.load,
+                       TRACKER_FILENAME)
         return LoadedCheckpoint()
 
     chunks = as_chunks(model_chunks)
     layout = current_layout()
-    model_only = ckpt.finetune or tracker.release
+    model_only = ckpt.finetune or folder.release
     load_optim = not model_only and not ckpt.no_load_optim
-    if _is_torch_dist(resolve_iteration_dir(ckpt.load, tracker)):
-        return _load_torch_dist(tracker, chunks, optimizer, opt_param_scheduler, config, layout,
+    if folder.format.name == "torch_dist":
+        return _load_torch_dist(folder, chunks, optimizer, opt_param_scheduler, config, layout,
                                 model_only, load_optim)
     error, files = None, None
     try:
-        files = _read_rank_files(config, tracker, layout, optimizer, load_optim)
+        files = _read_rank_files(config, folder, layout, optimizer, load_optim)
         _load_model(files.state, chunks, files.path, strict)
     except Exception as e:  # noqa: BLE001 - decide together before any collective
         error = e
@@ -148,8 +145,8 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
         files, ckpt, layout, optimizer, opt_param_scheduler, model_only, load_optim)
     state = files.state
     rng_wanted = not model_only and not ckpt.no_load_rng
-    report = LoadReport(os.path.dirname(os.path.dirname(files.path)), tracker.iteration,
-                        tracker.release, load_optim, scheduler_loaded, rng_loaded,
+    report = LoadReport(folder.path, folder.iteration, folder.release, load_optim,
+                        scheduler_loaded, rng_loaded,
                         rng_from_seed=rng_wanted and not rng_loaded)
     if model_only:
         return LoadedCheckpoint(0, 0, 0, extra_entries(state), report)
@@ -157,24 +154,40 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
                             extra=extra_entries(state), report=report)
 
 
-def _read_rank_files(config: Any, tracker: Tracker, layout: RankLayout, optimizer: Any,
+def _agreed_latest(load_dir: str) -> Optional[CheckpointFolder]:
+    """``latest_checkpoint(load_dir)``, the same on every rank (an error on any is raised on
+    all, so none waits for the others in a collective)."""
+    error, folder = None, None
+    try:
+        folder = latest_checkpoint(load_dir)
+    except CheckpointError as e:
+        error = e
+    if not all_true(error is None):
+        if error is not None:
+            raise error
+        raise CheckpointError(f"finding the checkpoint in --load {load_dir} failed on another "
+                              "rank (see its error)")
+    check_same_everywhere(-1 if folder is None else folder.iteration, "the latest iteration")
+    return folder
+
+
+def _read_rank_files(config: Any, folder: CheckpointFolder, layout: RankLayout, optimizer: Any,
                      load_optim: bool) -> _RankFiles:
-    """Check the tracker's folder against this run and its manifest, then read this rank's
-    files. The model shape is compared before any tensor is read when there is a manifest."""
+    """Check the folder against this run and its manifest, then read this rank's files. The
+    model shape is compared before any tensor is read when there is a manifest."""
     ckpt = config.checkpoint
-    iter_dir = resolve_iteration_dir(ckpt.load, tracker)
-    check_layout(iter_dir, layout.tp_size, layout.pp_size)
-    where = f"{iter_dir} (--load {ckpt.load})"
-    manifest = read_manifest(iter_dir)
+    _check_layout(folder, layout.tp_size, layout.pp_size)
+    where = f"{folder.path} (--load {ckpt.load})"
+    manifest = folder.manifest
     if manifest is not None:
         check_model_shape(manifest.get("config"), config.model, where)
-        _verify(iter_dir, manifest, layout, load_optim, ckpt)
+        _verify(folder, layout, load_optim, ckpt)
     elif layout.rank == 0:
         logger.warning("checkpoint %s has no %s (saved by an older version, or by Megatron-LM "
-                       "/ Megatron-DeepSpeed): its files are not verified", iter_dir,
+                       "/ Megatron-DeepSpeed): its files are not verified", folder.path,
                        MANIFEST_FILENAME)
-    path = os.path.join(iter_dir, layout.mp_rank_dir, MODEL_FILENAME)
-    logger.info("loading checkpoint from %s at iteration %d", ckpt.load, tracker.iteration)
+    path = folder.rank_file(layout.tp_rank, layout.pp_rank, layout.pp_size)
+    logger.info("loading checkpoint from %s at iteration %d", ckpt.load, folder.iteration)
     state = read_torch(path)
     check_version(state, path)
     if manifest is None:
@@ -183,19 +196,30 @@ def _read_rank_files(config: Any, tracker: Tracker, layout: RankLayout, optimize
     return _RankFiles(path, state, distrib_state)
 
 
-def _verify(iter_dir: str, manifest: dict, layout: RankLayout, load_optim: bool,
-            ckpt: Any) -> None:
+def _check_layout(folder: CheckpointFolder, tp_size: int, pp_size: int) -> None:
+    """Raise ``CheckpointLayoutError`` unless ``folder`` was saved at (tp_size, pp_size)."""
+    saved = folder.layout()
+    now = (tp_size, pp_size)
+    if saved != now:
+        raise CheckpointLayoutError(
+            f"checkpoint {folder.path} was saved with tensor-model-parallel size {saved[0]} and "
+            f"pipeline-model-parallel size {saved[1]} (tp={saved[0]}, pp={saved[1]}); this run "
+            f"has tp={now[0]}, pp={now[1]}. Run with the saved layout, or {RESHARD_HINT}")
+
+
+def _verify(folder: CheckpointFolder, layout: RankLayout, load_optim: bool, ckpt: Any) -> None:
     """Check the files this rank reads against the manifest. Every rank checks sizes; the
     data-parallel rank 0 of each (tensor, pipeline) rank also checksums them, for its
     replicas read the same files (and a failure on any rank fails the load on all)."""
     model = f"{layout.mp_rank_dir}/{MODEL_FILENAME}"
     distrib = f"{layout.mp_rank_dir}/{DISTRIB_OPTIM_FILENAME}"
-    rel_paths = [model] + ([distrib] if load_optim and distrib in manifest["files"] else [])
+    rel_paths = [model] + ([distrib] if load_optim and distrib in folder.manifest["files"]
+                           else [])
     checksums = layout.dp_rank == 0 and not ckpt.no_verify_checkpoint
     try:
-        verify_files(iter_dir, manifest, rel_paths, checksums=checksums)
+        folder.verify(rel_paths, checksums=checksums)
     except CheckpointCorruptError as error:
-        hint = _earlier_checkpoints_hint(ckpt.load, manifest.get("iteration"))
+        hint = _earlier_checkpoints_hint(ckpt.load, folder.manifest.get("iteration"))
         raise CheckpointCorruptError(f"{error}. {hint}") from error
 
 
@@ -288,23 +312,17 @@ def _load_optimizer(files: _RankFiles, optimizer: Any, scheduler: Any) -> bool:
     return False
 
 
-def _is_torch_dist(iter_dir: str) -> bool:
-    from megatron.checkpointing import torch_dist
-
-    return torch_dist.is_torch_dist(iter_dir)
-
-
-def _load_torch_dist(tracker: Tracker, chunks: list[nn.Module], optimizer: Any, scheduler: Any,
-                     config: Any, layout: RankLayout, model_only: bool,
+def _load_torch_dist(folder: CheckpointFolder, chunks: list[nn.Module], optimizer: Any,
+                     scheduler: Any, config: Any, layout: RankLayout, model_only: bool,
                      load_optim: bool) -> LoadedCheckpoint:
     """``load_checkpoint`` of a torch_dist folder (ours or Megatron-LM's), at any layout."""
     from megatron.checkpointing import torch_dist
 
     ckpt = config.checkpoint
-    iter_dir = resolve_iteration_dir(ckpt.load, tracker)
+    iter_dir = folder.path
     error, common = None, None
     try:
-        _verify_torch_dist(iter_dir, layout, ckpt)
+        _verify_torch_dist(folder, layout, ckpt)
         common = torch_dist.read_common(iter_dir)
         torch_dist.check_stored_config(common, config, f"{iter_dir} (--load {ckpt.load})")
     except Exception as e:  # noqa: BLE001 - decide together before any collective
@@ -315,11 +333,11 @@ def _load_torch_dist(tracker: Tracker, chunks: list[nn.Module], optimizer: Any, 
         raise CheckpointError(f"loading the checkpoint from {ckpt.load} failed on another rank "
                               "(see its error)")
     logger.info("loading torch_dist checkpoint from %s at iteration %d", ckpt.load,
-                tracker.iteration)
+                folder.iteration)
     rng_wanted = not model_only and not ckpt.no_load_rng
     restored = torch_dist.read_into(iter_dir, common, chunks, optimizer, scheduler, config,
                                     layout, load_optim, rng_wanted)
-    report = LoadReport(iter_dir, tracker.iteration, tracker.release, restored.optimizer,
+    report = LoadReport(iter_dir, folder.iteration, folder.release, restored.optimizer,
                         restored.scheduler, restored.rng,
                         rng_from_seed=rng_wanted and not restored.rng)
     extra = torch_dist.extra_entries(common)
@@ -328,23 +346,22 @@ def _load_torch_dist(tracker: Tracker, chunks: list[nn.Module], optimizer: Any, 
     return LoadedCheckpoint(*torch_dist.counters(common), extra=extra, report=report)
 
 
-def _verify_torch_dist(iter_dir: str, layout: RankLayout, ckpt: Any) -> None:
+def _verify_torch_dist(folder: CheckpointFolder, layout: RankLayout, ckpt: Any) -> None:
     """Every rank checks every file's size against the manifest (each reads pieces of
     many); the checksums are shared out, each file read by one rank."""
-    manifest = read_manifest(iter_dir)
-    if manifest is None:
+    if folder.manifest is None:
         if layout.rank == 0:
             logger.warning("checkpoint %s has no %s (saved by Megatron-LM?): its files are not "
-                           "verified", iter_dir, MANIFEST_FILENAME)
+                           "verified", folder.path, MANIFEST_FILENAME)
         return
-    names = sorted(manifest["files"])
+    names = sorted(folder.manifest["files"])
     world = dist.get_world_size() if dist.is_initialized() else 1
     try:
-        verify_files(iter_dir, manifest, names, checksums=False)
+        folder.verify(names, checksums=False)
         if not ckpt.no_verify_checkpoint:
-            verify_files(iter_dir, manifest, names[layout.rank::world], checksums=True)
+            folder.verify(names[layout.rank::world], checksums=True)
     except CheckpointCorruptError as error:
-        hint = _earlier_checkpoints_hint(ckpt.load, manifest.get("iteration"))
+        hint = _earlier_checkpoints_hint(ckpt.load, folder.iteration)
         raise CheckpointCorruptError(f"{error}. {hint}") from error
 
 
@@ -352,18 +369,5 @@ def load_checkpoint_config(load_dir: str) -> Optional[dict]:
     """The run configuration stored with the latest checkpoint of ``load_dir`` (plain dicts;
     Megatron's checkpoints: their argparse fields), or None if there is no checkpoint or it
     stores none (for ``--use-checkpoint-args``). Read from the manifest when there is one."""
-    tracker = read_tracker(load_dir)
-    if tracker is None:
-        return None
-    iter_dir = resolve_iteration_dir(load_dir, tracker)
-    manifest = read_manifest(iter_dir)
-    if manifest is not None and manifest.get("config") is not None:
-        return manifest["config"]
-    if _is_torch_dist(iter_dir):
-        from megatron.checkpointing import torch_dist
-
-        return torch_dist.stored_config(torch_dist.read_common(iter_dir), iter_dir)
-    _, pp = saved_layout(iter_dir)
-    return stored_config(read_torch(os.path.join(iter_dir, mp_rank_dir_name(0, 0, pp),
-                                                 MODEL_FILENAME)))
-
+    folder = latest_checkpoint(load_dir)
+    return None if folder is None else folder.config()

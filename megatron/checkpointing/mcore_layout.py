@@ -31,8 +31,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron.conversion.sharding import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, tp_split_dim
-
 LAYERS = "decoder.layers."
 # Our per-layer parameter names (after "encoder.layers.{i}.") -> megatron-core's.
 _LAYER_NAMES = {
@@ -49,13 +47,14 @@ _LAYER_NAMES = {
     "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
     "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
 }
-_OTHER_NAMES = {
-    WORD_EMBEDDINGS: WORD_EMBEDDINGS,
-    TIED_COPY: WORD_EMBEDDINGS,
+_WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+_OTHER_NAMES = {  # conversion/sharding.py names these (WORD_EMBEDDINGS, TIED_COPY, ...)
+    _WORD_EMBEDDINGS: _WORD_EMBEDDINGS,
+    "word_embeddings.weight": _WORD_EMBEDDINGS,  # the last stage's tied copy
     "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
     "final_layernorm.weight": "decoder.final_layernorm.weight",
     "final_layernorm.bias": "decoder.final_layernorm.bias",
-    OUTPUT_LAYER: OUTPUT_LAYER,
+    "output_layer.weight": "output_layer.weight",
 }
 # megatron-core keeps an ``_extra_state`` (Transformer Engine's FP8 metadata; None on its
 # local layers) per linear layer of each transformer layer; its loader asks for them.
@@ -90,6 +89,9 @@ def place(name: str, shape: tuple[int, ...], layer: Optional[int], num_layers: i
           tp_rank: int, tp_size: int) -> Place:
     """The place of our parameter ``name`` (chunk name) of local ``shape`` on tensor rank
     ``tp_rank``; ``layer``: its global layer index (0-based) for a layer's parameter."""
+    # Imported here: megatron.conversion imports this package (checkpointing) at its start.
+    from megatron.conversion.sharding import TIED_COPY, tp_split_dim
+
     dim = tp_split_dim(name)
     full = list(shape)
     offset = [0] * len(shape)

@@ -36,11 +36,13 @@ buckets of megatron-core's own buffers) is not read: such a load asks for ``--no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -64,6 +66,7 @@ from megatron.checkpointing.files import (
     write_text_atomic,
     write_torch,
 )
+from megatron.checkpointing.folder import MEGATRON, FolderFormat, register_format
 from megatron.checkpointing.mcore_layout import (
     EXTRA_STATE_MODULES,
     OPTIMIZER_PREFIX,
@@ -76,6 +79,7 @@ from megatron.checkpointing.mcore_layout import (
 )
 from megatron.checkpointing.paths import CHECKPOINT_VERSION
 from megatron.checkpointing.ranks import RankLayout, all_true
+from megatron.checkpointing.save import PublishedSave
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, merge_param_groups
 from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
@@ -90,6 +94,21 @@ _BACKEND = {"sharded_backend": FORMAT, "sharded_backend_version": 1,
 # common.pt entries read here (the rest are the caller's ``extra``).
 COMMON_KEYS = RESERVED_KEYS | {"content_metadata", "rerun_state_machine", "model", "model0"}
 _MAIN_KINDS = ("param", "fp32_param")  # where fp32 main weights are stored
+
+
+def _recognise(iter_dir: str) -> bool:
+    try:
+        return is_torch_dist(iter_dir)
+    except CheckpointError:
+        return False  # another distributed backend: not ours to read
+
+
+def _folder_layout(iter_dir: str) -> tuple[int, int]:
+    return saved_layout(read_common(iter_dir))
+
+
+def _folder_config(iter_dir: str) -> Optional[dict]:
+    return stored_config(read_common(iter_dir), iter_dir)
 
 
 def is_torch_dist(iter_dir: str) -> bool:
@@ -386,10 +405,12 @@ class PreparedSave(NamedTuple):
 def prepare_save(iteration: int, model_chunks: ModelChunks, optimizer: Any, scheduler: Any,
                  config: Any, layout: RankLayout, rng_states: Optional[list[dict]],
                  consumed: tuple[int, int], extra: Optional[dict], *,
-                 to_host: bool = False) -> PreparedSave:
+                 copy_to_host: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                 ) -> PreparedSave:
     """What this rank writes (every rank calls it: the distributed optimizer's step count is
-    agreed over data parallel, and the ranks vote on success). ``to_host``: copy the tensors
-    to host memory, so training may change the originals while ``write_save`` runs."""
+    agreed over data parallel, and the ranks vote on success). ``copy_to_host``: copy each
+    tensor with it (into host memory), so training may change the originals while
+    ``write_save`` runs."""
     chunks = as_chunks(model_chunks)
     save_optim = optimizer is not None and not config.checkpoint.no_save_optim
     optimizer_common = _optimizer_common(optimizer) if save_optim else None
@@ -404,9 +425,8 @@ def prepare_save(iteration: int, model_chunks: ModelChunks, optimizer: Any, sche
                 objects[key] = _object_bytes([[_megatron_rng(e) for e in rng_states]])
         if save_optim:
             pieces += _optimizer_pieces(optimizer, chunks, config, layout)
-        if to_host:
-            pieces = [p.with_tensor(p.tensor.detach().to("cpu", copy=True))
-                      for p in pieces]
+        if copy_to_host is not None:
+            pieces = [p.with_tensor(copy_to_host(p.tensor)) for p in pieces]
         if layout.rank == 0:
             common = _common(iteration, chunks, optimizer, scheduler, config, layout, consumed,
                              extra, optimizer_common)
@@ -440,6 +460,37 @@ def save_files(folder: str, iteration: int, model_chunks: ModelChunks, optimizer
     calls it; a collective). Returns the digests of the files this rank wrote, by name."""
     return write_save(folder, prepare_save(iteration, model_chunks, optimizer, scheduler,
                                            config, layout, rng_states, consumed, extra))
+
+
+@dataclasses.dataclass
+class TorchDistSaveJob(PublishedSave):
+    """One torch_dist save (a ``SaveJob``, see async_save.py): this rank's prepared part,
+    written by ``write`` (in the background over ``group``, the saver's own gloo group)."""
+
+    prepared: Optional[PreparedSave] = None
+    group: Any = None
+
+    def write(self) -> dict[str, FileDigest]:
+        digests = write_save(self.tmp_dir, self.prepared, self.group)
+        self.prepared = None  # a background save frees its host copies
+        return digests
+
+
+def start_save(iteration: int, chunks: list[nn.Module], optimizer: Any, scheduler: Any,
+               config: Any, layout: RankLayout, rng_states: Optional[list[dict]],
+               consumed: tuple[int, int], extra: Optional[dict], valid_loss: Optional[float],
+               make_tmp_dir: Callable[[], str], saver: Any = None) -> TorchDistSaveJob:
+    """A torch_dist save of this rank (every rank calls it): the state taken now (into the
+    saver's host buffers when there is a ``saver``: ``--async-save``), the folder made; the
+    caller writes and publishes it (``async_save.run_job`` or ``saver.start``)."""
+    copy = saver.buffers.copy if saver is not None else None
+    prepared = prepare_save(iteration, chunks, optimizer, scheduler, config, layout,
+                            rng_states, consumed, extra, copy_to_host=copy)
+    return TorchDistSaveJob(
+        iteration=iteration, save_dir=config.checkpoint.save, tmp_dir=make_tmp_dir(),
+        manifest_layout=parallel_layout_dict(layout, len(chunks)),
+        config=config_dict(config), checkpoint=config.checkpoint, valid_loss=valid_loss,
+        prepared=prepared, group=saver.group if saver is not None else None)
 
 
 # Reading -------------------------------------------------------------------------------------
@@ -722,3 +773,7 @@ def check_stored_config(common: dict, config: Any, where: str) -> dict:
         raise CheckpointError(f"checkpoint {where} has a vocabulary of {vocab}, you asked for "
                               f"{config.model.vocab_size} (--vocab-size or the tokenizer's)")
     return saved
+
+
+TORCH_DIST = FolderFormat(FORMAT, MEGATRON, _recognise, _folder_layout, _folder_config)
+register_format(TORCH_DIST)

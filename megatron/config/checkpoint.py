@@ -39,6 +39,10 @@ class CheckpointConfig(Slice):
     no_verify_checkpoint: bool = option(
         default=False, help="Load without checksumming the files against the checkpoint's "
         "manifest.json (sizes are still checked): for checkpoints too large to read twice.")
+    async_save: bool = option(
+        default=False, help="Write checkpoints in the background: the state is copied to host "
+        "memory, training goes on, and the checkpoint becomes the latest once every rank has "
+        "written it (a save still running is finished before the run ends).")
     ckpt_format: str = option(
         default="torch", choices=("torch", "torch_dist"),
         help="torch: Megatron's iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt files, one per "
@@ -51,5 +55,7 @@ class CheckpointConfig(Slice):
         check_refused(self)
         one_of(self, "ckpt_format", ("torch", "torch_dist"))
         optional_positive(self, "save_interval", "keep_last_n_checkpoints")
+        require(not self.async_save or self.save is not None,
+                "--async-save needs --save (the folder the checkpoints are written to)")
         require(self.save is None or self.save_interval is not None,
                 f"--save ({self.save}) needs --save-interval")

@@ -216,7 +216,9 @@ class RunConfig:
                  "ZeRO hooks and pipeline module are not traced); drop it or train without "
                  "--deepspeed"),
                 (self.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist: "
-                 "DeepSpeed's engine saves its own checkpoint layout")):
+                 "DeepSpeed's engine saves its own checkpoint layout"),
+                (self.checkpoint.async_save, "--async-save: DeepSpeed's engine writes its own "
+                 "checkpoints, synchronously")):
             require(not given, f"{why} (with --deepspeed)")
         require(not (self.deepspeed.no_pipeline_parallel and pp > 1),
                 f"--no-pipeline-parallel runs the plain model in DeepSpeed's engine, which has "

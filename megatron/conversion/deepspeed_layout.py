@@ -41,6 +41,7 @@ from typing import Optional
 from megatron.checkpointing.contents import consumed_samples, stored_config
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import read_torch
+from megatron.checkpointing.folder import DEEPSPEED, checkpoint_at, latest_checkpoint
 from megatron.conversion import megatron_deepspeed as mds
 from megatron.conversion.full import (
     FullCheckpoint,
@@ -51,7 +52,6 @@ from megatron.conversion.full import (
 from megatron.conversion.sharding import TIED_COPY, merge_tp
 from megatron.conversion.zero_optim import read_zero_optimizer
 
-LATEST_FILENAME = "latest"
 _MP_FILE_RE = re.compile(r"mp_rank_(\d{2})_model_states\.pt")
 _ZERO3_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt")
 # DeepSpeed names the tensor ("model") rank only when the topology has that axis.
@@ -107,19 +107,13 @@ def _step_folder(load_dir: str, iteration: Optional[int]) -> str:
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load-dir {load_dir} is not a folder")
     if iteration is not None:
-        tag = f"global_step{iteration}"
-    else:
-        latest = os.path.join(load_dir, LATEST_FILENAME)
-        if not os.path.isfile(latest):
-            raise CheckpointError(f"--load-dir {load_dir} holds no '{LATEST_FILENAME}' file: "
-                                  "pass the folder DeepSpeed saved into, or --iteration N")
-        with open(latest) as f:
-            tag = f.read().strip()
-    step_dir = os.path.join(load_dir, tag)
-    if not os.path.isdir(step_dir):
-        raise CheckpointError(f"{step_dir} does not exist (named by "
-                              f"{'--iteration' if iteration is not None else LATEST_FILENAME})")
-    return step_dir
+        return checkpoint_at(load_dir, iteration, naming=DEEPSPEED).path
+    folder = latest_checkpoint(load_dir, DEEPSPEED)
+    if folder is None:
+        raise CheckpointError(f"--load-dir {load_dir} holds no '{DEEPSPEED.tracker}' file (nor "
+                              "a complete global_stepN folder): pass the folder DeepSpeed "
+                              "saved into, or --iteration N")
+    return folder.path
 
 
 def _module(state: dict, path: str) -> dict:

@@ -19,9 +19,8 @@ from megatron.checkpointing import dcp
 from megatron.checkpointing import torch_dist as fmt
 from megatron.checkpointing.contents import consumed_samples
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.manifest import read_manifest, verify_files
+from megatron.checkpointing.folder import CheckpointFolder
 from megatron.checkpointing.mcore_layout import Place, full_places, optimizer_key
-from megatron.checkpointing.paths import Tracker
 from megatron.config import ModelConfig
 from megatron.conversion.full import FullCheckpoint, model_config_from_dict, source_config
 from megatron.conversion.sharding import VOCAB_TENSORS
@@ -70,14 +69,14 @@ def _distributed(common: dict, config: dict) -> bool:
     return bool(getattr(common.get("args"), "use_distributed_optimizer", False))
 
 
-def load_torch_dist_checkpoint(iter_dir: str, tracker: Tracker, *, verify: bool = True,
+def load_torch_dist_checkpoint(folder: CheckpointFolder, *, verify: bool = True,
                                true_vocab_size: Optional[int] = None,
                                optimizer: bool = True) -> FullCheckpoint:
-    """Read the torch_dist folder ``iter_dir`` whole (model, and the optimizer state when
+    """Read the torch_dist checkpoint ``folder`` whole (model, and the optimizer state when
     ``optimizer`` and the checkpoint holds it in model space)."""
-    manifest = read_manifest(iter_dir)
-    if manifest is not None and verify:
-        verify_files(iter_dir, manifest, list(manifest["files"]), checksums=True)
+    iter_dir, release = folder.path, folder.release
+    if verify:
+        folder.verify(checksums=True)
     common = fmt.read_common(iter_dir)
     try:
         config = source_config(common, not isinstance(common.get("config"), dict),
@@ -92,7 +91,7 @@ def load_torch_dist_checkpoint(iter_dir: str, tracker: Tracker, *, verify: bool 
     model = {n: _whole(places[n], s, model_config.params_dtype) for n, s in shapes.items()}
     pieces = list(model.values())
     param_state = None
-    if optimizer and not tracker.release:
+    if optimizer and not release:
         param_state = _optimizer_requests(metadata, places, shapes)
         pieces += [p for entry in (param_state or {}).values() for p in entry.values()]
     dcp.read_pieces(iter_dir, pieces)
@@ -102,16 +101,16 @@ def load_torch_dist_checkpoint(iter_dir: str, tracker: Tracker, *, verify: bool 
                     "param_state": {n: {_kind(k): _unstack(places[n], p)
                                         for k, p in e.items()} for n, e in param_state.items()},
                     "grad_scaler": (common.get("optimizer") or {}).get("grad_scaler")}
-    elif optimizer and not tracker.release:
+    elif optimizer and not release:
         logger.info("%s holds no optimizer state in model space: converting the model only",
                     iter_dir)
     train, valid = consumed_samples(common)
     return FullCheckpoint(
         config=config, model={n: _unstack(places[n], p) for n, p in model.items()},
-        optimizer=full_opt, iteration=0 if tracker.release else int(common.get("iteration", 0)),
+        optimizer=full_opt, iteration=0 if release else int(common.get("iteration", 0)),
         consumed_train_samples=train, consumed_valid_samples=valid,
         scheduler=common.get("opt_param_scheduler"), extra=fmt.extra_entries(common),
-        release=tracker.release, distributed_optimizer=_distributed(common, config))
+        release=release, distributed_optimizer=_distributed(common, config))
 
 
 def _unstack(place: Place, piece: dcp.Piece) -> torch.Tensor:

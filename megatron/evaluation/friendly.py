@@ -45,14 +45,13 @@ def _given(rest: list[str], flag: str) -> bool:
 def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
     """What the checkpoint in ``load_dir`` can tell that ``rest`` does not: model shape,
     tokenizer files, tensor/pipeline layout."""
-    from megatron.checkpointing import load_checkpoint_config, read_tracker
-    from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout
+    from megatron.checkpointing import latest_checkpoint
 
-    tracker = read_tracker(load_dir)
-    if tracker is None:
+    folder = latest_checkpoint(load_dir)
+    if folder is None:
         raise SystemExit(f"error: --load {load_dir} holds no checkpoint")
     flags = [] if _given(rest, "--use-checkpoint-args") else ["--use-checkpoint-args"]
-    tp, pp = saved_layout(resolve_iteration_dir(load_dir, tracker))
+    tp, pp = folder.layout()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     chosen = any(_given(rest, f) for f in ("--tensor-model-parallel-size",
                                             "--pipeline-model-parallel-size"))
@@ -64,7 +63,7 @@ def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
               f"{pp}; evaluating it at tensor and pipeline parallel 1 over {world} "
               "process(es), merged in memory", file=sys.stderr, flush=True)
     if not any(_given(rest, f) for f in _TOKENIZER_FLAGS):
-        flags += _tokenizer_flags((load_checkpoint_config(load_dir) or {}).get("data", {}),
+        flags += _tokenizer_flags((folder.config() or {}).get("data", {}),
                                   load_dir)
     return flags
 

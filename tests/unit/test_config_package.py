@@ -58,6 +58,7 @@ NEW_FLAGS = {
     "--partition-activations", "--contigious-checkpointing", "--checkpoint-in-cpu",
     "--synchronize-each-layer",
     "--compile",  # torch.compile of the transformer layers (issue 10)
+    "--async-save",  # Megatron-LM's background checkpoint writes (issue 23)
 }
 
 

@@ -13,6 +13,10 @@ optimizer state for, only the pieces of parameters inside its slices. A step is:
 
 Checkpoints (what ``megatron/checkpointing/`` calls):
 
+- ``shard_snapshot()``: this rank's pieces and where every rank's pieces go; with
+  ``shard_gather.gather_to_first`` data-parallel rank 0 receives the whole state one
+  parameter at a time (what a checkpoint save uses: no rank holds more than its shard and one
+  parameter's buffer).
 - ``state_dict()`` / ``gathered_state_dict()``: a **collective over the data-parallel group**
   (every dp rank must call it). Returns the same, data-parallel-independent dict on every rank:
   full fp32 main weights and optimizer state per parameter, keyed by chunk index and parameter
@@ -26,7 +30,7 @@ Checkpoints (what ``megatron/checkpointing/`` calls):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +50,7 @@ from megatron.core.optimizer.optimizer import (
     copy_param_attributes,
     default_model_parallel_groups,
 )
+from megatron.core.optimizer.shard_gather import ParamPieces, ShardSnapshot
 
 GATHERED_FORMAT = "megatron-distributed-optimizer/gathered-v1"
 SHARDED_FORMAT = "megatron-distributed-optimizer/sharded-v1"
@@ -101,6 +106,20 @@ def _owned_shards(chunk_index: int, chunk: nn.Module, dp_rank: int) -> list[_Sha
                 shards.append(_Shard(p, buffer, chunk_index, names[p], a, b, a - start,
                                      b - start, main))
     return shards
+
+
+def _pieces(buffer: ParamAndGradBuffer, start: int, end: int,
+            dp_size: int) -> tuple[tuple[int, int, int], ...]:
+    """(dp rank, lo, hi) of the parameter at ``[start, end)`` of ``buffer``, in parameter
+    coordinates: the overlap of each rank's shard of each bucket with the parameter."""
+    pieces = []
+    for bucket in buffer.buckets:
+        for rank in range(dp_size):
+            lo, hi = bucket.shard_range(rank, dp_size)
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                pieces.append((rank, a - start, b - start))
+    return tuple(sorted(pieces, key=lambda piece: piece[1]))
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -222,6 +241,36 @@ class DistributedOptimizer(MegatronOptimizer):
             "param_state": param_state,
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
         }
+
+    def shard_snapshot(self, copy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                       ) -> ShardSnapshot:
+        """This rank's share of the state and where every rank's pieces go, for
+        ``shard_gather.gather_to_first`` (collective over the data-parallel group: which
+        state keys exist, the step). ``copy``: makes each piece's host copy (training may go
+        on while they are written); without it the pieces are the live tensors."""
+        keys = ["param"] + self._present_state_keys()
+        step = self._global_step()
+        params, own = [], {}
+        for chunk_index, chunk in enumerate(self.model_chunks):
+            names = {p: n for n, p in unwrap_model(chunk).named_parameters()}
+            for buffer in chunk.buffers:
+                for p, (start, end) in buffer.param_index.items():
+                    params.append(ParamPieces(chunk_index, names[p], tuple(p.shape),
+                                              _pieces(buffer, start, end, self.dp_size)))
+        for s in self.shards:
+            state = self.optimizer.state.get(s.main, {})
+            piece = {}
+            for key in keys:
+                value = s.main.data if key == "param" else state.get(key)
+                if value is None:  # no state yet: zeros, as gathered_state_dict saves
+                    value = torch.zeros_like(s.main.data)
+                piece[key] = copy(value) if copy is not None else value.detach()
+            own[(s.chunk, s.name)] = piece
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.state_dict()["param_groups"]]
+        return ShardSnapshot(keys, step, groups,
+                             self.grad_scaler.state_dict() if self.grad_scaler else None,
+                             len(self.model_chunks), params, own, self.dp_rank, self.dp_size)
 
     def state_dict(self) -> dict:
         """Same as ``gathered_state_dict()``: a collective over the data-parallel group."""
