@@ -16,14 +16,11 @@ Each rank writes only what it holds (data-parallel rank 0 of each (tensor, pipel
 model; every data-parallel rank its distributed-optimizer shards) and reads only what it
 needs; nothing is gathered.
 
-Optimizer state is stored per parameter in model space, as megatron-core names it:
-``optimizer.state.{exp_avg,exp_avg_sq}.<key>`` and the fp32 main weights as
-``optimizer.state.param.<key>`` (distributed optimizer; Megatron-LM's ``fully_reshardable``)
-or ``optimizer.state.fp32_param.<key>`` (mixed precision without it). A distributed-optimizer
-shard is a flat range of a parameter; it is stored as the few boxes that range covers
-(``dcp.flat_boxes``). The step count, the param groups' hyper-parameters and the loss scale
-are in ``common.pt["optimizer"]``; the random generators of each (tensor, pipeline) rank, one
-entry per data-parallel rank, are the object ``rng_state/shard_{pp}.{tp}_{PP}.{TP}``.
+Optimizer state is stored per parameter in model space, as megatron-core names it
+(``torch_dist_optim.py``); a distributed-optimizer shard is a flat range of a parameter,
+stored as the few boxes that range covers (``dcp.flat_boxes``). The random generators of each
+(tensor, pipeline) rank, one entry per data-parallel rank, are the object
+``rng_state/shard_{pp}.{tp}_{PP}.{TP}``.
 
 ``common.pt`` holds Megatron-LM's entries (``args``: an argparse Namespace with Megatron-LM's
 flag names; ``checkpoint_version``, ``iteration``, ``opt_param_scheduler``,
@@ -49,6 +46,7 @@ import torch
 from torch import nn
 
 from megatron.checkpointing import dcp
+from megatron.checkpointing import torch_dist_optim as optim
 from megatron.checkpointing.contents import (
     CONVERTED_KEY,
     RESERVED_KEYS,
@@ -69,20 +67,17 @@ from megatron.checkpointing.files import (
 from megatron.checkpointing.folder import MEGATRON, FolderFormat, register_format
 from megatron.checkpointing.mcore_layout import (
     EXTRA_STATE_MODULES,
-    OPTIMIZER_PREFIX,
     Place,
     chunk_places,
     extra_state_key,
     local_layers,
-    optimizer_key,
     rng_key,
 )
 from megatron.checkpointing.paths import CHECKPOINT_VERSION
 from megatron.checkpointing.ranks import RankLayout, all_true
 from megatron.checkpointing.save import PublishedSave
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, merge_param_groups
-from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +88,6 @@ _BACKEND = {"sharded_backend": FORMAT, "sharded_backend_version": 1,
             "common_backend": "torch", "common_backend_version": 1}
 # common.pt entries read here (the rest are the caller's ``extra``).
 COMMON_KEYS = RESERVED_KEYS | {"content_metadata", "rerun_state_machine", "model", "model0"}
-_MAIN_KINDS = ("param", "fp32_param")  # where fp32 main weights are stored
 
 
 def _recognise(iter_dir: str) -> bool:
@@ -203,59 +197,6 @@ def _object_bytes(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-# Optimizer slots -------------------------------------------------------------------------------
-
-
-class _Slot(NamedTuple):
-    """One main parameter of the torch optimizer (in its index order): the model parameter
-    ``name`` of chunk ``chunk``, all of it (``lo is None``) or its flat range ``[lo, hi)``;
-    ``has_main``: a separate fp32 main copy exists (else the model parameter is stepped)."""
-
-    chunk: int
-    name: str
-    lo: Optional[int]
-    hi: Optional[int]
-    has_main: bool
-
-
-def _optimizer_slots(optimizer: Any, chunks: list[nn.Module]) -> list[_Slot]:
-    if isinstance(optimizer, DistributedOptimizer):
-        return [_Slot(c, n, lo, hi, True) for c, n, lo, hi in optimizer.main_shards()]
-    where = {p: (i, n) for i, c in enumerate(chunks) for n, p in unwrap_model(c).named_parameters()}
-    if isinstance(optimizer, MixedPrecisionOptimizer):
-        return [_Slot(*where[model], None, None, main is not model)
-                for model, main in optimizer._pairs()]
-    if isinstance(optimizer, FP32Optimizer):
-        return [_Slot(*where[p], None, None, False) for p in optimizer.get_main_params()]
-    raise CheckpointError(f"--ckpt-format {FORMAT} cannot save or load the optimizer state of "
-                          f"{type(optimizer).__name__}")
-
-
-def _main_kind(optimizer: Any) -> str:
-    return "param" if isinstance(optimizer, DistributedOptimizer) else "fp32_param"
-
-
-def _slot_state(optimizer: Any, index: int) -> tuple[Optional[torch.Tensor], dict]:
-    """The fp32 main tensor and the optimizer state tensors of main parameter ``index``."""
-    mains = optimizer.get_main_params()
-    main = mains[index]
-    state = optimizer.optimizer.state.get(main, {})
-    return main, {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"}
-
-
-def _optimizer_common(optimizer: Any) -> dict:
-    """Step, hyper-parameters and loss scale (a collective for the distributed optimizer)."""
-    if isinstance(optimizer, DistributedOptimizer):
-        step = optimizer.global_step()
-    else:
-        steps = [float(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s]
-        step = max(steps) if steps else None
-    groups = [{k: v for k, v in g.items() if k != "params"}
-              for g in optimizer.optimizer.state_dict()["param_groups"]]
-    scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None
-    return {"param_groups": groups, "step": step, "grad_scaler": scaler}
-
-
 # Writing -------------------------------------------------------------------------------------
 
 
@@ -286,45 +227,6 @@ def _places_by_param(chunks: list[nn.Module], num_layers: int,
     return {(i, name): (param, place) for i, chunk in enumerate(chunks)
             for name, param, place in chunk_places(unwrap_model(chunk), num_layers,
                                                    layout.tp_rank, layout.tp_size)}
-
-
-def _boxes(place: Place, shape: tuple, flat: torch.Tensor, lo: Optional[int],
-           hi: Optional[int]) -> list[tuple[tuple, tuple, torch.Tensor]]:
-    """Global boxes of ``flat`` (a parameter's whole tensor, or its flat range [lo, hi)):
-    ``(offset, sizes, tensor)``."""
-    if lo is None:
-        offset, sizes = place.box((0,) * len(shape), shape)
-        return [(offset, sizes, flat.reshape(sizes))]
-    out = []
-    for local_offset, local_sizes, first in dcp.flat_boxes(shape, lo, hi):
-        n = 1
-        for s in local_sizes:
-            n *= s
-        offset, sizes = place.box(local_offset, local_sizes)
-        out.append((offset, sizes, flat[first - lo:first - lo + n].reshape(sizes)))
-    return out
-
-
-def _optimizer_pieces(optimizer: Any, chunks: list[nn.Module], config: Any,
-                      layout: RankLayout) -> list[dcp.Piece]:
-    distributed = isinstance(optimizer, DistributedOptimizer)
-    if not distributed and layout.dp_rank != 0:
-        return []  # replicas hold the same state
-    places = _places_by_param(chunks, config.model.num_layers, layout)
-    pieces = []
-    for index, slot in enumerate(_optimizer_slots(optimizer, chunks)):
-        param, place = places[(slot.chunk, slot.name)]
-        if not place.writer:
-            continue
-        main, state = _slot_state(optimizer, index)
-        if slot.has_main:
-            state = {_main_kind(optimizer): main.detach(), **state}
-        for kind, value in state.items():
-            key = optimizer_key(kind, place.key)
-            for offset, _, box in _boxes(place, tuple(param.shape), value.detach(), slot.lo,
-                                         slot.hi):
-                pieces.append(dcp.Piece(key, place.global_shape, offset, box))
-    return pieces
 
 
 def megatron_args(config: Any, layout: RankLayout, iteration: int,
@@ -413,7 +315,7 @@ def prepare_save(iteration: int, model_chunks: ModelChunks, optimizer: Any, sche
     ``write_save`` runs."""
     chunks = as_chunks(model_chunks)
     save_optim = optimizer is not None and not config.checkpoint.no_save_optim
-    optimizer_common = _optimizer_common(optimizer) if save_optim else None
+    optimizer_common = optim.optimizer_common(optimizer) if save_optim else None
     pieces, objects, common, error = [], {}, None, None
     try:  # what can fail on one rank alone, decided together before DCP's collectives
         if layout.dp_rank == 0:
@@ -424,7 +326,8 @@ def prepare_save(iteration: int, model_chunks: ModelChunks, optimizer: Any, sche
                 key = rng_key(layout.pp_rank, layout.tp_rank, layout.pp_size, layout.tp_size)
                 objects[key] = _object_bytes([[_megatron_rng(e) for e in rng_states]])
         if save_optim:
-            pieces += _optimizer_pieces(optimizer, chunks, config, layout)
+            places = _places_by_param(chunks, config.model.num_layers, layout)
+            pieces += optim.optimizer_pieces(optimizer, chunks, places, layout.dp_rank)
         if copy_to_host is not None:
             pieces = [p.with_tensor(copy_to_host(p.tensor)) for p in pieces]
         if layout.rank == 0:
@@ -533,131 +436,6 @@ def check_model_keys(metadata: Any, places: list[Place], model_config: Any,
                               f"{'; '.join(dict.fromkeys(problems))}")
 
 
-def optimizer_kinds(metadata: Any, key: str) -> list[str]:
-    prefix, suffix = OPTIMIZER_PREFIX, f".{key}"
-    return [k[len(prefix):-len(suffix)] for k in metadata.state_dict_metadata
-            if k.startswith(prefix) and k.endswith(suffix)
-            and "." not in k[len(prefix):-len(suffix)]]
-
-
-def _no_optimizer_state(common: dict, where: str) -> CheckpointError:
-    meta = common.get("content_metadata") or {}
-    if meta.get("distrib_optim_sharding_type") == "dp_reshardable":
-        why = ("it holds Megatron-LM's distributed-optimizer state in its dp_reshardable "
-               "layout (flat buffers of megatron-core's own bucketing), which is not read; "
-               "re-save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable to bring "
-               "the state along")
-    else:
-        why = "it holds no optimizer state (saved with --no-save-optim?)"
-    return CheckpointError(f"checkpoint {where}: {why}. Pass --no-load-optim to continue with "
-                           "a fresh optimizer (and the LR schedule from your flags), or "
-                           "--finetune to start at iteration 0")
-
-
-class _OptimizerRead(NamedTuple):
-    slots: list[_Slot]
-    values: list[dict]  # per slot: kind -> tensor being read (the slot's shape)
-
-
-def _optimizer_requests(optimizer: Any, chunks: list[nn.Module], places: dict, metadata: Any,
-                        common: dict, where: str) -> tuple[_OptimizerRead, list[dcp.Piece]]:
-    slots = _optimizer_slots(optimizer, chunks)
-    values, pieces = [], []
-    for slot in slots:
-        param, place = places[(slot.chunk, slot.name)]
-        kinds = optimizer_kinds(metadata, place.key)
-        state_kinds = [k for k in kinds if k not in _MAIN_KINDS]
-        if not state_kinds and common.get("optimizer", {}).get("step") is not None:
-            raise _no_optimizer_state(common, where)
-        wanted = state_kinds + ([next(k for k in _MAIN_KINDS if k in kinds)]
-                                if slot.has_main and any(k in kinds for k in _MAIN_KINDS) else [])
-        n = param.numel() if slot.lo is None else slot.hi - slot.lo
-        entry = {}
-        for kind in wanted:
-            flat = torch.zeros(n, dtype=torch.float32)
-            entry[kind] = flat
-            for offset, _, box in _boxes(place, tuple(param.shape), flat, slot.lo, slot.hi):
-                pieces.append(dcp.Piece(optimizer_key(kind, place.key), place.global_shape,
-                                        offset, box))
-        values.append(entry)
-    return _OptimizerRead(slots, values), pieces
-
-
-def _has_optimizer(metadata: Any, common: dict) -> bool:
-    return isinstance(common.get("optimizer"), dict) or any(
-        k.startswith(("optimizer.", "optimizer/")) for k in metadata.state_dict_metadata)
-
-
-def saved_step(common: dict) -> Optional[float]:
-    """The optimizer step: ours at ``optimizer.step``; Megatron-LM keeps it in its torch
-    param groups (nested in its optimizer wrappers' dicts)."""
-    opt = common.get("optimizer")
-    if isinstance(opt, dict) and "step" in opt and not isinstance(opt["step"], dict):
-        return None if opt["step"] is None else float(opt["step"])
-    steps = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, dict):
-            common_step = value.get("common_step")  # megatron-core's per-optimizer step
-            if isinstance(common_step, (int, float, torch.Tensor)):
-                steps.append(float(common_step))
-            if isinstance(value.get("param_groups"), list):
-                steps.extend(float(g["step"]) for g in value["param_groups"]
-                             if isinstance(g, dict) and isinstance(g.get("step"), (int, float)))
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
-    walk(opt)
-    return max(steps) if steps else None
-
-
-def _apply_optimizer(optimizer: Any, chunks: list[nn.Module], read: _OptimizerRead,
-                     common: dict) -> None:
-    ours = isinstance(common.get("config"), dict)
-    opt_common = common.get("optimizer") if ours else {}
-    groups = opt_common.get("param_groups") if ours else None
-    step, scaler = saved_step(common), (opt_common or {}).get("grad_scaler")
-    if not ours and isinstance(common.get("optimizer"), dict):
-        found = common["optimizer"].get("grad_scaler")
-        scaler = found if isinstance(found, dict) and "scale" in found else None
-    mains = optimizer.get_main_params()
-    pieces = []
-    for index, (slot, entry) in enumerate(zip(read.slots, read.values)):
-        entry = dict(entry)
-        main = next((entry.pop(k) for k in _MAIN_KINDS if k in entry), None)
-        if slot.has_main and main is None:  # from the model weights just loaded
-            main = mains[index].detach().float().reshape(-1).clone()
-        if main is not None:
-            entry["param"] = main
-        pieces.append(entry)
-    if isinstance(optimizer, DistributedOptimizer):
-        optimizer.load_shard_state(pieces, groups, step, scaler)
-        return
-    current = optimizer.optimizer.state_dict()["param_groups"]
-    if groups is not None and len(groups) != len(current):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} param groups, "
-                              f"this one {len(current)}")
-    state = {}
-    for index, (main, entry) in enumerate(zip(mains, pieces)):
-        values = {k: v.view(main.shape) for k, v in entry.items() if k != "param"}
-        if values and step is not None:
-            values["step"] = torch.tensor(step)
-        if values:
-            state[index] = values
-        if "param" in entry and isinstance(optimizer, MixedPrecisionOptimizer):
-            with torch.no_grad():
-                main.data.copy_(entry["param"].view(main.shape))
-    optimizer.optimizer.load_state_dict({"state": state,
-                                         "param_groups": merge_param_groups(groups, current)})
-    if optimizer.grad_scaler is not None and scaler:
-        optimizer.grad_scaler.load_state_dict(scaler)
-    if isinstance(optimizer, MixedPrecisionOptimizer):
-        with torch.no_grad():
-            optimizer._copy_main_params_to_model_params()
-
-
 def saved_layout(common: dict) -> tuple[int, int]:
     """(tensor, pipeline) sizes the checkpoint was saved at."""
     layout = common.get("parallel_layout")
@@ -681,7 +459,7 @@ def _rng_entry(objects: dict, key: Optional[str], layout: RankLayout) -> Optiona
 
 def prepare_read(iter_dir: str, common: dict, chunks: list[nn.Module], optimizer: Any,
                  config: Any, layout: RankLayout, load_optim: bool,
-                 load_rng: bool) -> tuple[list[dcp.Piece], Optional[_OptimizerRead], list[str]]:
+                 load_rng: bool) -> tuple[list[dcp.Piece], Optional[optim.OptimizerRead], list[str]]:
     """Check the checkpoint against this run and list what this rank reads: the model
     pieces (into the parameters), the optimizer pieces and the byte objects."""
     metadata = dcp.read_metadata(iter_dir)
@@ -695,10 +473,8 @@ def prepare_read(iter_dir: str, common: dict, chunks: list[nn.Module], optimizer
                                 _stacked(place, param.data)))
     read = None
     if load_optim and optimizer is not None:
-        if not _has_optimizer(metadata, common):
-            raise _no_optimizer_state(common, iter_dir)
-        read, optimizer_pieces = _optimizer_requests(optimizer, chunks, places, metadata,
-                                                     common, iter_dir)
+        read, optimizer_pieces = optim.optimizer_requests(optimizer, chunks, places, metadata,
+                                                          common, iter_dir)
         pieces += optimizer_pieces
     objects = []
     if load_rng and saved_layout(common) == (layout.tp_size, layout.pp_size):
@@ -732,7 +508,7 @@ def read_into(iter_dir: str, common: dict, model_chunks: ModelChunks, optimizer:
     if optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
     if read is not None:
-        _apply_optimizer(optimizer, chunks, read, common)
+        optim.apply_optimizer(optimizer, read, common)
         saved = common.get("opt_param_scheduler", common.get("lr_scheduler"))
         if scheduler is not None and saved is not None and not config.checkpoint.no_load_lr_state:
             scheduler.load_state_dict(saved)

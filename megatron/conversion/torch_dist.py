@@ -17,13 +17,13 @@ import torch
 
 from megatron.checkpointing import dcp
 from megatron.checkpointing import torch_dist as fmt
+from megatron.checkpointing import torch_dist_optim as optim
 from megatron.checkpointing.contents import consumed_samples
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.folder import CheckpointFolder
 from megatron.checkpointing.mcore_layout import Place, full_places, optimizer_key
 from megatron.config import ModelConfig
 from megatron.conversion.full import FullCheckpoint, model_config_from_dict, source_config
-from megatron.conversion.sharding import VOCAB_TENSORS
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def load_torch_dist_checkpoint(folder: CheckpointFolder, *, verify: bool = True,
     dcp.read_pieces(iter_dir, pieces)
     full_opt = None
     if param_state:
-        full_opt = {"param_groups": _param_groups(common), "step": fmt.saved_step(common),
+        full_opt = {"param_groups": _param_groups(common), "step": optim.saved_step(common),
                     "param_state": {n: {_kind(k): _unstack(places[n], p)
                                         for k, p in e.items()} for n, e in param_state.items()},
                     "grad_scaler": (common.get("optimizer") or {}).get("grad_scaler")}
@@ -127,7 +127,7 @@ def _optimizer_requests(metadata, places: dict[str, Place],
     when the checkpoint holds none in model space."""
     out = {}
     for name, place in places.items():
-        kinds = fmt.optimizer_kinds(metadata, place.key)
+        kinds = optim.optimizer_kinds(metadata, place.key)
         if "param" in kinds and "fp32_param" in kinds:
             kinds.remove("fp32_param")
         if kinds:
@@ -136,7 +136,7 @@ def _optimizer_requests(metadata, places: dict[str, Place],
     if not out:
         return None
     missing = sorted(set(places) - set(out))
-    if missing and not all(m in VOCAB_TENSORS for m in missing):
+    if missing:
         raise CheckpointError(f"the checkpoint holds optimizer state for some parameters "
                               f"but not for {', '.join(missing[:5])}")
     return out
