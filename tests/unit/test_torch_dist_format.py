@@ -146,3 +146,26 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
         in message
     assert "'decoder.final_layernorm.weight' has shape [9], this model's is [8]" in message
     assert "no tensor 'output_layer.weight': it was saved with tied embeddings" in message
+
+
+def test_megatron_lm_dp_reshardable_optimizer_state_asks_for_no_load_optim(tmp_path):
+    from megatron.checkpointing import torch_dist_optim as optim
+    from megatron.checkpointing.mcore_layout import chunk_places
+    from megatron.config import OptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.model.gpt_model import GPTModel
+
+    config = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4,
+                         vocab_size=16, make_vocab_size_divisible_by=8)
+    model = GPTModel(config)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3), [model])
+    places = {(0, n): (p, pl) for n, p, pl in chunk_places(model, 1, 0, 1)}
+    # What Megatron-LM's default distributed-optimizer format stores: flat buckets.
+    bucket = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, " \
+             "torch.float32).bucket_idx_0.exp_avg"
+    dcp.write_pieces(str(tmp_path), [dcp.Piece(bucket, (40,), (0,), torch.zeros(40))], {})
+    common = {"args": argparse.Namespace(), "content_metadata": {
+        "distrib_optim_sharding_type": "dp_reshardable"}}
+    with pytest.raises(CheckpointError, match="dp_reshardable.*--no-load-optim"):
+        optim.optimizer_requests(optimizer, [model], places, dcp.read_metadata(str(tmp_path)),
+                                 common, "CKPT")
