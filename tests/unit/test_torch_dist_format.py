@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -169,3 +170,18 @@ def test_megatron_lm_dp_reshardable_optimizer_state_asks_for_no_load_optim(tmp_p
     with pytest.raises(CheckpointError, match="dp_reshardable.*--no-load-optim"):
         optim.optimizer_requests(optimizer, [model], places, dcp.read_metadata(str(tmp_path)),
                                  common, "CKPT")
+
+
+@pytest.mark.parametrize("extra, world_size, named", [
+    (["--dp-mode", "decentralized"], 2, "--dp-mode decentralized cannot be combined with "
+     "--ckpt-format torch_dist"),
+    (["--deepspeed", "--zero-stage", "1"], 1, "--ckpt-format torch_dist: DeepSpeed's engine"),
+])
+def test_torch_dist_is_refused_where_another_writer_saves(extra, world_size, named):
+    from megatron.config import ConfigError, parse_args
+
+    base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+            "--seq-length", "4", "--micro-batch-size", "1", "--train-iters", "2", "--mock-data",
+            "--lr", "1e-3", "--ckpt-format", "torch_dist"]
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        parse_args(base + extra, world_size=world_size)
