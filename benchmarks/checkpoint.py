@@ -26,7 +26,9 @@ Figures per mode (each from the same run):
 - stopped: how long the loop stood still for the save, on rank 0's clock (the time each line
   of its output arrived): from the log line of the iteration saved to the "successfully
   saved" line, or with --async-save to the "copied to host memory" line (after which
-  training goes on); it includes waiting for the previous background write, if any
+  training goes on); it includes waiting for the previous background write, if any, and
+  for the slowest rank to reach the save; with --async-save the save call's own time, as
+  rank 0 logs it, is given too
 - write: from the "saving checkpoint" line to the "successfully saved" line (the save's
   publication; for --async-save it runs beside training)
 - slower steps: for --async-save, the median step while the write ran, over the median step
@@ -63,7 +65,7 @@ _ITERATION = re.compile(r" iteration +(\d+)/ *\d+ \| .*?elapsed time per iterati
                         r"([\d.]+)")
 _SAVING = re.compile(r"saving checkpoint at iteration +(\d+)")
 _SAVED = re.compile(r"successfully saved checkpoint at iteration +(\d+)")
-_COPIED = re.compile(r"checkpoint of iteration +(\d+) copied to host memory")
+_COPIED = re.compile(r"checkpoint of iteration +(\d+) copied to host memory in ([\d.]+) s")
 
 
 @dataclasses.dataclass
@@ -74,6 +76,7 @@ class Result:
     step_s: float = 0.0
     stopped_s: float = 0.0
     write_s: float = 0.0
+    copy_s: Optional[float] = None  # --async-save: the save call, timed by rank 0 itself
     slower_steps: Optional[float] = None
     own_mb: list[float] = dataclasses.field(default_factory=list)
     peak_mb: list[float] = dataclasses.field(default_factory=list)
@@ -247,6 +250,9 @@ def _figures(args, mode: str, log: str, clock: _LineClock, sampler: _Sampler,
         during = [elapsed[it] for it, t in ends.items() if start < t < published and it > k + 1]
         if mode.endswith("-async") and during:
             result.slower_steps = statistics.median(during) / step
+        if mode.endswith("-async"):
+            result.copy_s = float(_COPIED.search(
+                next(line for t, line in clock.lines if t == resumed)).group(2))
         results.append(result)
     return results
 
@@ -294,6 +300,8 @@ def report(results: list[Result], args: argparse.Namespace) -> str:
             share = r.stopped_s / base.stopped_s
             lines.append(f"  {r.mode}: stops the loop {share:.1%} of {base.mode}'s time "
                          f"(goal <= {STOP_GOAL:.0%}: {'met' if share <= STOP_GOAL else 'NOT met'})"
+                         f"; the save call itself took {r.copy_s:.2f} s on rank 0 "
+                         f"({r.copy_s / base.stopped_s:.1%})"
                          + (f"; steps while writing {r.slower_steps:.2f}x the quiet median"
                             if r.slower_steps else ""))
     return "\n".join(lines)

@@ -732,14 +732,15 @@ class Trainer:
             s.last_saved, s.last_checkpoint = s.iteration, folder
             return True
         self.optimizer.average_replicas()  # --dp-mode decentralized saves the replicas' mean
-        check_finite_for_save(self.chunks, self.optimizer, s.iteration)
+        if self.saver is None:  # a background save checks its host copy, off the loop's time
+            check_finite_for_save(self.chunks, self.optimizer, s.iteration)
         if self.saver is not None:  # from before the writer thread starts
             self.signal.catch_while_writing(True)
         folder = checkpointing.save_checkpoint(
             s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
             consumed_train_samples=s.consumed_train_samples,
             consumed_valid_samples=s.consumed_valid_samples, valid_loss=valid_loss,
-            saver=self.saver)
+            saver=self.saver, refuse_nonfinite=self.saver is not None)
         # checkpointing logs the save ("successfully saved checkpoint ..."); the run summary
         # names the last folder.
         s.last_saved, s.last_checkpoint = s.iteration, folder

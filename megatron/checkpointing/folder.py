@@ -155,10 +155,6 @@ def register_format(fmt: FolderFormat) -> None:
     _FORMATS[fmt.name] = fmt
 
 
-def formats() -> dict[str, FolderFormat]:
-    return dict(_FORMATS)
-
-
 def _torch_layout(iter_dir: str) -> tuple[int, int]:
     found = [m for m in map(MP_RANK_RE.fullmatch, sorted(os.listdir(iter_dir))) if m]
     if not found:

@@ -55,6 +55,7 @@ from megatron.checkpointing.rng import gather_rng_states
 from megatron.core import parallel_state
 from megatron.core.optimizer.distrib_optimizer import GATHERED_FORMAT, DistributedOptimizer
 from megatron.core.optimizer.shard_gather import ShardSnapshot, gather_to_first
+from megatron.nonfinite import first_nonfinite_of
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
                     opt_param_scheduler: Any, config: Any, *, consumed_train_samples: int,
                     consumed_valid_samples: int = 0, extra: Optional[dict] = None,
                     valid_loss: Optional[float] = None,
-                    saver: Optional[AsyncSaver] = None) -> str:
+                    saver: Optional[AsyncSaver] = None, refuse_nonfinite: bool = False) -> str:
     """Save a checkpoint of ``iteration`` to ``config.checkpoint.save``; returns its folder.
 
     Every rank must call it (it gathers RNG states, and the distributed optimizer's state,
@@ -73,7 +74,8 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
     Raises ``CheckpointError`` if any rank fails; the previous checkpoint stays the latest.
     With ``saver`` the files are written in the background: this returns once the state is
     copied to host memory, and ``saver.poll()`` / ``saver.wait()`` publish the folder (or
-    raise the failure) later.
+    raise the failure) later. ``refuse_nonfinite``: the write fails, naming the tensor, if
+    what it would write holds NaN/Inf (checked on the copy, off the training loop's time).
     """
     ckpt = config.checkpoint
     if ckpt.save is None:
@@ -95,11 +97,12 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
 
         job = start_save(iteration, chunks, optimizer, opt_param_scheduler, config, layout,
                          rng_states, (consumed_train_samples, consumed_valid_samples), extra,
-                         valid_loss, lambda: _make_tmp_dir(ckpt.save, iteration, layout), saver)
+                         valid_loss, lambda: _make_tmp_dir(ckpt.save, iteration, layout), saver,
+                         refuse_nonfinite)
     else:
         job = _torch_job(iteration, chunks, optimizer, opt_param_scheduler, config, layout,
                          rng_states, (consumed_train_samples, consumed_valid_samples), extra,
-                         valid_loss, saver)
+                         valid_loss, saver, refuse_nonfinite)
     if saver is None:
         return run_job(job)
     saver.start(job)
@@ -111,7 +114,7 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
 def _torch_job(iteration: int, chunks: list, optimizer: Any, opt_param_scheduler: Any,
                config: Any, layout: RankLayout, rng_states: Optional[list[dict]],
                consumed: tuple[int, int], extra: Optional[dict], valid_loss: Optional[float],
-               saver: Optional[AsyncSaver]) -> TorchSaveJob:
+               saver: Optional[AsyncSaver], refuse_nonfinite: bool) -> TorchSaveJob:
     """Take the state a torch-format save writes (host copies for a background save)."""
     ckpt = config.checkpoint
     copy_to_host = saver.buffers.copy if saver is not None else None
@@ -133,7 +136,8 @@ def _torch_job(iteration: int, chunks: list, optimizer: Any, opt_param_scheduler
         manifest_layout=parallel_layout_dict(layout, len(chunks)),
         config=config_dict(config), checkpoint=ckpt, valid_loss=valid_loss,
         model_state=model_state, shards=shards,
-        transfer=_transfer(layout, saver), problem=problem)
+        transfer=_transfer(layout, saver), problem=problem,
+        refuse_nonfinite=refuse_nonfinite)
 
 
 def host_copy(obj: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -211,12 +215,15 @@ class TorchSaveJob(PublishedSave):
     shards: Optional[ShardSnapshot]  # the distributed optimizer's share of this rank
     transfer: _Transfer
     problem: Optional[Exception] = None  # what went wrong taking the state, raised by write
+    refuse_nonfinite: bool = False
 
     def write(self) -> dict[str, FileDigest]:
         """Data-parallel rank 0 of each (tensor, pipeline) rank writes model_optim_rng.pt
         and, with the distributed optimizer, distrib_optim.pt (the other data-parallel ranks
         send it their pieces); returns the digests by path relative to the folder."""
         layout, digests, error = self.layout, {}, self.problem
+        if error is None and self.refuse_nonfinite:
+            error = self._nonfinite()
         if layout.dp_rank == 0 and error is None:
             folder = os.path.join(self.tmp_dir, layout.mp_rank_dir)
             try:
@@ -234,6 +241,19 @@ class TorchSaveJob(PublishedSave):
             raise error
         return digests
 
+    def _nonfinite(self) -> Optional[CheckpointError]:
+        """An error naming the first tensor this rank would write that holds NaN/Inf."""
+        named = list(_floating(self.model_state or {}, ""))
+        for (chunk, name), piece in (self.shards.own.items() if self.shards else ()):
+            prefix = f"model chunk {chunk} " if self.shards.num_chunks > 1 else ""
+            named += [(f"{prefix}optimizer state {key!r} of {name}", t)
+                      for key, t in piece.items()]
+        what = first_nonfinite_of(named)
+        if what is None:
+            return None
+        return CheckpointError(f"refusing to save the checkpoint of iteration "
+                               f"{self.iteration}: {what} holds NaN/Inf")
+
     def _write_optimizer(self, write: bool) -> dict[str, FileDigest]:
         t = self.transfer
         tensors = gather_to_first(self.shards, t.group, t.dp_ranks, t.device)
@@ -245,6 +265,21 @@ class TorchSaveJob(PublishedSave):
         rel = f"{self.layout.mp_rank_dir}/{DISTRIB_OPTIM_FILENAME}"
         path = os.path.join(self.tmp_dir, *rel.split("/"))
         return {rel: write_torch_streamed(skeleton, path, deferred, tensors)}
+
+
+def _floating(obj: Any, path: str):
+    """``(path, tensor)`` for the floating-point tensors of a rank file's dict (random
+    generator states left out)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            if key != "rng_state":
+                yield from _floating(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _floating(value, f"{path}[{i}]")
 
 
 def gathered_skeleton(shards: ShardSnapshot) -> tuple[dict, list[Deferred]]:

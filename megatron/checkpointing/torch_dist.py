@@ -78,6 +78,7 @@ from megatron.checkpointing.ranks import RankLayout, all_true
 from megatron.checkpointing.save import PublishedSave
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.nonfinite import first_nonfinite_of
 
 logger = logging.getLogger(__name__)
 
@@ -372,20 +373,44 @@ class TorchDistSaveJob(PublishedSave):
 
     prepared: Optional[PreparedSave] = None
     group: Any = None
+    refuse_nonfinite: bool = False  # checked on the (host) copy, in write
 
     def write(self) -> dict[str, FileDigest]:
+        if self.refuse_nonfinite:
+            named = [(f"{p.key} (the box at {list(p.offset)})", p.tensor)
+                     for p in self.prepared.pieces if p.tensor.is_floating_point()]
+            what = first_nonfinite_of(named)
+            # Decided together: a rank that stopped here would leave the others waiting in
+            # DCP's collectives.
+            if not _all_true_over(what is None, self.group):
+                self.prepared = None
+                raise CheckpointError(
+                    f"refusing to save the checkpoint of iteration {self.iteration}: "
+                    + (f"{what} holds NaN/Inf" if what else "another rank's state holds NaN/Inf"))
         digests = write_save(self.tmp_dir, self.prepared, self.group)
         self.prepared = None  # a background save frees its host copies
         return digests
 
 
+def _all_true_over(flag: bool, group: Any) -> bool:
+    """``ranks.all_true`` over ``group`` (a background writer's own gloo group: host
+    tensors), or over all ranks when it is None."""
+    if group is None or not torch.distributed.is_initialized():
+        return all_true(flag)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
 def start_save(iteration: int, chunks: list[nn.Module], optimizer: Any, scheduler: Any,
                config: Any, layout: RankLayout, rng_states: Optional[list[dict]],
                consumed: tuple[int, int], extra: Optional[dict], valid_loss: Optional[float],
-               make_tmp_dir: Callable[[], str], saver: Any = None) -> TorchDistSaveJob:
+               make_tmp_dir: Callable[[], str], saver: Any = None,
+               refuse_nonfinite: bool = False) -> TorchDistSaveJob:
     """A torch_dist save of this rank (every rank calls it): the state taken now (into the
     saver's host buffers when there is a ``saver``: ``--async-save``), the folder made; the
-    caller writes and publishes it (``async_save.run_job`` or ``saver.start``)."""
+    caller writes and publishes it (``async_save.run_job`` or ``saver.start``).
+    ``refuse_nonfinite``: the write fails, naming the tensor, if a piece holds NaN/Inf."""
     copy = saver.buffers.copy if saver is not None else None
     prepared = prepare_save(iteration, chunks, optimizer, scheduler, config, layout,
                             rng_states, consumed, extra, copy_to_host=copy)
@@ -393,7 +418,8 @@ def start_save(iteration: int, chunks: list[nn.Module], optimizer: Any, schedule
         iteration=iteration, save_dir=config.checkpoint.save, tmp_dir=make_tmp_dir(),
         manifest_layout=parallel_layout_dict(layout, len(chunks)),
         config=config_dict(config), checkpoint=config.checkpoint, valid_loss=valid_loss,
-        prepared=prepared, group=saver.group if saver is not None else None)
+        prepared=prepared, group=saver.group if saver is not None else None,
+        refuse_nonfinite=refuse_nonfinite)
 
 
 # Reading -------------------------------------------------------------------------------------

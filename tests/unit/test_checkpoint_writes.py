@@ -132,3 +132,28 @@ def test_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path, caplog):
     again.release()
     lock.release()
     assert not os.path.exists(tmp_path / LOCK_FILENAME)
+
+
+def test_a_background_save_refuses_nan_on_its_copy_and_publishes_nothing(tmp_path):
+    """What --async-save does instead of checking the live state before saving: the writer
+    checks its host copy, so the loop does not wait for the scan."""
+    from megatron import checkpointing as ckpt
+    from megatron.checkpointing.async_save import AsyncSaver
+    from tests.unit.test_checkpointing import build, run_config
+
+    config = run_config(tmp_path)
+    model, optimizer, scheduler = build(config)
+    saver = AsyncSaver()
+    ckpt.save_checkpoint(1, model, optimizer, scheduler, config, consumed_train_samples=2,
+                         saver=saver, refuse_nonfinite=True)
+    assert saver.wait() == str(tmp_path / "iter_0000001")
+    with torch.no_grad():
+        model.final_layernorm.weight[3] = float("nan")
+    ckpt.save_checkpoint(2, model, optimizer, scheduler, config, consumed_train_samples=4,
+                         saver=saver, refuse_nonfinite=True)
+    with torch.no_grad():
+        model.final_layernorm.weight[3] = 1.0  # training changed it meanwhile
+    with pytest.raises(CheckpointError, match=r"refusing to save the checkpoint of iteration 2: "
+                       r"model\.final_layernorm\.weight holds NaN/Inf; the tracker"):
+        saver.wait()
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
