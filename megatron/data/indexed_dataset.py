@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import struct
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -195,10 +196,12 @@ def index_problems(index: MMapIndex, bin_path: str, bin_bytes: int) -> list[str]
     """What is structurally wrong with an opened .idx and its .bin of ``bin_bytes`` bytes
     (empty when consistent); each problem names its file.
 
-    Reads the index arrays only (vectorised, in chunks), never the tokens: the pointers must
-    advance by the sizes in the dtype's item size from byte 0, the document index must rise
-    from 0 to at most the sequence count, and the .bin must end exactly where the last
-    sequence does (a wrong dtype code or another dataset's .bin breaks one of these).
+    Reads the index arrays (vectorised, in chunks): the pointers must advance by the sizes
+    in the dtype's item size from byte 0, the document index must rise from 0 to at most the
+    sequence count, and the .bin must end exactly where the last sequence does (a wrong dtype
+    code or another dataset's .bin breaks one of these), or one token per non-empty document
+    later, all of one id: Megatron-DeepSpeed's --append-eod index (``find_uncounted_eod``),
+    whose tokens after the sampled documents are the only ones read here.
     """
     problems = layout_problems(index)
     if not problems:  # where the last sequence ends means something only with sound pointers
@@ -218,12 +221,14 @@ def sequences_end(index: MMapIndex) -> int:
     return int(index.pointers[-1]) + int(index.sizes[-1]) * index.dtype.itemsize
 
 
-def verify_index(index: MMapIndex, bin_path: str, bin_bytes: int) -> None:
-    """Raise IndexedDatasetError listing ``index_problems`` when there are any."""
+def verify_index(index: MMapIndex, bin_path: str, bin_bytes: int) -> Optional[UncountedEod]:
+    """Raise IndexedDatasetError listing ``index_problems`` when there are any; else return
+    the pair's Megatron-DeepSpeed --append-eod quirk, or None for a pair without it."""
     problems = index_problems(index, bin_path, bin_bytes)
     if problems:
         raise IndexedDatasetError("; ".join(problems) + " (tools/inspect_dataset.py --check "
                                   "shows the dataset)")
+    return _uncounted_eod_of_sound_pair(index, bin_path, bin_bytes)
 
 
 def _chunks(n: int):
@@ -290,14 +295,9 @@ def _bin_length_problems(index: MMapIndex, bin_path: str, bin_bytes: int) -> lis
     text = (f"{bin_path}: file is {bin_bytes} bytes but {index.path} says its last sequence "
             f"ends at byte {end}")
     tokens = int(index.sizes.sum(dtype=np.int64))
-    extra = (bin_bytes - end) / itemsize
-    nonempty = int(np.count_nonzero(np.diff(index.doc_idx)))
-    if bin_bytes > end and extra == nonempty:
-        return [text + f"; the .bin holds {nonempty} tokens more than the .idx counts, exactly "
-                "one per non-empty document: this is Megatron-DeepSpeed's preprocess_data.py "
-                "--append-eod index, which does not count the EOD, so each document would be "
-                "read shifted by one token per earlier document. Re-run tools/preprocess_data.py "
-                "on the source JSON to fix it"]
+    nonempty = _count_nonempty_documents(index.doc_idx)
+    if bin_bytes - end == nonempty * itemsize > 0:
+        return _uncounted_eod_problems(index, bin_path, text, nonempty)
     if tokens and bin_bytes % tokens == 0 and bin_bytes // tokens in _ITEMSIZES:
         return [text + f"; the .bin holds exactly {tokens} tokens of {bin_bytes // tokens} "
                 f"bytes: is the dtype code {index.code} ({index.dtype}) in the .idx wrong?"]
@@ -305,6 +305,129 @@ def _bin_length_problems(index: MMapIndex, bin_path: str, bin_bytes: int) -> lis
         return [text + "; the .bin is truncated or belongs to another index"]
     return [text + "; the .bin is longer than the index describes: it belongs to another "
             "(larger) dataset, or the .idx leaves tokens out"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-DeepSpeed's --append-eod index
+# ----------------------------------------------------------------------------------------------
+#
+# Megatron-DeepSpeed's tools/preprocess_data.py --append-eod (fixed in Megatron-LM by its issue
+# #431) writes each document's EOD to the .bin after the document's sentences, but the .idx
+# sizes (and the pointers computed from them) leave it out. Its reader, and so its GPTDataset,
+# use those pointers and sizes as they are: document k is read from k tokens before where it
+# was written (starting with the previous document's EOD, for one-sentence documents) and the
+# last tokens of the .bin are never read. We read such a pair the same way, so a run continues
+# with Megatron-DeepSpeed's samples, and recognise it by its exact signature: sound pointers,
+# and a .bin longer by one token per non-empty document, the same id after every document
+# (checked on the first and last EOD_SAMPLE documents).
+
+EOD_SAMPLE = 64
+
+
+@dataclass(frozen=True)
+class UncountedEod:
+    """A Megatron-DeepSpeed --append-eod pair: ``documents`` non-empty documents, each
+    followed in the .bin by the uncounted token ``eod``."""
+
+    documents: int
+    eod: int
+
+
+def _count_nonempty_documents(doc_idx: np.ndarray) -> int:
+    """Documents that hold at least one sequence (each got an EOD from --append-eod)."""
+    count = 0
+    for start, stop in _chunks(len(doc_idx) - 1):
+        count += int(np.count_nonzero(np.diff(doc_idx[start:stop + 1])))
+    return count
+
+
+def _nonempty_documents(doc_idx: np.ndarray, first: bool, limit: int) -> list[int]:
+    """Up to ``limit`` non-empty documents from the start (or the end) of the index."""
+    found: list[int] = []
+    chunks = list(_chunks(len(doc_idx) - 1))
+    for start, stop in (chunks if first else reversed(chunks)):
+        docs = start + np.flatnonzero(np.diff(doc_idx[start:stop + 1]))
+        found += (docs[:limit - len(found)] if first else docs[::-1][:limit - len(found)]).tolist()
+        if len(found) >= limit:
+            break
+    return sorted(found)
+
+
+def _eods_after_documents(index: MMapIndex, bin_path: str) -> dict[int, int]:
+    """{document: the token that follows it in the .bin} for the first and last EOD_SAMPLE
+    non-empty documents, placing each where it was written: after k earlier EODs."""
+    doc_idx, itemsize = index.doc_idx, index.dtype.itemsize
+    total = _count_nonempty_documents(doc_idx)
+    head = _nonempty_documents(doc_idx, True, EOD_SAMPLE)
+    tail = _nonempty_documents(doc_idx, False, EOD_SAMPLE)
+    earlier = {d: k for k, d in enumerate(head)}
+    earlier.update({d: total - len(tail) + k for k, d in enumerate(tail)})
+    docs = sorted(earlier)
+    last = doc_idx[np.asarray(docs, dtype=np.int64) + 1] - 1  # each document's last sequence
+    ends = index.pointers[last] // itemsize + index.sizes[last].astype(np.int64)
+    positions = ends + np.asarray([earlier[d] for d in docs], dtype=np.int64)
+    data = np.memmap(bin_path, dtype=index.dtype, mode="r")
+    values = data[positions].tolist()
+    del data
+    return dict(zip(docs, (int(v) for v in values)))
+
+
+def _uncounted_eod_problems(index: MMapIndex, bin_path: str, text: str,
+                           nonempty: int) -> list[str]:
+    """No problem when the one extra token per non-empty document is the same id after every
+    sampled document: Megatron-DeepSpeed's --append-eod index, read as it reads it."""
+    found = _eods_after_documents(index, bin_path)
+    if len(set(found.values())) == 1:
+        return []
+    listed = ", ".join(f"{v} after document {d}" for d, v in list(found.items())[:4])
+    return [text + f"; the .bin holds {nonempty} tokens more than the .idx counts, one per "
+            "non-empty document as Megatron-DeepSpeed's preprocess_data.py --append-eod index "
+            f"leaves, but they are not one EOD id ({listed}): the .bin belongs to another "
+            "index"]
+
+
+def find_uncounted_eod(index: MMapIndex, bin_path: str, bin_bytes: int
+                       ) -> Optional[UncountedEod]:
+    """The Megatron-DeepSpeed --append-eod quirk of an opened pair, or None for any other
+    pair (a consistent one, or one with problems)."""
+    if index_problems(index, bin_path, bin_bytes):
+        return None
+    return _uncounted_eod_of_sound_pair(index, bin_path, bin_bytes)
+
+
+def _uncounted_eod_of_sound_pair(index: MMapIndex, bin_path: str, bin_bytes: int
+                                 ) -> Optional[UncountedEod]:
+    """For a pair without ``index_problems``: a .bin longer than the index can only be the
+    quirk (``_bin_length_problems`` accepts nothing else)."""
+    if bin_bytes == sequences_end(index):
+        return None
+    eod = next(iter(_eods_after_documents(index, bin_path).values()))
+    return UncountedEod(_count_nonempty_documents(index.doc_idx), eod)
+
+
+def uncounted_eod_message(prefix: str, quirk: UncountedEod) -> str:
+    """The one warning a Megatron-DeepSpeed --append-eod pair gets: the quirk and its fix."""
+    return (f"{index_file_path(prefix)} is Megatron-DeepSpeed's preprocess_data.py --append-eod "
+            f"index: its sizes leave out the EOD (id {quirk.eod}) that ends each of its "
+            f"{quirk.documents} non-empty documents in {data_file_path(prefix)}. It is read as "
+            "Megatron-DeepSpeed reads it, so samples equal Megatron-DeepSpeed's: document k "
+            "starts k tokens before where it was written and ends that much short. To read "
+            "every document as written, rewrite the index once: python "
+            f"tools/inspect_dataset.py --fix-eod-index {prefix}")
+
+
+# Pairs warned about in this process, by path and version: a run opens each dataset more than
+# once (the start-up checks, then the dataset builders), and says it once.
+_warned_uncounted_eod: set[tuple[str, int, int]] = set()
+
+
+def _warn_uncounted_eod(prefix: str, quirk: UncountedEod) -> None:
+    idx = index_file_path(prefix)
+    st = os.stat(idx)
+    key = (os.path.abspath(idx), st.st_size, st.st_mtime_ns)
+    if key not in _warned_uncounted_eod:
+        _warned_uncounted_eod.add(key)
+        logger.warning(uncounted_eod_message(prefix, quirk))
 
 
 class MMapIndexedDataset:
@@ -332,7 +455,9 @@ class MMapIndexedDataset:
         bin_bytes = os.path.getsize(bin_path)
         self._index = MMapIndex(idx_path, skip_warmup, bin_bytes)
         if verify:
-            verify_index(self._index, bin_path, bin_bytes)
+            quirk = verify_index(self._index, bin_path, bin_bytes)
+            if quirk is not None:
+                _warn_uncounted_eod(path_prefix, quirk)
         if not skip_warmup:
             _warmup(bin_path)
         self._bin_mmap = None
@@ -683,8 +808,9 @@ def merge_datasets(prefixes: list[str], out_prefix: str) -> None:
 
 __all__ = [
     "DTYPE_CODES", "HEADER_SIZE", "INDEX_MAGIC", "IndexedDatasetError", "MMapIndex",
-    "MMapIndexedDataset", "MMapIndexedDatasetBuilder", "best_fitting_dtype", "data_file_path",
-    "dataset_exists", "dtype_code", "index_file_path", "index_problems", "layout_problems",
-    "make_builder", "make_dataset", "merge_datasets", "sequences_end", "verify_index",
-    "write_index",
+    "MMapIndexedDataset", "MMapIndexedDatasetBuilder", "UncountedEod", "best_fitting_dtype",
+    "data_file_path", "dataset_exists", "dtype_code",
+    "find_uncounted_eod", "index_file_path", "index_problems",
+    "layout_problems", "make_builder", "make_dataset", "merge_datasets", "sequences_end",
+    "uncounted_eod_message", "verify_index", "write_index",
 ]

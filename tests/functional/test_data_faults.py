@@ -127,7 +127,8 @@ def test_data_path_that_does_not_exist(corpus, tmp_path, missing):
 
 def test_empty_training_split(corpus, tmp_path):
     done = _pretrain(corpus, tmp_path, **{"--split": "0,100,0"})
-    _assert_refused(done, tmp_path, "--split 0,100,0", "no documents", corpus["prefix"])
+    _assert_refused(done, tmp_path, "--split 0,100,0", "gives training no weight",
+                    corpus["prefix"])
 
 
 def test_dataset_with_no_documents(corpus, tmp_path):
