@@ -13,9 +13,12 @@ import re
 import shutil
 import sys
 
+import numpy as np
 import pytest
 
 from megatron.checkpointing import read_tracker
+from megatron.data.dataset_utils import get_train_valid_test_split_
+from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from tests.corpus import build_corpus
 from tests.dist_utils import free_port
 from tests.distributed.training_utils import parse_log_lines
@@ -26,12 +29,20 @@ BLEND = ("wikipedia_20220301_en_text_document", "openwebtext_Skylion007_text_doc
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """One small corpus under the two names of the 175B recipe's blend, and its tokenizer."""
+    """Two small datasets under the two names of the 175B recipe's blend (the same articles,
+    in opposite orders), each with documents in the validation share of --split 949,50,1,
+    and their tokenizer."""
     folder = tmp_path_factory.mktemp("datasets")
-    built = build_corpus(str(folder), max_chars=60_000)
-    for name in BLEND:
-        for ext in (".bin", ".idx"):
-            shutil.copy(built["prefix"] + ext, folder / f"{name}{ext}")
+    built = build_corpus(str(folder))
+    source = MMapIndexedDataset(built["prefix"])
+    documents = [np.array(source[i]) for i in range(len(source))]
+    bounds = get_train_valid_test_split_("949,50,1", len(documents))
+    assert bounds[2] > bounds[1], bounds  # the validation share is not empty
+    for name, order in zip(BLEND, (documents, documents[::-1])):
+        builder = MMapIndexedDatasetBuilder(str(folder / f"{name}.bin"), dtype=source.dtype)
+        for doc in order:
+            builder.add_doc(doc, [len(doc)])
+        builder.finalize(str(folder / f"{name}.idx"))
     tok = built["tokenizer_flags"]
     return dict(folder=folder, prefix=built["prefix"], vocab=tok[tok.index("--vocab-file") + 1],
                 merges=tok[tok.index("--merge-file") + 1])
@@ -61,6 +72,8 @@ def test_gpt3_175b_script_trains_at_toy_size(corpus, tmp_path):
 
 
 def test_gpt3_tgs_script_prints_the_mean_throughput_of_10_iterations(corpus, tmp_path):
+    """On the recipe's two-dataset blend, whose validation share holds documents: --eval-iters
+    0 builds no validation dataset (an empty one stopped every rank, issue 22 item 2)."""
     # Two ranks (tensor 2) keep the ten iterations short on a 2-core machine.
     done = _gpt3("train_gpt3_175b_distributed_tgs.sh", corpus, tmp_path, GPUS_PER_NODE="2",
                  PP="1")
