@@ -289,7 +289,7 @@ def check_token_files(flag: str, paths: list[str], data: Any, train_samples: int
             if flag != "--data-path":
                 spans = token_files.whole_spans(path, impl)
             else:
-                spans = token_files.split_spans(path, impl, split)[0]
+                spans = token_files.split_spans(path, impl, split, log=False)[0]
         except DataConfigError as e:
             raise DataConfigError(f"{flag}: {e}") from None
         tokens = sum(count for _, _, count in spans)

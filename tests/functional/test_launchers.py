@@ -98,32 +98,22 @@ def _toy_args(corpus, tmp_path) -> list:
             *TOY_FLAGS]
 
 
-def _without_batch_flags(args: list) -> list:
-    """The toy arguments less their batch sizes (the recipe takes those from the environment
-    and writes them into DeepSpeed's JSON too)."""
-    out, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg in ("--micro-batch-size", "--global-batch-size"):
-            skip = True
-        else:
-            out.append(arg)
-    return out
-
-
 @pytest.mark.skipif(shutil.which("deepspeed") is None,
                     reason="needs DeepSpeed's launcher (pip install deepspeed)")
 def test_deepspeed_launcher_runs_the_single_node_recipe(corpus, tmp_path):
     """Megatron-DeepSpeed's single-node command: DeepSpeed's launcher, its engine with the
-    JSON the script writes (ZeRO stage 1 by default), and DS_ARGS passed on."""
+    JSON the script writes (ZeRO stage 1 by default), DS_ARGS passed on, and the model's size
+    and length set by the usual variables (NUM_LAYERS, HIDDEN_SIZE, ..., TRAIN_ITERS)."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    done = _run(["bash", "examples/pretrain_gpt_single_node.sh",
-                 *_without_batch_flags(_toy_args(corpus, tmp_path))], timeout=300, N_GPUS="2",
+    sizes = dict(NUM_LAYERS="1", HIDDEN_SIZE="16", NUM_HEADS="2", SEQ_LENGTH="16",
+                 TRAIN_ITERS="2", LOG_INTERVAL="1", EVAL_INTERVAL="2", EVAL_ITERS="1")
+    done = _run(["bash", "examples/pretrain_gpt_single_node.sh", tmp_path / "ckpt",
+                 corpus["vocab"], corpus["merges"], corpus["prefix"], "--use-cpu", "--split",
+                 "90,5,5", "--num-workers", "0"], timeout=300, N_GPUS="2",
                 NUM_NODES="1", HOSTFILE=str(hostfile), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(free_port()), PRECISION="fp32", MICRO_BATCH_SIZE="1",
-                GLOBAL_BATCH_SIZE="2", DS_ARGS="--partition-activations")
+                GLOBAL_BATCH_SIZE="2", DS_ARGS="--partition-activations", **sizes)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "WORLD INFO DICT: {'localhost': [0, 1]}" in out  # DeepSpeed's launcher said so
@@ -137,6 +127,12 @@ def test_deepspeed_launcher_runs_the_single_node_recipe(corpus, tmp_path):
     assert "----Partition Activations True" in out  # DS_ARGS reached DeepSpeed's recompute
     assert _printed_argument(done.stdout, "data_parallel_size") == "2"
     assert _printed_argument(done.stdout, "recompute_granularity") == "full"
+    printed = {name: _printed_argument(done.stdout, name) for name in (
+        "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+        "max_position_embeddings", "train_iters", "lr_decay_iters", "eval_iters")}
+    assert printed == {"num_layers": "1", "hidden_size": "16", "num_attention_heads": "2",
+                       "seq_length": "16", "max_position_embeddings": "16", "train_iters": "2",
+                       "lr_decay_iters": "2", "eval_iters": "1"}
     assert [line["iteration"] for line in parse_log_lines(done.stdout)] == [1, 2]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step2"
 
