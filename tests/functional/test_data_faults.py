@@ -111,6 +111,7 @@ def test_good_data_trains_and_its_token_range_is_cached(corpus, tmp_path):
     assert cached["bin_bytes"] == os.path.getsize(corpus["prefix"] + ".bin")
 
 
+@pytest.mark.slow
 def test_blend_of_megatron_deepspeed_datasets_trains_with_eval_iters_0(corpus, tmp_path):
     """Issue 22 items 1 and 2: a blend of two datasets as Megatron-DeepSpeed's
     preprocess_data.py --append-eod writes them trains, with one warning per dataset, and

@@ -55,6 +55,7 @@ def _gpt3(script: str, corpus, tmp_path, **env):
                 MASTER_PORT=str(free_port()), **env)
 
 
+@pytest.mark.slow
 def test_gpt3_175b_script_trains_at_toy_size(corpus, tmp_path):
     done = _gpt3("train_gpt3_175b_distributed.sh", corpus, tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -71,6 +72,7 @@ def test_gpt3_175b_script_trains_at_toy_size(corpus, tmp_path):
     assert any(name.endswith(".npy") for name in os.listdir(tmp_path / "cache"))
 
 
+@pytest.mark.slow
 def test_gpt3_tgs_script_prints_the_mean_throughput_of_10_iterations(corpus, tmp_path):
     """On the recipe's two-dataset blend, whose validation share holds documents: --eval-iters
     0 builds no validation dataset (an empty one stopped every rank, issue 22 item 2)."""
@@ -98,6 +100,7 @@ def _toy_args(corpus, tmp_path) -> list:
             *TOY_FLAGS]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("deepspeed") is None,
                     reason="needs DeepSpeed's launcher (pip install deepspeed)")
 def test_deepspeed_launcher_runs_the_single_node_recipe(corpus, tmp_path):
