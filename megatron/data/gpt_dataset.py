@@ -330,13 +330,16 @@ def _split_dataset(s: int, prefix: str, indexed: MMapIndexedDataset, splits_stri
     bounds, name = get_train_valid_test_split_(splits_string, len(indexed.sizes)), SPLIT_NAMES[s]
     log_rank0("    %s: document indices in [%d, %d)", name, bounds[s], bounds[s + 1])
     if bounds[s + 1] <= bounds[s]:
-        logger.warning("%s: the %s split of --split %s has no documents; no %s dataset "
-                       "(%d samples were asked for)", prefix, name, splits_string, name,
-                       num_samples)
+        _warn_no_documents(prefix, name, splits_string, num_samples)
         return None
     return GPTDataset(name, prefix, _documents(bounds, s), indexed, splits_string, num_samples,
                       seq_length, seed, data_cache_path=data_cache_path,
                       lock_timeout_s=lock_timeout_s)
+
+
+def _warn_no_documents(prefixes: str, name: str, splits_string: str, num_samples: int) -> None:
+    logger.warning("%s: the %s split of --split %s has no documents; no %s dataset (%d "
+                   "samples were asked for)", prefixes, name, splits_string, name, num_samples)
 
 
 def _blend(name: str, prefixes: list[str], weights: list[float], doc_ranges: list[np.ndarray],
@@ -438,9 +441,16 @@ def build_train_valid_test_datasets(data_prefix: DataPath, data_impl: str, split
         return _wanted_splits(n, lambda s: _split_dataset(
             s, prefixes[0], indexed[0], splits_string, n[s], seq_length, seed, **common))
     bounds = [get_train_valid_test_split_(splits_string, len(ds.sizes)) for ds in indexed]
-    return _wanted_splits(n, lambda s: _blend(
-        SPLIT_NAMES[s], prefixes, weights, [_documents(b, s) for b in bounds], indexed,
-        splits_string, n[s], seq_length, seed, data_cache_path, lock_timeout_s, "--data-path"))
+
+    def blend_split(s: int):
+        documents = [_documents(b, s) for b in bounds]
+        if not any(len(d) for d in documents):  # as for one prefix
+            _warn_no_documents(", ".join(prefixes), SPLIT_NAMES[s], splits_string, n[s])
+            return None
+        return _blend(SPLIT_NAMES[s], prefixes, weights, documents, indexed, splits_string,
+                      n[s], seq_length, seed, data_cache_path, lock_timeout_s, "--data-path")
+
+    return _wanted_splits(n, blend_split)
 
 
 def _wanted_splits(num_samples: Sequence[int], build: Callable[[int], object]) -> tuple:

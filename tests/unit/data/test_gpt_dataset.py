@@ -426,3 +426,18 @@ def test_a_split_asked_for_no_samples_builds_no_dataset(corpus, tmp_path):
             splits_string="80,10,10", train_valid_test_num_samples=[40, 8, 0], seq_length=8,
             seed=1, skip_warmup=True, data_cache_path=cache, **kwargs)
         assert len(built[1]) >= 8 and built[2] is None, form
+
+
+def test_a_split_without_documents_is_no_dataset_for_a_blend_as_for_one_prefix(corpus,
+                                                                               tmp_path,
+                                                                               caplog):
+    blend = ["0.5", corpus, "0.5", corpus]
+    for data_prefix, named in (([corpus], corpus), (blend, f"{corpus}, {corpus}")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            built = build_train_valid_test_datasets(
+                data_prefix, "mmap", "100,0,0", [40, 8, 0], 8, 1, True,
+                data_cache_path=str(tmp_path / "cache"))
+        assert built[1:] == (None, None)
+        assert caplog.messages == [f"{named}: the valid split of --split 100,0,0 has no "
+                                   "documents; no valid dataset (8 samples were asked for)"]
