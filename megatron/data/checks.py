@@ -232,12 +232,13 @@ def check_train_split(prefix: str, dataset: MMapIndexedDataset, split: str,
 
 
 def check_training_data(data: Any, vocab_size: Optional[int], train_samples: int,
-                        seq_length: int = 1) -> None:
+                        seq_length: int = 1, eval_samples: tuple[int, int] = (0, 0)) -> None:
     """Everything about the data flags that can be known before training: files, structure,
-    documents, the training split (one sample of ``seq_length`` + 1 tokens at least) and the
-    token ids (``vocab_size`` None skips the ids).
+    documents, the training split (one sample of ``seq_length`` + 1 tokens at least), a
+    blend's validation and test shares, and the token ids (``vocab_size`` None skips them).
 
-    ``data`` is the run's data config (``DataConfig``); ``train_samples`` what training asks.
+    ``data`` is the run's data config (``DataConfig``); ``train_samples`` and
+    ``eval_samples`` (validation, test) what the run asks of each split.
     """
     if getattr(data, "mock_data", False):
         return
@@ -246,30 +247,57 @@ def check_training_data(data: Any, vocab_size: Optional[int], train_samples: int
     if train_samples > 0 and "--data-path" not in flags and "--train-data-path" not in flags:
         raise DataConfigError(f"no training data: {train_samples} training samples are asked "
                               "for; give --data-path or --train-data-path")
-    data_impl = getattr(data, "data_impl", "mmap")
     opened = []
     for flag, prefixes in sources:  # every cheap check of every dataset before any scan
         if check_token_files(flag, prefixes, data, train_samples, seq_length):
             continue
-        for prefix in prefixes:
-            dataset = open_checked(flag, prefix, data_impl)
-            if flag == "--data-path" and train_samples > 0:
-                check_train_split(prefix, dataset, getattr(data, "split", DEFAULT_SPLIT),
-                                  train_samples, seq_length)
-            elif flag == "--train-data-path" and train_samples > 0:
-                tokens = int(dataset.sizes.sum(dtype=np.int64))
-                problem = sample_tokens_problem(f"--train-data-path: {prefix} holds {tokens} "
-                                                "tokens", tokens, seq_length, train_samples,
-                                                "give it more data")
-                if problem is not None:
-                    raise DataConfigError(problem)
-            opened.append(dataset)
+        datasets = [_open_source(flag, p, data, train_samples, seq_length) for p in prefixes]
+        if flag == "--data-path" and len(prefixes) > 1:
+            check_blend_eval_shares(prefixes, datasets, getattr(data, "split", DEFAULT_SPLIT),
+                                    eval_samples)
+        opened += datasets
     for dataset in opened:
         if vocab_size is not None:
             check_token_ids(dataset, vocab_size, tokenizer_flags(data),
                             getattr(data, "data_cache_path", None))
         if hasattr(dataset, "close"):
             dataset.close()
+
+
+def _open_source(flag: str, prefix: str, data: Any, train_samples: int,
+                 seq_length: int) -> MMapIndexedDataset:
+    """One dataset of ``flag``, opened and checked, with what training needs of it."""
+    dataset = open_checked(flag, prefix, getattr(data, "data_impl", "mmap"))
+    if flag == "--data-path" and train_samples > 0:
+        check_train_split(prefix, dataset, getattr(data, "split", DEFAULT_SPLIT),
+                          train_samples, seq_length)
+    elif flag == "--train-data-path" and train_samples > 0:
+        tokens = int(dataset.sizes.sum(dtype=np.int64))
+        problem = sample_tokens_problem(f"--train-data-path: {prefix} holds {tokens} tokens",
+                                        tokens, seq_length, train_samples, "give it more data")
+        if problem is not None:
+            raise DataConfigError(problem)
+    return dataset
+
+
+def check_blend_eval_shares(prefixes: list[str], datasets: list, split: str,
+                            eval_samples: tuple[int, int]) -> None:
+    """A blend draws validation (and test) samples from each dataset by its weight: every
+    dataset must hold documents in that share of ``--split``, or none (no such dataset)."""
+    for s, name, samples in ((1, "validation", eval_samples[0]), (2, "test", eval_samples[1])):
+        if samples <= 0:
+            continue
+        counts = []
+        for dataset in datasets:
+            bounds = get_train_valid_test_split_(split, len(dataset))
+            counts.append(bounds[s + 1] - bounds[s])
+        if 0 in counts and any(counts):
+            empty = counts.index(0)
+            raise DataConfigError(
+                f"--split {split} leaves no {name} documents of {prefixes[empty]} "
+                f"({len(datasets[empty])} documents in all), but the blend --data-path draws "
+                f"{samples} {name} samples from each of its datasets by weight (--eval-iters); "
+                f"give the {name} share more weight, or evaluate with --eval-iters 0")
 
 
 def check_token_files(flag: str, paths: list[str], data: Any, train_samples: int,
@@ -303,8 +331,7 @@ def check_token_files(flag: str, paths: list[str], data: Any, train_samples: int
 
 
 __all__ = [
-    "TokenRange", "cached_token_range", "check_token_ids", "check_train_split",
-    "check_training_data", "data_sources", "open_checked", "sample_tokens_problem",
-    "scan_token_range",
-    "tokenizer_flags",
+    "TokenRange", "cached_token_range", "check_blend_eval_shares", "check_token_ids",
+    "check_train_split", "check_training_data", "data_sources", "open_checked",
+    "sample_tokens_problem", "scan_token_range", "tokenizer_flags",
 ]

@@ -201,3 +201,23 @@ def test_unwritable_data_cache_path_names_the_flag(tmp_path, monkeypatch):
         check_training_data(_data(data_path=[prefix], data_cache_path=str(blocker / "cache")),
                             1000, 4)
     assert not (tmp_path / "user-cache").exists()
+
+
+def test_a_blend_whose_validation_share_misses_one_dataset_is_refused(tmp_path):
+    """Each dataset of a blend gives validation samples by its weight: one without
+    validation documents is refused before training (it stopped every rank after the model
+    was built); without evaluation, or with no dataset in the share, the blend is fine."""
+    big, small = str(tmp_path / "big"), str(tmp_path / "small")
+    write_corpus(big, [40] * 100)
+    write_corpus(small, [40] * 5)
+    data = _data(data_path=["0.5", big, "0.5", small], split="98,2,0")
+    with pytest.raises(DataConfigError) as err:
+        check_training_data(data, 1000, 8, seq_length=32, eval_samples=(16, 0))
+    assert str(err.value) == (
+        f"--split 98,2,0 leaves no validation documents of {small} (5 documents in all), but "
+        "the blend --data-path draws 16 validation samples from each of its datasets by "
+        "weight (--eval-iters); give the validation share more weight, or evaluate with "
+        "--eval-iters 0")
+    check_training_data(data, 1000, 8, seq_length=32, eval_samples=(0, 0))
+    check_training_data(_data(data_path=["0.5", big, "0.5", small], split="98,0,2"), 1000, 8,
+                        seq_length=32, eval_samples=(16, 0))  # no dataset has validation
