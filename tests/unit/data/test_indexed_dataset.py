@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.data import index_checks
 from megatron.data import indexed_dataset as ix
 from megatron.data.indexed_dataset import (
     IndexedDatasetError,
@@ -311,14 +312,14 @@ def test_loader_and_inspect_share_one_check(tmp_path, monkeypatch):
     problems = inspect_dataset.check(MMapIndexedDataset(prefix, verify=False), eod=None)
     assert len(problems) == 1 and problems[0] in str(err.value)
     calls = []
-    monkeypatch.setattr(ix, "index_problems", lambda *a: calls.append(a) or [])
+    monkeypatch.setattr(index_checks, "index_problems", lambda *a: calls.append(a) or [])
     MMapIndexedDataset(prefix)  # the loader goes through the shared function
     inspect_dataset.check(MMapIndexedDataset(prefix, verify=False), eod=None)
     assert len(calls) == 2
 
 
 def test_checks_read_the_index_in_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(ix, "_CHECK_CHUNK", 3)
+    monkeypatch.setattr(index_checks, "_CHECK_CHUNK", 3)
     prefix = str(tmp_path / "c")
     _build(prefix, [np.arange(i % 5) for i in range(20)], np.uint16)
     assert MMapIndexedDataset(prefix).problems() == []
@@ -436,3 +437,19 @@ def test_fix_eod_index_writes_what_our_builder_writes(tmp_path, caplog, monkeypa
     with pytest.raises(IndexedDatasetError, match="nothing was changed: its sizes already "
                        "count every token"):
         eod_index.fix_uncounted_eod_index(prefix)
+
+
+def test_the_append_eod_signature_is_read_in_chunks_from_both_ends(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_checks, "_CHECK_CHUNK", 3)
+    monkeypatch.setattr(index_checks, "EOD_SAMPLE", 2)
+    prefix = str(tmp_path / "mds")
+    docs = [[[i + 1] * (1 + i % 3)] if i % 4 else [] for i in range(30)]  # every 4th empty
+    tokens, _, _ = _megatron_deepspeed_pair(prefix, docs)
+    assert MMapIndexedDataset(prefix).problems() == []
+    quirk = ix.find_uncounted_eod(MMapIndexedDataset(prefix).index, prefix + ".bin",
+                                  2 * len(tokens))
+    assert (quirk.documents, quirk.eod) == (22, EOD)
+    tokens[-1] = 7  # the EOD after the last document: among the two sampled at the end
+    np.asarray(tokens, dtype=np.uint16).tofile(prefix + ".bin")
+    with pytest.raises(IndexedDatasetError, match="7 after document 29"):
+        MMapIndexedDataset(prefix)
