@@ -741,8 +741,9 @@ def check_run_inputs(cfg: RunConfig):
 
     try:
         tokenizer = build_run_tokenizer(cfg)
+        samples = train_valid_test_num_samples(cfg)
         check_training_data(cfg.data, tokenizer.vocab_size if tokenizer is not None else None,
-                            train_valid_test_num_samples(cfg)[0])
+                            samples[0], cfg.model.seq_length, (samples[1], samples[2]))
     except (TokenizerConfigError, DataConfigError, IndexedDatasetError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
