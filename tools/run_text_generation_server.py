@@ -72,13 +72,15 @@ def serve(gm, args: argparse.Namespace) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_prompts < 1 or args.max_tokens_to_generate < 1:
-        print("error: --max-prompts and --max-tokens-to-generate must be positive",
-              file=sys.stderr)
+        if is_rank_0():
+            print("error: --max-prompts and --max-tokens-to-generate must be positive",
+                  file=sys.stderr)
         return 2
     try:
         gm = setup_generation(args)
     except SetupError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if is_rank_0():  # every rank meets the same bad input; one says it
+            print(f"error: {e}", file=sys.stderr)
         return 2
     if is_rank_0():
         serve(gm, args)

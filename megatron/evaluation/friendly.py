@@ -45,14 +45,15 @@ def _given(rest: list[str], flag: str) -> bool:
 def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
     """What the checkpoint in ``load_dir`` can tell that ``rest`` does not: model shape,
     tokenizer files, tensor/pipeline layout."""
-    from megatron.checkpointing import load_checkpoint_config, read_tracker
-    from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout
+    from megatron.checkpointing import CheckpointError
+    from megatron.inference_loading import checkpoint_summary
 
-    tracker = read_tracker(load_dir)
-    if tracker is None:
-        raise SystemExit(f"error: --load {load_dir} holds no checkpoint")
+    try:
+        summary = checkpoint_summary(load_dir)
+    except CheckpointError as error:
+        raise SystemExit(f"error: {error}") from None
     flags = [] if _given(rest, "--use-checkpoint-args") else ["--use-checkpoint-args"]
-    tp, pp = saved_layout(resolve_iteration_dir(load_dir, tracker))
+    tp, pp = summary.layout
     world = int(os.environ.get("WORLD_SIZE", "1"))
     chosen = any(_given(rest, f) for f in ("--tensor-model-parallel-size",
                                             "--pipeline-model-parallel-size"))
@@ -64,27 +65,18 @@ def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
               f"{pp}; evaluating it at tensor and pipeline parallel 1 over {world} "
               "process(es), merged in memory", file=sys.stderr, flush=True)
     if not any(_given(rest, f) for f in _TOKENIZER_FLAGS):
-        flags += _tokenizer_flags((load_checkpoint_config(load_dir) or {}).get("data", {}),
-                                  load_dir)
+        flags += _tokenizer_flags(summary.config().get("data", {}), load_dir)
     return flags
 
 
 def _tokenizer_flags(data: dict[str, Any], load_dir: str) -> list[str]:
-    """The tokenizer flags a checkpoint recorded, where its files still exist; a file recorded
-    under the checkpoint's own ``tokenizer/`` folder (an HF conversion's copy) is found there
-    after the checkpoint folder moved."""
-    from megatron.conversion.hf import TOKENIZER_DIR
+    """The tokenizer flags a checkpoint recorded (its ``data`` slice), a moved file found
+    where ``inference_loading.checkpoint_tokenizer_settings`` finds it."""
+    from megatron.inference_loading import checkpoint_tokenizer_settings, tokenizer_data_config
 
-    flags = []
-    for key in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_name_or_path"):
-        value = data.get(key)
-        if value is not None and key.endswith("_file") and not os.path.isfile(value):
-            moved = os.path.join(load_dir, TOKENIZER_DIR, os.path.basename(value))
-            value = moved if os.path.isfile(moved) else None
-        if value is None:
-            continue
-        flags += ["--" + key.replace("_", "-"), str(value)]
-    return flags
+    settings = checkpoint_tokenizer_settings(tokenizer_data_config(data), load_dir)
+    return [part for key, value in settings.items() if value is not None
+            for part in ("--" + key.replace("_", "-"), str(value))]
 
 
 def task_argv(argv: Optional[list[str]] = None) -> list[str]:
