@@ -63,6 +63,9 @@ def decode_body(raw: bytes) -> dict:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # the parser recurses once per nested array or object
+        raise RequestError("the request body is nested too deeply to read (a request is a "
+                           "JSON object of strings, numbers and lists)") from None
     _require(isinstance(body, dict), "the request body must be a JSON object, not "
              f"{type(body).__name__}")
     return body

@@ -45,9 +45,9 @@ def test_hf_model_folder_without_config_is_named(capsys, tmp_path):
 
 def test_tools_evaluate_picks_the_layout_of_a_tensor_parallel_checkpoint(tmp_path, monkeypatch,
                                                                         capsys):
-    from megatron.evaluation.friendly import task_argv
-
     import torch
+
+    from megatron.evaluation.friendly import task_argv
 
     for rank in ("mp_rank_00", "mp_rank_01"):  # a release checkpoint saved at tp 2
         (tmp_path / "release" / rank).mkdir(parents=True)
