@@ -25,8 +25,11 @@ _TOKENIZER_FLAGS = ("--tokenizer-type", "--vocab-file", "--merge-file",
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/evaluate.py", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="tools/evaluate.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+        epilog="Any pretrain_gpt.py flag may follow (model shape, tokenizer, "
+        "--micro-batch-size, --tensor-model-parallel-size, --log-interval ...); flags given "
+        "win over what the checkpoint recorded.")
     p.add_argument("task", type=str.lower, choices=sorted(_TASKS),
                    help="wikitext (perplexity) or lambada (last-word accuracy)")
     p.add_argument("data", help="the text file (wikitext) or JSON lines file (lambada)")
@@ -35,6 +38,14 @@ def _parser() -> argparse.ArgumentParser:
                    "--seq-length, windows that do not overlap)")
     p.add_argument("--strict", action="store_true", help="lambada: the whole last word "
                    "must be predicted (--strict-lambada)")
+    model = p.add_argument_group("model (one of)").add_mutually_exclusive_group(required=True)
+    model.add_argument("--load", metavar="CKPT", help="a checkpoint folder of any kind (ours, "
+                       "Megatron-DeepSpeed's, DeepSpeed's plain or pipeline engine), saved at "
+                       "any layout; its model shape, tokenizer and layout are used unless "
+                       "given")
+    model.add_argument("--hf-model", metavar="DIR", help="a local Hugging Face GPT-2 folder "
+                       "(config.json, weights, and its vocab.json/merges.txt as the "
+                       "tokenizer), converted in memory")
     return p
 
 
@@ -91,16 +102,11 @@ def task_argv(argv: Optional[list[str]] = None) -> list[str]:
         out.append("--strict-lambada")
     if not _given(rest, "--micro-batch-size"):
         out += ["--micro-batch-size", "8"]
-    load = _load_dir(rest)
-    if load is not None and not _given(rest, "--hf-model"):
-        out += _checkpoint_flags(load, rest)
+    if known.hf_model is not None:
+        out += ["--hf-model", known.hf_model]
+    else:
+        out += ["--load", known.load, *_checkpoint_flags(known.load, rest)]
     return out + rest
-
-
-def _load_dir(rest: list[str]) -> Optional[str]:
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--load", default=None)
-    return p.parse_known_args(rest)[0].load
 
 
 def main(argv: Optional[list[str]] = None):

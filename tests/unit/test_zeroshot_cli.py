@@ -79,3 +79,19 @@ def test_tools_evaluate_finds_the_tokenizer_copy_of_a_moved_checkpoint(tmp_path)
     null = {"tokenizer_type": "NullTokenizer", "vocab_size": 127, "vocab_file": None}
     assert _tokenizer_flags(null, str(tmp_path)) == [
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "127"]
+
+
+def test_tools_evaluate_help_lists_load_and_hf_model(capsys):
+    """`tools/evaluate.py --help` names the model flags its README usage needs, and one of
+    them is required."""
+    from megatron.evaluation.friendly import main as evaluate_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate_main(["--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    assert "--load CKPT" in shown and "--hf-model DIR" in shown, shown
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate_main(["wikitext", "wiki.txt"])
+    assert exit_info.value.code == 2
+    assert "one of the arguments --load --hf-model is required" in capsys.readouterr().err
