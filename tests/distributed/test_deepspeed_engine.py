@@ -3,8 +3,8 @@
 one-process built-in losses and grad norms within 1e-5 relative over 5 iterations, and the
 log shows DeepSpeed's own engine lines; its pipeline engine at pp 2 equals the built-in pp 2;
 a DeepSpeed checkpoint resumes bit for bit; DeepSpeed's recompute replays dropout; real
-ZeRO-1, ZeRO-3 and pipeline checkpoints convert to ours and train on without DeepSpeed. Two
-launches in all: tests/distributed/deepspeed_driver.py runs the 2-rank trainings one after
+ZeRO-1, ZeRO-3 and pipeline checkpoints convert to ours and train on without DeepSpeed, and
+tools/generate_text.py and tools/evaluate.py read them as they are. Two launches in all: tests/distributed/deepspeed_driver.py runs the 2-rank trainings one after
 the other in one launch; the 4-rank one is the user's own `deepspeed pretrain_gpt.py` command."""
 
 from __future__ import annotations
@@ -287,6 +287,7 @@ def _sample_and_evaluate(rank, world_size, runs, text_file):
     return out
 
 
+@pytest.mark.slow
 def test_generation_and_evaluation_read_deepspeed_checkpoints(two_rank_launch, tmp_path):
     """tools/generate_text.py and tools/evaluate.py --load the DeepSpeed checkpoints themselves
     (plain engine ZeRO-1 at tp 1 and 2, ZeRO-3, pipeline engine at pp 2): the same sampled
