@@ -287,7 +287,12 @@ def _load_resharded(chunks: list[nn.Module], cfg: RunConfig,
         full, where = _read_full(cfg, hf_model_dir)
         check_model_shape(with_layout(full.config, p.tensor_model_parallel_size,
                                       p.pipeline_model_parallel_size), cfg.model, where)
-        load_full_state(chunks, cfg, full.model)
+        try:
+            load_full_state(chunks, cfg, full.model)
+        except RuntimeError as e:  # load_state_dict: names missing or unexpected
+            detail = " ".join(str(e).split())[:400]
+            raise InferenceLoadingError(f"{where}: its weights do not fit the model its "
+                                        f"configuration describes ({detail})") from None
         iteration = full.iteration
     except Exception as e:  # noqa: BLE001 - decided together below, raised as it was
         error = e
