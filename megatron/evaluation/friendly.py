@@ -4,11 +4,12 @@
     python tools/evaluate.py lambada lambada_test.jsonl --load CKPT --strict
     python tools/evaluate.py wikitext wiki.test.tokens --hf-model ./gpt2
 
-The command becomes ``tasks/main.py``'s: with ``--load``, the model's shape comes from the
-checkpoint (``--use-checkpoint-args``), and so do the tokenizer files it was trained with and
-its tensor/pipeline layout, unless given (a launch whose process count the saved layout does
-not divide runs at tensor and pipeline size 1, the checkpoint merged in memory); with
-``--hf-model``, from the folder. Any other
+The command becomes ``tasks/main.py``'s: with ``--load`` (a checkpoint of any kind
+``megatron.conversion.checkpoint_kinds`` tells apart: ours, Megatron-LM's, Megatron-DeepSpeed's,
+DeepSpeed's engines), the model's shape comes from the checkpoint (``--use-checkpoint-args``),
+and so do the tokenizer it was trained with and its tensor/pipeline layout, unless given (a
+launch whose process count the saved layout does not divide runs at tensor and pipeline size
+1, the checkpoint merged in memory); with ``--hf-model``, from the folder. Any other
 pretrain_gpt.py flag is passed on (flags given win).
 """
 
