@@ -176,6 +176,8 @@ def child_env(inputs: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
+    # The GPU machine reaches no network: nothing may wait on the Hugging Face hub.
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if (inputs / "data" / "gpt2" / "gpt2-vocab.json").is_file():
         env.setdefault("MEGATRON_TEST_DATA", str(inputs / "data"))
     if (inputs / "peers" / "nanogpt" / "model.py").is_file():

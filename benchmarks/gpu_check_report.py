@@ -68,8 +68,6 @@ def throughput_table(record: dict) -> list[str]:
                      + f" | {_fmt(goal['ratios'].get(shape), '.3f')} by {best} "
                      f"| {_fmt(None if mfu is None else 100 * mfu, '.1f', '%')} "
                      f"| {_fmt(contenders.get('ours', {}).get('memory_mb'), '.0f')} |")
-    lines += ["", "goal: >= 1.1x nanoGPT+compile at each shape, >= 60% MFU at 1.3b "
-              "(judged per shape above; the throughput steps run one shape each)"]
     if any(f.get("dry_run") for f in found.values()):
         lines.append("(dry run: tiny shapes on the CPU, torch.compile off; not a measurement)")
     return lines
@@ -87,9 +85,38 @@ def generation_table(record: dict) -> list[str]:
     return lines
 
 
+def _verdict(value: Optional[float], target: float) -> str:
+    return "not measured" if value is None else ("met" if value >= target else "not met")
+
+
+def goals_list(record: dict) -> list[str]:
+    """Issue 21's goals, each met, not met or not measured."""
+    steps = _steps(record)
+    lines = []
+    for step, shape in THROUGHPUT_STEPS.items():
+        figures = steps.get(step, {}).get("figures", {})
+        goal = figures.get("goal", {})
+        ratio, best = goal.get("ratios", {}).get(shape), goal.get("used", {}).get(shape)
+        lines.append(f"- {shape}: ours >= 1.1x nanoGPT + torch.compile: {_verdict(ratio, 1.1)}"
+                     f" ({_fmt(ratio, '.3f')} by {best})")
+        if shape == "1.3b":
+            mfu = goal.get("mfu_1_3b")
+            lines.append(f"- 1.3b: ours >= 60% of the measured bf16 peak: {_verdict(mfu, 0.6)}"
+                         f" ({_fmt(None if mfu is None else 100 * mfu, '.1f', '%')} by {best})")
+    rows = steps.get("generate", {}).get("figures", {}).get("rows", [])
+    for batch in (1, 8):
+        cached = [r["vs_hf"] for r in rows
+                  if r["batch"] == batch and r["generator"] == "ours (KV cache)"]
+        value = cached[0] if cached else None
+        lines.append(f"- generation at batch {batch}: ours (KV cache) >= HF generate: "
+                     f"{_verdict(value, 1.0)} ({_fmt(value, '.2f', 'x')})")
+    return lines
+
+
 def summary_markdown(record: dict) -> str:
     title = "# GPU check" + (" (dry run on the CPU: plumbing only)" if record["dry_run"] else "")
     parts = [title, "", machine_line(record), "", *steps_table(record), "", "## Checks", "",
-             *checks_list(record), "", "## Throughput", "", *throughput_table(record), "",
+             *checks_list(record), "", "## Goals", "", *goals_list(record), "",
+             "## Throughput", "", *throughput_table(record), "",
              "## Generation", "", *generation_table(record)]
     return "\n".join(parts)

@@ -75,7 +75,7 @@ GPU = Scale(
               "--new-tokens", "64", "--repeats", "3"),
     throughput=("--rounds", "1", "--iters", "10", "--warmup", "3"), contender_timeout_s=100)
 DRY_RUN = Scale(
-    device="cpu", peak_sizes=(128, 256), model=_model_flags(2, 64, 4, 64, 4), smoke_lr="3e-3",
+    device="cpu", peak_sizes=(128, 256), model=_model_flags(2, 64, 4, 32, 2), smoke_lr="3e-3",
     smoke_lines=3000, cpu_suite=DRY_RUN_CPU_SUITE_TESTS,
     generate=("--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "4",
               "--vocab", "1024", "--new-tokens", "8", "--repeats", "1"),

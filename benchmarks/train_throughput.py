@@ -379,6 +379,8 @@ def benchmark_gpu_shape(shape: Shape, contenders: list[str], args,
         for name in contenders:
             try:
                 results[name].append(run_gpu_contender(name, shape, args, mode))
+                print(f"  [{shape.name}] {name}, round {round_}: "
+                      f"{results[name][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
             except RuntimeError as error:  # a failed contender (OOM, missing package) is reported
                 print(f"  [{shape.name}] {name}, round {round_}, failed:\n{str(error)[-3000:]}")
                 results[name].append(None)
