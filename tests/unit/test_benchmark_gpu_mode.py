@@ -116,7 +116,7 @@ def test_gpu_driver_end_to_end_with_canned_runs(monkeypatch, capsys):
     """main --device cuda on CPU: every subprocess answers from here; HF fails once."""
     calls = []
 
-    def fake_run_logged(command):
+    def fake_run_logged(command, timeout=None, env=None):
         calls.append(command)
         if command[1] != throughput.PEERS:  # ours
             return _fake_log(warmup=3, iters=2, memory=len(calls) > 2)
