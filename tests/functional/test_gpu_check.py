@@ -202,3 +202,23 @@ def test_dry_run_runs_every_step_without_the_packages_the_gpu_machine_lacks(tmp_
     assert summary.strip() in done.stdout
     assert "| gpt2-124m |" in summary and "| 8 | ours (KV cache) |" in summary
     assert "No module named 'deepspeed'" not in log and "No module named 'nltk'" not in log
+
+
+def test_readme_gives_the_steps_and_the_call_as_they_are(gpu_check):
+    """README's GPU check section: each step's plan and limit as in STEPS, the exact call."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### The GPU check"):]
+    section = section[:section.index("\n## ")]
+    for step in gpu_check.STEPS:
+        if step.name.startswith("throughput"):
+            continue
+        row = next(line for line in section.splitlines() if line.startswith(f"| `{step.name}`"))
+        assert row.endswith(f"| {step.planned_s:.0f} s | {step.limit_s:.0f} s |"), row
+    throughput = [s for s in gpu_check.STEPS if s.name.startswith("throughput")]
+    planned = ", ".join(f"{s.planned_s:.0f}" for s in throughput)
+    limits = ", ".join(f"{s.limit_s:.0f}" for s in throughput)
+    assert f"| {planned} s | {limits} s |" in section
+    assert f"No step starts after {gpu_check.DEADLINE_S:.0f} s" in section
+    assert "`PYTHONPATH=. python3 benchmarks/gpu_check.py`, `timeout_s` `600`" in section
+    assert f'`carry`\n   `["{gpu_check.INPUTS.name}"]`' in section
+    assert f"/{gpu_check.INPUTS.name}/" in (REPO / ".gitignore").read_text().splitlines()
