@@ -208,10 +208,12 @@ def run_step(step: Step, limit: float, args, work: Path, log, peak: Optional[flo
                                  stdout=log, cwd=str(REPO), env=child_env(args.inputs))
     wall = time.monotonic() - start
     result = StepResult(step.name, "timed out", wall, limit, step.planned_s)
-    report = work / f"{step.name}.json"
+    report, partial = work / f"{step.name}.json", work / f"{step.name}.figures.json"
     if report.is_file():
         found = json.loads(report.read_text())
         result.checks, result.figures = found["checks"], found["figures"]
+    elif partial.is_file():  # a step stopped part way: the figures it had written so far
+        result.figures = {**json.loads(partial.read_text()), "partial": True}
     if status is None:
         result.note = f"stopped at its limit of {limit:.0f} s"
     elif status != 0 or not report.is_file():

@@ -91,6 +91,7 @@ class Checks:
         self.figures: dict = {}
 
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        """Record a check (and print it); returns ``ok``."""
         self.checks.append([name, bool(ok), detail])
         print(f"check: {name}: {'ok' if ok else 'FAILED'}{f' ({detail})' if detail else ''}",
               flush=True)
@@ -367,7 +368,8 @@ def step_generate(scale: Scale, args, out: Checks) -> None:
 
 def step_throughput(shape: str) -> Callable:
     def run(scale: Scale, args, out: Checks) -> None:
-        report = args.work / f"throughput-{shape}.json"
+        # Written after every contender: if the step is stopped, gpu_check keeps what ran.
+        report = args.work / f"{args.worker}.figures.json"
         nanogpt = find_inputs(args.inputs)["nanogpt"]
         command = [sys.executable, "benchmarks/train_throughput.py", "--device", "cuda",
                    "--shapes", shape, *scale.throughput, "--json", str(report),

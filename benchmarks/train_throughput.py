@@ -78,6 +78,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -371,10 +372,14 @@ def run_gpu_contender(name: str, shape: Shape, args, mode: GpuMode = GpuMode()) 
     ], mode, timeout)
 
 
-def benchmark_gpu_shape(shape: Shape, contenders: list[str], args,
-                        mode: GpuMode = GpuMode()) -> dict[str, list]:
-    """Per contender, one result per round (None where the run failed); contenders alternate."""
-    results = {name: [] for name in contenders}
+def benchmark_gpu_shape(shape: Shape, contenders: list[str], args, mode: GpuMode = GpuMode(),
+                        results: Optional[dict[str, list]] = None,
+                        on_result: Callable[[], None] = lambda: None) -> dict[str, list]:
+    """Per contender, one result per round (None where the run failed); contenders alternate.
+    ``results`` (filled in place) and ``on_result`` (called after each run) let the caller
+    keep what is done so far."""
+    results = {name: [] for name in contenders} if results is None else results
+    results.update({name: [] for name in contenders})
     for round_ in range(1, args.rounds + 1):
         for name in contenders:
             try:
@@ -384,6 +389,7 @@ def benchmark_gpu_shape(shape: Shape, contenders: list[str], args,
             except RuntimeError as error:  # a failed contender (OOM, missing package) is reported
                 print(f"  [{shape.name}] {name}, round {round_}, failed:\n{str(error)[-3000:]}")
                 results[name].append(None)
+            on_result()
         print(f"  [{shape.name}] round {round_}: " + ", ".join(
             f"{name} {r['tokens_per_s']:.0f}" if r else f"{name} failed"
             for name, r in ((n, results[n][-1]) for n in contenders)) + " tokens/s", flush=True)
@@ -524,13 +530,23 @@ def main_gpu(args) -> None:
     print(f"{device_name}, torch {torch.__version__}, one GPU, bf16; bf16 matmul peak {first}"
           + (" [--dry-run: the machinery on the CPU at a tiny shape, compile off; "
              "not a measurement]" if mode.dry_run else ""), flush=True)
-    results = {}
+    results: dict[str, dict[str, list]] = {}
+
+    def record(complete: bool) -> None:
+        """--json: what is measured so far (a run stopped from outside keeps it)."""
+        if args.json:
+            peak = max(p["tflops"] for p in peaks) if peaks else args.peak_tflops
+            write_json(args.json, gpu_record(results, peaks, peak, contenders, args, mode,
+                                             device_name, complete))
+
     for name in args.shapes:
         shape = mode.shapes[name]
         command = gpu_pretrain_command(shape, args.iters + args.warmup, args.clip_grad,
                                        (*mode.ours_args, *args.ours_args))
         print(f"\n[{name}] ours: {' '.join(command)}".replace(REPO + os.sep, ""), flush=True)
-        results[name] = benchmark_gpu_shape(shape, contenders, args, mode)
+        results[name] = {}
+        benchmark_gpu_shape(shape, contenders, args, mode, results[name],
+                            lambda: record(complete=False))
         peaks += [p for p in [measure_peak(args, mode)] if p]
     peak = max(p["tflops"] for p in peaks) if peaks else args.peak_tflops
     measured = ", ".join(f"{p['tflops']:.1f}" for p in peaks) or "given with --peak-tflops"
@@ -542,15 +558,24 @@ def main_gpu(args) -> None:
         print_gpu_shape(mode.shapes[name], summary)
     print_gpu_table(summaries)
     print_goal(summaries)
-    if args.json:
-        write_json(args.json, dict(
-            device_name=device_name, torch=torch.__version__, dry_run=mode.dry_run,
-            peak_tflops=peak, peak_measurements=[p["tflops"] for p in peaks],
-            contenders=contenders, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
-            shapes={name: dict(describe=mode.shapes[name].describe(),
-                               flops_per_token=flops_per_token(mode.shapes[name]),
-                               contenders=summary) for name, summary in summaries.items()},
-            goal=goal_status(summaries)))
+    record(complete=True)
+
+
+def gpu_record(results: dict[str, dict[str, list]], peaks: list[dict], peak: float,
+               contenders: list[str], args, mode: GpuMode, device_name: str,
+               complete: bool) -> dict:
+    """Every figure of the GPU comparison as plain data (--json)."""
+    import torch
+
+    summaries = {name: summarize(mode.shapes[name], r, peak) for name, r in results.items()}
+    return dict(
+        device_name=device_name, torch=torch.__version__, dry_run=mode.dry_run,
+        complete=complete, peak_tflops=peak, peak_measurements=[p["tflops"] for p in peaks],
+        contenders=contenders, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
+        shapes={name: dict(describe=mode.shapes[name].describe(),
+                           flops_per_token=flops_per_token(mode.shapes[name]),
+                           contenders=summary) for name, summary in summaries.items()},
+        goal=goal_status(summaries))
 
 
 # Driver ------------------------------------------------------------------------------------

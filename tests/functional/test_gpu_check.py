@@ -63,10 +63,22 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+PARTIAL = {"dry_run": False, "complete": False,
+           "shapes": {"gpt2-124m": {"contenders": {
+               "ours": {"tokens_per_s": 300000.0, "mfu": 0.3, "memory_mb": 9000.0},
+               "ours-compile": {"tokens_per_s": None, "mfu": None, "memory_mb": None}}}},
+           "goal": {"ratios": {"gpt2-124m": None}, "used": {"gpt2-124m": "ours"}}}
+
+
 def _fake_worker(step: str, work: Path) -> list[str]:
-    """A step that hangs (env), one that passes (smoke), one that fails a check (generate)."""
+    """A step that hangs (env), one that passes (smoke), one that fails a check (generate),
+    one that writes partial figures and hangs (throughput-124m)."""
     if step == "env":
         return [sys.executable, "-c", "import time; print('hanging', flush=True); time.sleep(60)"]
+    if step == "throughput-124m":
+        partial = str(work / f"{step}.figures.json")
+        return [sys.executable, "-c", f"import time; open({partial!r}, 'w').write("
+                f"{json.dumps(PARTIAL)!r}); time.sleep(60)"]
     checks = [["it ran", True, ""]] + ([["it is fast", False, "slow"]] if step == "generate"
                                        else [])
     report = json.dumps({"checks": checks, "figures": {"answer": 42}})
@@ -78,16 +90,18 @@ def test_steps_run_in_order_under_their_limits(gpu_check, tmp_path, monkeypatch,
     monkeypatch.setattr(gpu_check, "worker_command",
                         lambda step, args, work, peak: _fake_worker(step, work))
     out = tmp_path / "out"
-    status = gpu_check.main(["--steps", "env", "smoke", "generate", "--limit", "env=1",
-                             "--out", str(out)])
+    status = gpu_check.main(["--steps", "env", "smoke", "generate", "throughput-124m",
+                             "--limit", "env=1", "throughput-124m=2", "--out", str(out)])
     assert status == 1
     record = json.loads((out / gpu_check.FIGURES).read_text())
     steps = {s["name"]: s for s in record["steps"]}
-    assert list(steps) == ["env", "smoke", "generate"]
+    assert list(steps) == ["env", "smoke", "generate", "throughput-124m"]
     assert steps["env"]["status"] == "timed out" and steps["env"]["limit_s"] == 1.0
     assert steps["env"]["wall_s"] < 10
     assert steps["smoke"]["status"] == "passed" and steps["smoke"]["figures"] == {"answer": 42}
     assert steps["generate"]["status"] == "failed"
+    assert steps["throughput-124m"]["status"] == "timed out"
+    assert steps["throughput-124m"]["figures"] == {**PARTIAL, "partial": True}
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [gpu_check.LOG, gpu_check.FIGURES, gpu_check.SUMMARY])
     log = (out / gpu_check.LOG).read_text()
@@ -98,6 +112,7 @@ def test_steps_run_in_order_under_their_limits(gpu_check, tmp_path, monkeypatch,
     assert summary.strip() in printed
     assert "| env | timed out (stopped at its limit of 1 s)" in summary
     assert "- [ ] generate: it is fast (slow)" in summary
+    assert "| gpt2-124m | 300,000 | n/a | n/a | n/a | n/a | n/a by ours | 30.0% | 9000 |" in summary
 
 
 def test_deadline_and_flag_errors(gpu_check, tmp_path, monkeypatch, capsys):
