@@ -59,6 +59,7 @@ class Scale:
     generate: tuple[str, ...]
     throughput: tuple[str, ...]  # train_throughput.py flags besides the shape
     contender_timeout_s: float
+    pytest_workers: int  # pytest-xdist processes per test step, where xdist is installed
 
 
 def _model_flags(layers: int, hidden: int, heads: int, seq: int, batch: int) -> tuple:
@@ -73,14 +74,15 @@ GPU = Scale(
     smoke_lr="6e-4", smoke_lines=None, cpu_suite=CPU_SUITE_TESTS,
     generate=("--device", "cuda", "--layers", "12", "--hidden", "768", "--heads", "12",
               "--new-tokens", "64", "--repeats", "3"),
-    throughput=("--rounds", "1", "--iters", "10", "--warmup", "3"), contender_timeout_s=100)
+    throughput=("--rounds", "1", "--iters", "10", "--warmup", "3"), contender_timeout_s=100,
+    pytest_workers=4)
 DRY_RUN = Scale(
     device="cpu", peak_sizes=(128, 256), model=_model_flags(2, 64, 4, 32, 2), smoke_lr="3e-3",
     smoke_lines=3000, cpu_suite=DRY_RUN_CPU_SUITE_TESTS,
     generate=("--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "4",
               "--vocab", "1024", "--new-tokens", "8", "--repeats", "1"),
     throughput=("--rounds", "1", "--iters", "2", "--warmup", "1", "--dry-run"),
-    contender_timeout_s=120)
+    contender_timeout_s=120, pytest_workers=0)
 
 
 class Checks:
@@ -216,9 +218,20 @@ def pytest_counts(output: str) -> dict[str, int]:
     return counts
 
 
-def run_pytest(tests: tuple[str, ...], marker: Optional[str], out: Checks) -> dict:
+def parallel_args(workers: int, distribution: str) -> list[str]:
+    """pytest-xdist's flags for ``workers`` processes (the GPU machine has it and 16 cores;
+    the GPU tests are small enough to share one GPU), or none where it is not installed."""
+    import importlib.util
+
+    if workers < 2 or importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(workers), "--dist", distribution]
+
+
+def run_pytest(tests: tuple[str, ...], marker: Optional[str], out: Checks,
+               parallel: list[str]) -> dict:
     command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-               "--durations=10", *(("-m", marker) if marker else ()), *tests]
+               "--durations=10", *parallel, *(("-m", marker) if marker else ()), *tests]
     status, output = stream(command)
     counts = pytest_counts(output)
     out.figures.update(exit_status=status, counts=counts,
@@ -227,7 +240,8 @@ def run_pytest(tests: tuple[str, ...], marker: Optional[str], out: Checks) -> di
 
 
 def step_gpu_tests(scale: Scale, args, out: Checks) -> None:
-    counts = run_pytest(GPU_TESTS, "gpu", out)
+    # Test by test: the module fixtures (a small corpus) are cheap to build per process.
+    counts = run_pytest(GPU_TESTS, "gpu", out, parallel_args(scale.pytest_workers, "load"))
     bad = counts.get("failed", 0) + counts.get("error", 0)
     if scale.device == "cuda":
         out.check("every GPU test passes", bad == 0 and counts.get("passed", 0) > 0,
@@ -238,7 +252,10 @@ def step_gpu_tests(scale: Scale, args, out: Checks) -> None:
 
 
 def step_cpu_tests(scale: Scale, args, out: Checks) -> None:
-    counts = run_pytest(scale.cpu_suite, None, out)
+    # Module by module: the pipeline-layout module spawns each world size once for all its
+    # tests, which must stay in one process to share that.
+    counts = run_pytest(scale.cpu_suite, None, out,
+                        parallel_args(scale.pytest_workers, "loadscope"))
     bad = counts.get("failed", 0) + counts.get("error", 0)
     out.check("the CPU-suite tests pass", bad == 0 and counts.get("passed", 0) > 0,
               json.dumps(counts))

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
@@ -237,3 +238,26 @@ def test_readme_gives_the_steps_and_the_call_as_they_are(gpu_check):
     assert "`PYTHONPATH=. python3 benchmarks/gpu_check.py`, `timeout_s` `600`" in section
     assert f'`carry`\n   `["{gpu_check.INPUTS.name}"]`' in section
     assert f"/{gpu_check.INPUTS.name}/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_the_gpu_scale_commands_are_valid_training_flags(gpu_check):
+    """What only the GPU machine runs (124M smoke runs, the throughput shapes) parses into
+    a valid configuration here, so the first GPU call does not fail on a flag."""
+    import gpu_check_steps as steps
+    import train_throughput
+
+    from megatron.config import parse_args
+
+    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50257"]
+    runs = [steps.smoke_command(steps.GPU, data, *extra) for extra in (
+        (), ("--save", "ckpt", "--save-interval", "15", "--exit-interval", "15"),
+        ("--load", "ckpt"), ("--use-flash-attn",))]
+    runs += [train_throughput.gpu_pretrain_command(shape, 13, 1.0, ("--compile",))
+             for shape in train_throughput.GPU_SHAPES.values()]
+    for command in runs:
+        assert command[1].endswith("pretrain_gpt.py")
+        config = parse_args(command[2:])
+        assert config.model.num_layers in (12, 24) and config.model.seq_length == 1024
+    smoke = parse_args(runs[0][2:])
+    assert smoke.model.hidden_size == 768 and smoke.training.train_iters == 30
+    assert smoke.training.deterministic_mode and smoke.model.params_dtype == torch.bfloat16
