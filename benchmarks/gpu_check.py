@@ -81,7 +81,7 @@ class Step:
 STEPS = (
     Step("env", 20, 45, "device, driver, versions, bf16 matmul peak"),
     Step("gpu-tests", 60, 120, "pytest -m gpu tests/gpu"),
-    Step("cpu-tests", 60, 100, "CPU-suite tests that exercise CUDA paths"),
+    Step("cpu-tests", 60, 120, "CPU-suite tests that exercise CUDA paths"),
     Step("smoke", 60, 120, "pretrain_gpt.py bf16 124M on WikiText: falls, exact resume, "
                            "--use-flash-attn fallback"),
     Step("generate", 30, 60, "benchmarks/generate.py: KV-cached generation against HF"),

@@ -183,11 +183,19 @@ def step_env(scale: Scale, args, out: Checks) -> None:
              nvidia_smi=_nvidia_smi(), gpu_visible=torch.cuda.is_available())
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
+        nccl = torch.cuda.nccl.version()
         f.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
-                 gpu_memory_gib=props.total_memory / 2**30, multiprocessors=props.multi_processor_count,
-                 cudnn=torch.backends.cudnn.version(), nccl=".".join(map(str, torch.cuda.nccl.version())))
+                 gpu_memory_gib=props.total_memory / 2**30,
+                 multiprocessors=props.multi_processor_count,
+                 cudnn=torch.backends.cudnn.version(),
+                 nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
     else:
         f["device_name"] = "cpu"
+    import megatron
+
+    f["megatron_from"] = str(Path(megatron.__file__).resolve().parent)
+    out.check("megatron is imported from this checkout", f["megatron_from"]
+              == str(REPO / "megatron"), f["megatron_from"])
     out.check("a GPU is visible" if scale.device == "cuda" else "runs on the CPU (--dry-run)",
               scale.device == "cpu" or torch.cuda.is_available(), f["device_name"])
     peers = load_benchmark("gpu_peers")
