@@ -213,6 +213,7 @@ def step_env(scale: Scale, args, out: Checks) -> None:
 
 # gpu-tests, cpu-tests -----------------------------------------------------------------------
 
+USAGE_ERROR = 4  # pytest's exit status for a command line it does not accept
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 _OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (.+)$", re.M)
 
@@ -238,9 +239,14 @@ def parallel_args(workers: int, distribution: str) -> list[str]:
 
 def run_pytest(tests: tuple[str, ...], marker: Optional[str], out: Checks,
                parallel: list[str]) -> dict:
-    command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-               "--durations=10", *parallel, *(("-m", marker) if marker else ()), *tests]
-    status, output = stream(command)
+    def command(extra: list[str]) -> list[str]:
+        return [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                "--durations=10", *extra, *(("-m", marker) if marker else ()), *tests]
+
+    status, output = stream(command(parallel))
+    if status == USAGE_ERROR and parallel:  # xdist there but not loadable: one process
+        print("pytest refused the xdist flags; running the tests in one process", flush=True)
+        status, output = stream(command([]))
     counts = pytest_counts(output)
     out.figures.update(exit_status=status, counts=counts,
                        outcomes=[" ".join(m) for m in _OUTCOME.findall(output)])

@@ -261,3 +261,13 @@ def test_the_gpu_scale_commands_are_valid_training_flags(gpu_check):
     smoke = parse_args(runs[0][2:])
     assert smoke.model.hidden_size == 768 and smoke.training.train_iters == 30
     assert smoke.training.deterministic_mode and smoke.model.params_dtype == torch.bfloat16
+
+
+def test_pytest_closing_lines_are_counted(gpu_check):
+    from gpu_check_steps import pytest_counts
+
+    quiet = "PASSED tests/gpu/a.py::t\n3 passed, 1 failed, 2 skipped, 2 errors in 4.20s\n"
+    assert pytest_counts(quiet) == {"passed": 3, "failed": 1, "skipped": 2, "error": 2}
+    framed = "===== 13 skipped, 1 error in 7.1s =====\n"
+    assert pytest_counts(framed) == {"skipped": 13, "error": 1}
+    assert pytest_counts("ImportError while loading conftest\n") == {}
