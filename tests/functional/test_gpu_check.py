@@ -206,6 +206,7 @@ def test_dry_run_runs_every_step_without_the_packages_the_gpu_machine_lacks(tmp_
     assert list(steps) == ["env", "gpu-tests", "cpu-tests", "smoke", "generate",
                            "throughput-124m"]
     assert all(s["status"] == "passed" for s in steps.values())
+    assert steps["env"]["limit_s"] == 3 * 45  # a dry run's limits have slack
     assert steps["env"]["figures"]["inputs"]["data"] == str(inputs / "data")
     smoke = steps["smoke"]["figures"]
     assert len(smoke["losses"]) == 30 and smoke["losses"][-1] < smoke["losses"][0] - 1
