@@ -266,6 +266,9 @@ def test_dump_config_covers_every_settable_field(tmp_path):
                                                   "a list of 3"]),
     ("[data]\ndata_path = \"corpus\"\n", ["run.toml", "data_path", "a list"]),
     ("model = 3\n", ["run.toml", "model", "table"]),
+    # A top-level key is a key, not a table: say so, with its line and where it belongs.
+    ("log_dir = \"runs\"\n[model]\n", ["run.toml, line 1: key 'log_dir' is outside any table"]),
+    ("# shape\nhidden_size = 64\n", ["run.toml, line 2: key 'hidden_size'", "belongs in [model]"]),
     ("[model\nhidden_size = 64\n", ["run.toml", "not valid TOML", "line 1"]),
     ("[model]\nhidden_size = 64\nhidden_size = 65\n", ["run.toml", "not valid TOML", "line 3"]),
     ("[model]\nnum_layers_per_virtual_pipeline_stage = 2\n",
