@@ -45,6 +45,7 @@ from megatron.data.dataset_utils import train_valid_test_num_samples as data_sam
 from megatron.initialize import initialize_megatron
 from megatron.integrations.deepspeed import deepspeed_config_or_exit
 from megatron.microbatches import NumMicroBatchesCalculator
+from megatron.model.layer_norm import apex_layer_norm_used
 from megatron.model.transformer import compile_transformer_layers, flash_attn_installed
 from megatron.nonfinite import (
     NonFiniteError,
@@ -764,6 +765,9 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
     device = initialize_megatron(cfg)
     cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
+    # The arguments block shows what this device uses, not what was asked for.
+    cfg = cfg.replace(model=cfg.model.replace(
+        apex_layernorm=apex_layer_norm_used(cfg.model, device)))
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
     ctx = RunContext(cfg, tokenizer, Timers(timer_level), device)

@@ -63,7 +63,7 @@ def _help(f: dataclasses.Field, switch: bool) -> str:
     text = f.metadata["help"]
     if f.metadata.get("required"):
         return f"{text} (required)"
-    if switch:
+    if switch or "(default:" in text:  # a help text may say its default in its own words
         return text
     default = cli_default(f)
     if isinstance(default, tuple):

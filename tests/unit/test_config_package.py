@@ -70,6 +70,9 @@ def test_every_flag_has_a_description_and_a_default():
         takes_value = action.nargs != 0
         if takes_value:
             assert re.search(r"\((default: .+|required)\)", action.help), action.option_strings
+        # One default, said once, and never Python's None.
+        assert action.help.count("(default:") <= 1, action.help
+        assert "(default: None)" not in action.help, action.help
 
 
 def test_each_field_declares_its_flags_once():
