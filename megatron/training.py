@@ -761,6 +761,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     _check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
     ds_config = deepspeed_config_or_exit(cfg)
+    _check_resumed_schedule_or_exit(cfg, ds_config)
     if cfg.training.dry_run:
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
     device = initialize_megatron(cfg)
@@ -913,6 +914,46 @@ def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
             checkpointing.check_save_dir(cfg.checkpoint.save)
     except checkpointing.CheckpointError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+class _NoParameters:
+    """An optimizer without parameters: what a scheduler built only to be compared needs."""
+
+    param_groups: list = []
+
+
+def _check_resumed_schedule_or_exit(cfg: RunConfig, ds_config: Optional[dict]) -> None:
+    """A --load whose learning-rate schedule differs from this run's flags (another --lr, a
+    longer --train-iters that moves the decay) ends the run here, before any process group or
+    model exists: ``error: ...`` on rank 0 naming each value, its flags, and the flag that
+    resolves it (the same rule the load applies, see optimizer_param_scheduler.py)."""
+    from megatron import checkpointing
+    from megatron.optimizer_param_scheduler import ScheduleMismatchError
+    from megatron.utils import global_rank
+
+    ck, sc = cfg.checkpoint, cfg.scheduler
+    if (not ck.load or ck.finetune or ck.no_load_optim or ck.no_load_lr_state
+            or sc.override_opt_param_scheduler or sc.use_checkpoint_opt_param_scheduler
+            or (ds_config is not None and "scheduler" in ds_config)):
+        return
+    if ds_config is not None:
+        from megatron.integrations.deepspeed import scheduler_state
+
+        found = scheduler_state(ck.load)
+    else:
+        found = checkpointing.load_scheduler_state(ck.load)
+    if found is None:
+        return
+    folder, saved = found
+    scheduler = build_optimizer_param_scheduler(
+        sc, cfg.optimizer, _NoParameters(), global_batch_size=cfg.training.global_batch_size,
+        train_iters=cfg.training.train_iters, train_samples=cfg.training.train_samples)
+    try:
+        scheduler.load_state_dict(saved)
+    except ScheduleMismatchError as error:
+        if global_rank() == 0:
+            print(f"error: --load {ck.load}: {folder}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 

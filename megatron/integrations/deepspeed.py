@@ -571,6 +571,23 @@ def _latest_tag(load_dir: str) -> Optional[str]:
         return f.read().strip()
 
 
+def scheduler_state(load_dir: str) -> Optional[tuple[str, dict]]:
+    """The learning-rate schedule our engine stored with DeepSpeed's latest checkpoint in
+    ``load_dir`` (client state of its model-parallel rank 0 file): its folder and state, or
+    None when there is none to read (loading reports a missing or damaged checkpoint)."""
+    tag = _latest_tag(load_dir)
+    if tag is None:
+        return None
+    folder = os.path.join(load_dir, tag)
+    try:
+        state = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"),
+                           map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable here: the load itself says why
+        return None
+    saved = state.get("opt_param_scheduler") if isinstance(state, dict) else None
+    return (folder, saved) if isinstance(saved, dict) else None
+
+
 def _verify_deepspeed_folder(folder: str, checksums: bool) -> None:
     """``folder``'s files against its manifest (sizes; ``checksums``: CRC-32 too), naming the
     first that differs; a folder without one (saved by DeepSpeed elsewhere) with a warning."""
