@@ -220,8 +220,12 @@ class NonFiniteGuard:
         else:
             latest = (f"the latest checkpoint in --save {save_dir} is iteration {last_saved}, "
                       "from before them")
+        resume = (f"resume with --load {save_dir} --override-opt_param-scheduler and a lower "
+                  "--lr (the flag lets the new --lr replace the checkpoint's schedule)"
+                  if save_dir is not None and last_saved is not None
+                  else "lower --lr")
         return NonFiniteError(
             f"{self.consecutive} iterations in a row ({self.first_iteration}-{iteration}) had a "
             f"NaN/Inf loss or grad norm and were skipped; stopping without saving ({latest}). "
-            "Lower --lr, look at the data of those iterations, or raise "
+            f"To go on: {resume}, look at the data of those iterations, or raise "
             "--max-consecutive-nonfinite-iterations.")

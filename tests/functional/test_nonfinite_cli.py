@@ -84,6 +84,9 @@ def test_exploding_run_stops_nonzero_and_keeps_the_last_finite_checkpoint(
     assert (f"error: 10 iterations in a row ({first_bad}-{first_bad + 9}) had a NaN/Inf loss "
             "or grad norm and were skipped; stopping without saving") in done.stderr
     assert "--max-consecutive-nonfinite-iterations" in done.stderr
+    # The way on it advises is one that resumes (tests/functional/test_resume_messages.py).
+    assert (f"resume with --load {save} --override-opt_param-scheduler and a lower --lr"
+            in done.stderr)
     assert "Traceback" not in log
 
     # Checkpoints only at finite iterations, the tracker at the last of them, all finite.
