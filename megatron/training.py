@@ -50,6 +50,7 @@ from megatron.model.transformer import compile_transformer_layers, flash_attn_in
 from megatron.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,
+    OverflowGuard,
     check_finite_for_save,
     describe_nonfinite_grad_norm,
     describe_nonfinite_loss,
@@ -330,14 +331,17 @@ def engine_train_step(engine, forward_step: Callable, data_iterator, ctx: RunCon
     """One iteration through DeepSpeed's engine, reported as ``train_step`` reports it."""
     timers = ctx.timers
     timers("forward-backward-optimizer", log_level=1).start()
-    losses, applied, grad_norm = engine.train_step(forward_step, data_iterator,
-                                                   num_microbatches)
+    losses, applied, grad_norm, bad_loss = engine.train_step(forward_step, data_iterator,
+                                                             num_microbatches)
     timers("forward-backward-optimizer").stop()
+    opt = ctx.config.optimizer
     nonfinite = None
-    if ctx.config.optimizer.check_for_nan_in_loss_and_grad:
-        bad_loss = locate_nonfinite_loss(losses)
-        if bad_loss is not None:  # DeepSpeed applied the step: say so, the guard counts it
-            nonfinite = describe_nonfinite_loss(*bad_loss, num_microbatches)
+    if bad_loss is not None:  # not applied (see DeepSpeedRun.train_step)
+        nonfinite = describe_nonfinite_loss(*bad_loss, num_microbatches)
+    elif opt.check_for_nan_in_loss_and_grad and not applied and not opt.fp16:
+        # Not an fp16 overflow (the loss scaler's business, as in the built-in engine).
+        nonfinite = (f"the grad norm ({grad_norm}; every micro-batch loss was finite; DeepSpeed "
+                     "found NaN/Inf gradients)")
     return StepResult(_reduce_losses(losses), not applied, grad_norm, None, nonfinite)
 
 
@@ -410,6 +414,10 @@ class Trainer:
                                        self.cfg.logging.tensorboard_queue_size, wandb)
         self.signal = _SignalFlag(t.exit_signal_handler)
         self.guard = NonFiniteGuard(t.max_consecutive_nonfinite_iterations)
+        opt = self.cfg.optimizer
+        self.overflow_guard = (OverflowGuard(t.max_consecutive_nonfinite_iterations,
+                                             opt.loss_scale, opt.min_loss_scale)
+                               if opt.fp16 else None)
         self._refused_save: Optional[int] = None
         self.start_time = time.time()
         self._interval: dict[str, float] = {}
@@ -464,6 +472,7 @@ class Trainer:
             self.calculator.update(s.consumed_train_samples)
             num_micro = self.calculator.num_microbatches
             gbs = self.calculator.current_global_batch_size
+            scale = self._fp16_loss_scale()  # the scale this step begins with
             if self.engine is not None:
                 result = engine_train_step(self.engine, self.forward_step, self.train_iter,
                                            self.ctx, num_micro)
@@ -476,10 +485,13 @@ class Trainer:
             if t.manual_gc and t.manual_gc_interval and s.iteration % t.manual_gc_interval == 0:
                 self._collect_garbage()
             self._warn_nonfinite(result.nonfinite)
+            self._warn_overflow(result, scale)
             self._account(result, gbs)
             if self.guard.must_stop:
                 raise self.guard.stop_error(s.iteration, self.cfg.checkpoint.save,
                                             s.last_saved)
+            if self.overflow_guard is not None and self.overflow_guard.must_stop:
+                raise self.overflow_guard.stop_error(s.iteration)
             reason = self._after_iteration()
             if reason:
                 return reason
@@ -516,6 +528,21 @@ class Trainer:
 
     def _warn_nonfinite(self, nonfinite: Optional[str]) -> None:
         warning = self.guard.observe(self.state.iteration, nonfinite)
+        if warning:
+            print_rank_0(warning)
+
+    def _fp16_loss_scale(self) -> Optional[float]:
+        if self.overflow_guard is None:
+            return None
+        scale = self.optimizer.get_loss_scale()
+        return float(scale) if scale is not None else None
+
+    def _warn_overflow(self, result: StepResult, scale: Optional[float]) -> None:
+        """fp16: a step the loss scaler skipped (not one the NaN guard skipped)."""
+        if self.overflow_guard is None:
+            return
+        overflowed = result.skipped and result.nonfinite is None
+        warning = self.overflow_guard.observe(self.state.iteration, overflowed, scale)
         if warning:
             print_rank_0(warning)
 
