@@ -18,7 +18,6 @@ import functools
 import gc
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -56,7 +55,11 @@ from megatron.nonfinite import (
     describe_nonfinite_loss,
     locate_nonfinite_loss,
 )
-from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
+from megatron.optimizer_param_scheduler import (
+    build_optimizer_param_scheduler,
+    check_resumed_schedule_or_exit,
+)
+from megatron.signals import INTERRUPTED_EXIT_STATUS, ShutdownSignals
 from megatron.timers import Timers, format_across_ranks, gather_across_ranks
 from megatron.training_log import (
     TensorBoard,
@@ -71,7 +74,7 @@ from megatron.training_log import (
     memory_gb,
     training_series,
 )
-from megatron.utils import configure_output, print_rank_0
+from megatron.utils import configure_output, global_rank, print_rank_0
 
 
 @dataclasses.dataclass
@@ -372,18 +375,6 @@ def evaluate(forward_step: Callable, data_iterator, chunks, ctx: RunContext,
 # Exits -----------------------------------------------------------------------------------
 
 
-class _SignalFlag:
-    """Remembers that SIGTERM arrived; the loop checks it between iterations."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.received = False
-        if enabled:
-            signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-
-
 # The loop --------------------------------------------------------------------------------
 
 
@@ -391,7 +382,8 @@ class Trainer:
     """Holds what the loop needs between iterations; ``train()`` runs to the end or an exit."""
 
     def __init__(self, ctx: RunContext, forward_step, chunks, optimizer, scheduler,
-                 iterators, state: TrainState, engine=None) -> None:
+                 iterators, state: TrainState, signals: ShutdownSignals,
+                 engine=None) -> None:
         self.ctx, self.cfg = ctx, ctx.config
         # DeepSpeed's engine (megatron/integrations/deepspeed.py DeepSpeedRun) where it
         # trains: it replaces the schedule, the step and the checkpoint files, nothing else.
@@ -412,7 +404,7 @@ class Trainer:
                              is_logger)
         self.tensorboard = TensorBoard(self.cfg.logging.tensorboard_dir, is_logger,
                                        self.cfg.logging.tensorboard_queue_size, wandb)
-        self.signal = _SignalFlag(t.exit_signal_handler)
+        self.signals = signals
         self.guard = NonFiniteGuard(t.max_consecutive_nonfinite_iterations)
         opt = self.cfg.optimizer
         self.overflow_guard = (OverflowGuard(t.max_consecutive_nonfinite_iterations,
@@ -665,7 +657,7 @@ class Trainer:
         if ck.save and ck.save_interval and it % ck.save_interval == 0:
             self.save()
         reason = None
-        if any_true(self.signal.received):
+        if any_true(self.signals.received is not None):
             reason = "signal"
         elif t.exit_duration_in_mins and any_true(
                 (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins):
@@ -725,20 +717,21 @@ class Trainer:
                 print_rank_0(f"  not saving a checkpoint at iteration {s.iteration}: its step "
                              f"was NaN/Inf and skipped (latest checkpoint: {s.last_saved})")
             return False
-        if self.engine is not None:
-            folder = self.engine.save(self.cfg.checkpoint.save, s.iteration,
-                                      s.consumed_train_samples, s.consumed_valid_samples)
+        with self.signals.saving():  # Ctrl-C waits for the save to be complete
+            if self.engine is not None:
+                folder = self.engine.save(self.cfg.checkpoint.save, s.iteration,
+                                          s.consumed_train_samples, s.consumed_valid_samples)
+            else:
+                # --dp-mode decentralized saves the replicas' mean.
+                self.optimizer.average_replicas()
+                check_finite_for_save(self.chunks, self.optimizer, s.iteration)
+                folder = checkpointing.save_checkpoint(
+                    s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
+                    consumed_train_samples=s.consumed_train_samples,
+                    consumed_valid_samples=s.consumed_valid_samples)
+            # checkpointing logs the save ("successfully saved checkpoint ..."); the run
+            # summary names the last folder.
             s.last_saved, s.last_checkpoint = s.iteration, folder
-            return True
-        self.optimizer.average_replicas()  # --dp-mode decentralized saves the replicas' mean
-        check_finite_for_save(self.chunks, self.optimizer, s.iteration)
-        folder = checkpointing.save_checkpoint(
-            s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
-            consumed_train_samples=s.consumed_train_samples,
-            consumed_valid_samples=s.consumed_valid_samples)
-        # checkpointing logs the save ("successfully saved checkpoint ..."); the run summary
-        # names the last folder.
-        s.last_saved, s.last_checkpoint = s.iteration, folder
         return True
 
 
@@ -780,15 +773,38 @@ def check_run_inputs(cfg: RunConfig):
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: Callable, *, extra_args_provider: Optional[Callable] = None,
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
-    """Parse flags, initialize, build, train, evaluate and save; returns the final state."""
+    """Parse flags, initialize, build, train, evaluate and save; returns the final state.
+
+    Ctrl-C (SIGINT) ends it with one line on rank 0 and ``SystemExit(130)``, or, with
+    --exit-signal-handler, as SIGTERM does (see megatron/signals.py)."""
     wall_start = time.perf_counter()
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     configure_output(cfg.logging.log_all_ranks)
+    signals = ShutdownSignals(cfg.training.exit_signal_handler)
+    state = TrainState()
+    try:
+        return _pretrain(cfg, state, signals, wall_start, train_valid_test_datasets_provider,
+                         model_provider, forward_step_func)
+    except BaseException as error:
+        # An interrupted peer leaves its collectives: the errors that follow are the interrupt.
+        if not signals.was_interrupted() or isinstance(error, SystemExit) and error.code == 0:
+            raise
+        if global_rank() == 0:
+            print(_interrupted_message(state, cfg), file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED_EXIT_STATUS) from None
+    finally:
+        signals.restore()
+
+
+def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals, wall_start: float,
+              train_valid_test_datasets_provider: Callable, model_provider: Callable,
+              forward_step_func: Callable) -> TrainState:
+    """pretrain() after the flags are parsed; fills ``state`` as it goes."""
     _check_checkpoint_folders_or_exit(cfg)
     _check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
     ds_config = deepspeed_config_or_exit(cfg)
-    _check_resumed_schedule_or_exit(cfg, ds_config)
+    check_resumed_schedule_or_exit(cfg, ds_config)
     if cfg.training.dry_run:
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
     device = initialize_megatron(cfg)
@@ -817,14 +833,14 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                  f"({parallel_state.get_tensor_model_parallel_rank()}, "
                  f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_parameters(chunks)}")
-    state = TrainState()
     if cfg.checkpoint.load and engine is not None:
         engine.load(state)
     elif cfg.checkpoint.load:
         load_into(state, chunks, optimizer, scheduler, _eval_only_load(cfg))
     forward_step = functools.partial(forward_step_func, ctx)
     iterators = build_data_iterators(train_valid_test_datasets_provider, ctx, state)
-    trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state, engine)
+    trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state,
+                      signals, engine)
     if cfg.training.eval_only:
         trainer.evaluate_only()
         trainer.tensorboard.close()
@@ -839,7 +855,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         if reason == "done":
             trainer.finish()
         else:
-            print_rank_0(_exit_message(reason, state, cfg))
+            print_rank_0(_exit_message(reason, state, cfg, signals.received))
     except NonFiniteError as error:
         # Every rank raised it at the same point (its decisions are collective).
         trainer.tensorboard.close()
@@ -913,20 +929,37 @@ def _end_run(trainer: Trainer, start: _RunStart, loop_seconds: float) -> None:
 
 
 _EXIT_MESSAGES = {
-    "signal": "SIGTERM received with --exit-signal-handler",
+    "signal": "{signal} received with --exit-signal-handler",
     "duration": "--exit-duration-in-mins reached",
     "interval": "--exit-interval reached",
 }
 
 
-def _exit_message(reason: str, state: TrainState, cfg: RunConfig) -> str:
+def _saved_at_exit(state: TrainState, cfg: RunConfig) -> str:
     if not cfg.checkpoint.save:
-        saved = "no --save given"
-    elif state.last_saved == state.iteration:
-        saved = "checkpoint saved"
+        return "no --save given"
+    if state.last_saved == state.iteration:
+        return "checkpoint saved"
+    return f"no checkpoint saved (the latest is iteration {state.last_saved})"
+
+
+def _exit_message(reason: str, state: TrainState, cfg: RunConfig,
+                  signal_name: Optional[str] = None) -> str:
+    why = _EXIT_MESSAGES[reason].format(signal=signal_name or "SIGTERM")
+    return f"exiting at iteration {state.iteration} ({why}); {_saved_at_exit(state, cfg)}"
+
+
+def _interrupted_message(state: TrainState, cfg: RunConfig) -> str:
+    """The one line of a Ctrl-C: where the run was and which checkpoint is the latest."""
+    if not cfg.checkpoint.save:
+        latest = "no --save given"
+    elif state.last_saved is None:
+        latest = f"no checkpoint in --save {cfg.checkpoint.save} from this run"
     else:
-        saved = f"no checkpoint saved (the latest is iteration {state.last_saved})"
-    return f"exiting at iteration {state.iteration} ({_EXIT_MESSAGES[reason]}); {saved}"
+        latest = (f"the latest checkpoint is iteration {state.last_saved} in --save "
+                  f"{cfg.checkpoint.save}")
+    return (f"interrupted (SIGINT, Ctrl-C) after iteration {state.iteration}; {latest}; "
+            "resume with --load, or add --exit-signal-handler to save when interrupted")
 
 
 def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
@@ -941,46 +974,6 @@ def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
             checkpointing.check_save_dir(cfg.checkpoint.save)
     except checkpointing.CheckpointError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-
-
-class _NoParameters:
-    """An optimizer without parameters: what a scheduler built only to be compared needs."""
-
-    param_groups: list = []
-
-
-def _check_resumed_schedule_or_exit(cfg: RunConfig, ds_config: Optional[dict]) -> None:
-    """A --load whose learning-rate schedule differs from this run's flags (another --lr, a
-    longer --train-iters that moves the decay) ends the run here, before any process group or
-    model exists: ``error: ...`` on rank 0 naming each value, its flags, and the flag that
-    resolves it (the same rule the load applies, see optimizer_param_scheduler.py)."""
-    from megatron import checkpointing
-    from megatron.optimizer_param_scheduler import ScheduleMismatchError
-    from megatron.utils import global_rank
-
-    ck, sc = cfg.checkpoint, cfg.scheduler
-    if (not ck.load or ck.finetune or ck.no_load_optim or ck.no_load_lr_state
-            or sc.override_opt_param_scheduler or sc.use_checkpoint_opt_param_scheduler
-            or (ds_config is not None and "scheduler" in ds_config)):
-        return
-    if ds_config is not None:
-        from megatron.integrations.deepspeed import scheduler_state
-
-        found = scheduler_state(ck.load)
-    else:
-        found = checkpointing.load_scheduler_state(ck.load)
-    if found is None:
-        return
-    folder, saved = found
-    scheduler = build_optimizer_param_scheduler(
-        sc, cfg.optimizer, _NoParameters(), global_batch_size=cfg.training.global_batch_size,
-        train_iters=cfg.training.train_iters, train_samples=cfg.training.train_samples)
-    try:
-        scheduler.load_state_dict(saved)
-    except ScheduleMismatchError as error:
-        if global_rank() == 0:
-            print(f"error: --load {ck.load}: {folder}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
