@@ -34,7 +34,6 @@ from megatron.config import ConfigError, OptimizerConfig, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 # Per checked value: what it is, and the flags that set it (for the mismatch message).
-_STEPS = "--{kind}-iters / --{kind}-samples"
 _VALUES = {
     "max_lr": ("learning rate", "--lr"),
     "min_lr": ("minimum learning rate", "--min-lr"),
@@ -75,14 +74,14 @@ class ScheduleMismatchError(ConfigError):
 
 def _describe(name: str, ours: Any, saved: Any, samples_per_iteration: int) -> str:
     what, flags = _VALUES[name]
+    unit = ""
     if name in _LENGTHS:
-        unit = "samples"
-        if samples_per_iteration and ours % samples_per_iteration == 0 \
-                and saved % samples_per_iteration == 0:
-            ours, saved, unit = ours // samples_per_iteration, saved // samples_per_iteration, \
-                "iterations"
-        return f"{what} {_number(ours)} {unit} here, {_number(saved)} in the checkpoint ({flags})"
-    return f"{what} {_number(ours)} here, {_number(saved)} in the checkpoint ({flags})"
+        per = samples_per_iteration
+        if per and ours % per == 0 and saved % per == 0:
+            ours, saved, unit = ours // per, saved // per, " iterations"
+        else:
+            unit = " samples"
+    return f"{what} {_number(ours)}{unit} here, {_number(saved)} in the checkpoint ({flags})"
 
 
 def _number(value: Any) -> str:

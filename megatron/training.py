@@ -787,7 +787,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                          model_provider, forward_step_func)
     except BaseException as error:
         # An interrupted peer leaves its collectives: the errors that follow are the interrupt.
-        if not signals.was_interrupted() or isinstance(error, SystemExit) and error.code == 0:
+        if not signals.was_interrupted() or (isinstance(error, SystemExit) and error.code == 0):
             raise
         if global_rank() == 0:
             print(_interrupted_message(state, cfg), file=sys.stderr, flush=True)
