@@ -96,12 +96,13 @@ def check_complete(iter_dir: str, manifest: dict) -> None:
     layout = manifest_layout(manifest)
     saved = (f" of a save with tensor-model-parallel size {layout[0]} and "
              f"pipeline-model-parallel size {layout[1]}" if layout else "")
-    shown = ", ".join(f"{os.path.join(iter_dir, *rel.split('/'))} does not exist (listed with "
-                      f"{manifest['files'][rel]['size']} bytes)" for rel in missing[:4])
+    shown = ", ".join(f"checkpoint file {os.path.join(iter_dir, *rel.split('/'))} does not "
+                      f"exist (listed with {manifest['files'][rel]['size']} bytes)"
+                      for rel in missing[:4])
     if len(missing) > 4:
         shown += f", and {len(missing) - 4} more"
     raise CheckpointCorruptError(
-        f"checkpoint {iter_dir} is incomplete: {MANIFEST_FILENAME} lists "
+        f"checkpoint {iter_dir} is incomplete: {os.path.join(iter_dir, MANIFEST_FILENAME)} lists "
         f"{len(manifest['files'])} files{saved}; {shown}")
 
 

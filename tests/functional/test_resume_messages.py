@@ -149,9 +149,11 @@ def test_an_incomplete_tp2_checkpoint_and_the_reshard_command(runs):
     assert missing["code"] == missing_1["code"] == 1
     kind, message = missing["error"]
     assert kind == "CheckpointCorruptError"
-    assert (f"checkpoint {incomplete}/iter_0000001 is incomplete: manifest.json lists 2 files "
+    assert (f"checkpoint {incomplete}/iter_0000001 is incomplete: "
+            f"{incomplete}/iter_0000001/manifest.json lists 2 files "
             "of a save with tensor-model-parallel size 2 and pipeline-model-parallel size 1; "
-            f"{incomplete}/iter_0000001/mp_rank_01/model_optim_rng.pt does not exist") in message
+            f"checkpoint file {incomplete}/iter_0000001/mp_rank_01/model_optim_rng.pt does not "
+            "exist") in message
     assert "saved with tensor-model-parallel size 1" not in message
 
     kind, message, resumed = runs["reshard"]
