@@ -29,6 +29,7 @@ from megatron.training import pretrain
 from tests.dist_utils import run_distributed
 from tests.distributed.test_deepspeed_engine import argv
 
+pytestmark = pytest.mark.slow
 RUN = {"--train-iters": 6, "--eval-iters": 0, "--save-interval": 2}
 
 

@@ -102,6 +102,7 @@ def test_exploding_run_stops_nonzero_and_keeps_the_last_finite_checkpoint(
     assert not [d for d in os.listdir(save) if ".tmp-" in d]
 
 
+@pytest.mark.slow
 def test_fp16_overflowing_every_step_warns_and_stops_like_the_nan_guard():
     """``--fp16 --loss-scale 1e9``: every step overflows and the static scale cannot back off.
     It used to skip all 30 steps and exit 0; now it warns at each and stops at 10."""

@@ -26,6 +26,7 @@ from tests.dist_utils import run_distributed
 from tests.distributed.training_utils import parse_log_lines
 from tools.checkpoint import convert
 
+pytestmark = pytest.mark.slow
 ITERS = 4
 
 
