@@ -56,6 +56,7 @@ from megatron.nonfinite import (
     locate_nonfinite_loss,
 )
 from megatron.optimizer_param_scheduler import (
+    ScheduleMismatchError,
     build_optimizer_param_scheduler,
     check_resumed_schedule_or_exit,
 )
@@ -833,10 +834,15 @@ def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals, wall_
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                  f"({parallel_state.get_tensor_model_parallel_rank()}, "
                  f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_parameters(chunks)}")
-    if cfg.checkpoint.load and engine is not None:
-        engine.load(state)
-    elif cfg.checkpoint.load:
-        load_into(state, chunks, optimizer, scheduler, _eval_only_load(cfg))
+    try:
+        if cfg.checkpoint.load and engine is not None:
+            engine.load(state)
+        elif cfg.checkpoint.load:
+            load_into(state, chunks, optimizer, scheduler, _eval_only_load(cfg))
+    except ScheduleMismatchError as error:  # one the start-up check could not read ahead
+        if global_rank() == 0:  # every rank has the same state and flags
+            print(f"error: --load {cfg.checkpoint.load}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     forward_step = functools.partial(forward_step_func, ctx)
     iterators = build_data_iterators(train_valid_test_datasets_provider, ctx, state)
     trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state,
