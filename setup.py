@@ -49,7 +49,9 @@ setup(
         "test": ["pytest", "ruff", "datasets", "pyarrow", "wandb"],
         "hf-data": ["datasets", "pyarrow"],  # preprocess_data.py --input of local HF datasets
         "wandb": ["wandb"],  # --wandb-project (offline runs)
-        "cuda": ["apex", "flash-attn"],
+        # No "cuda" extra: the index's "apex" is an unrelated package (NVIDIA's apex is built
+        # from source) and flash-attn cannot build in pip's isolated build environment (it
+        # imports torch). README "Optional CUDA packages" gives the commands for both.
     },
     ext_modules=ext_modules,
     zip_safe=False,

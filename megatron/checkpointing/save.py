@@ -179,9 +179,12 @@ def _finish_on_rank0(save_dir: str, tmp_dir: str, iteration: int, config: Any,
 
 def _raise_save_failure(error: Optional[BaseException], layout: RankLayout, iteration: int,
                         save_dir: str) -> None:
+    """Every rank, after a failed vote: its own error, or the lowest failing rank's, so that
+    rank 0 (which speaks for all) names the real cause."""
+    failures = gather_to_all(None if error is None else str(error))
     where = f"saving the checkpoint of iteration {iteration} to {save_dir} failed"
+    after = "; the tracker file still names the previous checkpoint"
     if error is not None:
-        raise CheckpointError(f"{where} on rank {layout.rank}: {error}; the tracker file still "
-                              "names the previous checkpoint") from error
-    raise CheckpointError(f"{where} on another rank (see its error); the tracker file still "
-                          "names the previous checkpoint")
+        raise CheckpointError(f"{where} on rank {layout.rank}: {error}{after}") from error
+    rank, message = next((r, m) for r, m in enumerate(failures) if m is not None)
+    raise CheckpointError(f"{where} on rank {rank}: {message}{after}")

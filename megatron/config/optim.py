@@ -10,7 +10,6 @@ from typing import Optional
 from megatron.config.base import (
     Slice,
     flag,
-    internal,
     non_negative,
     one_of,
     option,
@@ -80,9 +79,6 @@ class OptimizerConfig(Slice):
     ddp_bucket_size: Optional[int] = option(
         default=None, help="Gradient elements per all-reduce bucket (one bucket per buffer "
         "when unset).")
-    # Not a Megatron flag: stop with an error instead of skipping steps forever.
-    max_skips_at_min_loss_scale: int = internal("fixed: fp16 overflow steps at the minimum "
-                                                "scale before the run stops", 100)
     fp16: bool = received("model.fp16", False)
     bf16: bool = received("model.bf16", False)
     log_num_zeros_in_grad: bool = received("logging.log_num_zeros_in_grad", False)
@@ -95,7 +91,7 @@ class OptimizerConfig(Slice):
                     f"--lr ({self.lr})")
         probability(self, "adam_beta1", "adam_beta2", "sgd_momentum")
         positive(self, "accum_steps", "adam_eps", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                 "hysteresis", "max_skips_at_min_loss_scale")
+                 "hysteresis")
         optional_positive(self, "loss_scale", "ddp_bucket_size")
         require(self.min_loss_scale <= self.initial_loss_scale,
                 f"--min-loss-scale ({self.min_loss_scale}) is larger than "

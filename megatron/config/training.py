@@ -50,7 +50,8 @@ class TrainingConfig(Slice):
         default=False, help="On SIGTERM, save a checkpoint and exit cleanly.")
     max_consecutive_nonfinite_iterations: int = option(
         default=10, help="Stop with exit status 1 once this many iterations in a row had a "
-        "NaN/Inf loss or gradient norm (each one skipped).")
+        "NaN/Inf loss or gradient norm (each one skipped), or (fp16) overflowed with a loss "
+        "scale that cannot back off further.")
     eval_only: bool = option(
         "--eval-only", "--skip-train", default=False,
         help="Load --load's checkpoint, print its validation and test loss and perplexity "

@@ -46,11 +46,18 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) 
     return F.dropout(x, p, True)
 
 
-# The RNG tracker swaps generator states, which torch.compile cannot trace: under --compile
-# this runs eagerly between compiled graphs, so the masks stay the tracker's.
-@torch.compiler.disable
 def on_tracker_stream(fn: Callable, *args):
     """``fn(*args)`` drawing its randomness from the tensor-parallel RNG tracker's stream."""
+    if torch.compiler.is_compiling():
+        # The tracker swaps generator states, which torch.compile cannot trace: under
+        # --compile this runs eagerly between the compiled graphs, so the masks stay the
+        # tracker's. Disabled here rather than by a decorator: that would import torch._dynamo
+        # (about 2 s) with this module, in every run and every --help.
+        return torch.compiler.disable(_forked_tracker_stream)(fn, *args)
+    return _forked_tracker_stream(fn, *args)
+
+
+def _forked_tracker_stream(fn: Callable, *args):
     with tensor_parallel.get_rng_tracker().fork():
         return fn(*args)
 

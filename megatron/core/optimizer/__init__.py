@@ -34,7 +34,6 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import (
     ConstantGradScaler,
     DynamicGradScaler,
-    LossScaleAtMinimumError,
     MegatronGradScaler,
 )
 from megatron.core.optimizer.optimizer import (
@@ -120,7 +119,6 @@ def build_grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
             initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
             growth_factor=2.0, backoff_factor=0.5, growth_interval=config.loss_scale_window,
             hysteresis=config.hysteresis,
-            max_skips_at_min_scale=config.max_skips_at_min_loss_scale,
         )
     return None
 
@@ -153,7 +151,6 @@ __all__ = [
     "DistributedOptimizer",
     "DynamicGradScaler",
     "FP32Optimizer",
-    "LossScaleAtMinimumError",
     "MegatronGradScaler",
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",
