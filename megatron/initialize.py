@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron import xla
 from megatron.config import RunConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_seed
@@ -85,6 +86,9 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10,
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return
+    if backend == "xla":
+        _initialize_xla_distributed(timeout_minutes)
+        return
     info = distributed_env()
     if backend == "nccl" and (device is None or device.type != "cuda"):
         raise RuntimeError("--distributed-backend nccl needs a CUDA device")
@@ -92,6 +96,25 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10,
     extra = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=info["rank"], world_size=info["world_size"],
                             timeout=datetime.timedelta(minutes=timeout_minutes), **extra)
+    atexit.register(_destroy_process_group_at_exit)
+
+
+def _initialize_xla_distributed(timeout_minutes: int) -> None:
+    """The XLA replicas' group (``megatron.xla``): ranks and world from torch_xla's runtime,
+    the rendezvous at MASTER_ADDR/MASTER_PORT (a free port for a world of one)."""
+    rank, world_size = xla.world()
+    env = {"MASTER_ADDR": os.environ.get("MASTER_ADDR") or "127.0.0.1"}
+    if os.environ.get("MASTER_PORT"):
+        env["MASTER_PORT"] = os.environ["MASTER_PORT"]
+    elif world_size > 1:
+        raise RuntimeError("MASTER_PORT is not set: launch with --xla-processes or torchrun")
+    else:
+        env["MASTER_PORT"] = str(_free_port())
+    if xla.runs_a_thread_per_device():
+        xla.install_thread_local_worlds()
+    else:
+        os.environ.update(env)
+    xla.init_process_group(timeout_minutes)
     atexit.register(_destroy_process_group_at_exit)
 
 
@@ -143,7 +166,7 @@ def initialize_megatron(config: RunConfig) -> torch.device:
     """The device, torch.distributed, the model-parallel groups and the random seeds for
     this run; returns the device (also recorded in ``parallel_state``)."""
     t = config.training
-    device = compute_device(t.use_cpu, distributed_env()["local_rank"])
+    device = compute_device(t.use_cpu, distributed_env()["local_rank"], t.device)
     _set_cuda_max_connections(config, device)
     _set_deterministic(config)
     initialize_distributed(t.distributed_backend, t.distributed_timeout_minutes, device)

@@ -66,6 +66,13 @@ def locate_nonfinite_loss(losses: Sequence[dict[str, torch.Tensor]]) -> Optional
     A collective over all ranks: every rank calls it every iteration (ranks without losses,
     e.g. pipeline stages before the last, pass an empty list).
     """
+    return decode_nonfinite_loss_key(int(nonfinite_loss_key(losses).item()))
+
+
+def nonfinite_loss_key(losses: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """``locate_nonfinite_loss``'s answer as a 1-element int64 tensor on the compute device,
+    not yet read (an XLA step reads it after its graph ran): decode it with
+    ``decode_nonfinite_loss_key``. A collective over all ranks."""
     device = parallel_state.get_default_device()  # what the collective can carry
     key = torch.full((1,), _NONE, dtype=torch.int64, device=device)
     if losses:
@@ -74,7 +81,16 @@ def locate_nonfinite_loss(losses: Sequence[dict[str, torch.Tensor]]) -> Optional
         key = torch.where(bad.any(), _rank() * _MICRO_BATCHES + first, key)
     if dist.is_initialized():
         dist.all_reduce(key, op=dist.ReduceOp.MIN)
-    value = int(key.item())
+    return key
+
+
+def nonfinite_loss_found(key: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor: whether ``nonfinite_loss_key`` found a NaN/Inf loss anywhere."""
+    return (key != _NONE).reshape(())
+
+
+def decode_nonfinite_loss_key(value: int) -> Optional[tuple[int, int]]:
+    """``(rank, micro_batch)`` from ``nonfinite_loss_key``'s value, or None (all finite)."""
     return None if value == _NONE else divmod(value, _MICRO_BATCHES)
 
 

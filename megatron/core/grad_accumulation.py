@@ -136,4 +136,12 @@ def mark_for_fusion(params, grad_dtype: torch.dtype, enabled: bool) -> None:
     """Tell the layers whether each parameter's gradient may go straight into ``main_grad``
     (called by the data-parallel wrapper after it made the buffers)."""
     for p in params:
-        p.fuse_grad_accumulation = enabled and fusion_possible(p.dtype, grad_dtype, p.device)
+        p.fuse_grad_accumulation = (enabled and not getattr(p, "fusion_refused", False)
+                                    and fusion_possible(p.dtype, grad_dtype, p.device))
+
+
+def refuse_fusion(param: torch.Tensor) -> None:
+    """Keep ``param``'s gradient on the unfused path, whether or not a wrapper marked it
+    already (a weight of a layer compiled by a torch that cannot keep the fusion)."""
+    param.fusion_refused = True
+    param.fuse_grad_accumulation = False

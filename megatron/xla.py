@@ -1,0 +1,179 @@
+"""XLA devices (TPUs, and GPUs or the CPU under PJRT) through torch_xla: the one module that
+imports torch_xla.
+
+A run computes on an XLA device when ``--device xla`` asks for it, or when ``PJRT_DEVICE`` is
+set and torch_xla is importable (``megatron.device`` decides). Each replica is a process on
+TPU v4+ and GPUs (``torchrun`` with PJRT, or ``--xla-processes N``, which starts them through
+``torch_xla.launch``), and a thread per device where one process drives several devices (TPU
+v2/v3, and ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=N``, how this is tested). Collectives go through
+torch.distributed's ``xla`` backend for XLA tensors and gloo for host values (a
+``cpu:gloo,xla:xla`` process group), so the data-parallel code is the one every device uses.
+
+An XLA step is traced, not run: nothing reads a device value while it is traced, the step is
+cut into one graph by ``mark_step`` once per iteration, and what the log needs reaches the
+host in a step closure after the graph ran (``add_step_closure``). Threads of one process
+that compile the same collective at once give it different rendezvous ids on the CPU client,
+so ``mark_step`` runs under a process-wide lock: the first thread compiles, the others find
+the graph compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.util
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
+
+import torch
+
+# What the run needs from torch_xla, and which flags it refuses on an XLA device.
+PJRT_ENV = "PJRT_DEVICE"
+_MARK_STEP_LOCK = threading.Lock()
+
+
+def torch_xla_importable() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def requested_by_environment(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether PJRT_DEVICE is set and torch_xla is there to use it."""
+    env = os.environ if env is None else env
+    return bool(env.get(PJRT_ENV)) and torch_xla_importable()
+
+
+def _xm():
+    import torch_xla.core.xla_model as xm
+
+    return xm
+
+
+def device() -> torch.device:
+    """This process's (or thread's) XLA device."""
+    import torch_xla
+
+    return torch_xla.device()
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this replica among all XLA replicas of the run."""
+    import torch_xla.runtime as xr
+
+    return xr.global_ordinal(), xr.world_size()
+
+
+def local_device_count() -> int:
+    import torch_xla.runtime as xr
+
+    return xr.addressable_device_count()
+
+
+def runs_a_thread_per_device() -> bool:
+    """Whether this process drives several devices, one thread each (TPU v2/v3, CPU PJRT)."""
+    import torch_xla.runtime as xr
+
+    return xr.addressable_device_count() > 1
+
+
+def init_process_group(timeout_minutes: int) -> None:
+    """Join the run's process group: XLA tensors over the ``xla`` backend, host values over
+    gloo. Where threads stand for ranks, each thread gets a torch.distributed world of its
+    own first (``install_thread_local_worlds``)."""
+    import torch.distributed as dist
+    import torch_xla.distributed.xla_backend  # noqa: F401 - registers the backend
+
+    rank, world_size = world()
+    dist.init_process_group("cpu:gloo,xla:xla", init_method="xla://", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def install_thread_local_worlds() -> None:
+    """Give every thread its own torch.distributed state (groups, ranks), as each thread of a
+    process that drives several devices is a rank. torch keeps that state in one module-level
+    object; its thread-local variant is the one torch's own threaded process groups use."""
+    import torch.distributed.distributed_c10d as c10d
+    from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
+
+    if not isinstance(c10d._world, ThreadLocalWorld):
+        c10d._world = ThreadLocalWorld()
+
+
+def mark_step() -> None:
+    """End the traced step: the graph is compiled (once per shape) and runs on the device;
+    step closures run after it."""
+    with _MARK_STEP_LOCK:
+        _xm().mark_step()
+
+
+def add_step_closure(fn: Callable[..., None], args: tuple = ()) -> None:
+    """Run ``fn(*args)`` once the current step's graph has run: device tensors in ``args``
+    are read then, outside the traced step."""
+    _xm().add_step_closure(fn, args=args)
+
+
+def compilations() -> int:
+    """Graphs compiled by this process so far (torch_xla's CompileTime metric)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def executions() -> int:
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("ExecuteTime")
+    return int(data[0]) if data else 0
+
+
+def syncfree_optimizer(name: str, groups: list[dict], **kwargs: Any) -> torch.optim.Optimizer:
+    """torch_xla's sync-free AdamW or SGD (``--use-syncfree-optim``): ``step(found_inf=t)``
+    skips the update on the device when ``t`` is non-zero, so no host read decides it."""
+    from torch_xla.amp import syncfree
+
+    if name == "adam":
+        return syncfree.AdamW(groups, **kwargs)
+    if name == "sgd":
+        return syncfree.SGD(groups, **kwargs)
+    raise ValueError(f"--use-syncfree-optim has no sync-free --optimizer {name}")
+
+
+def to_host(value: Any) -> Any:
+    """``value`` with every XLA tensor in it copied to the CPU (dicts, lists, tuples and
+    dataclass-free containers), so a checkpoint loads without torch_xla."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu() if value.device.type == "xla" else value
+    if isinstance(value, dict):
+        return type(value)((k, to_host(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_host(v) for v in value)
+    return value
+
+
+def rng_state() -> int:
+    return int(_xm().get_rng_state())
+
+
+def set_rng_state(seed: int) -> None:
+    _xm().set_rng_state(int(seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How ``--xla-processes`` starts the replicas (``torch_xla.launch``)."""
+
+    processes: int
+    start_method: str
+
+
+def launch(entry: Callable[[int], None], how: Launch) -> None:
+    """Run ``entry(index)`` on every XLA device of this host through torch_xla's launcher
+    (one process per chip, a thread per device where a process has several). Under torchrun
+    the launcher only calls ``entry`` (torchrun started the processes)."""
+    import torch_xla
+
+    torch_xla.launch(entry, args=(), start_method=how.start_method,
+                     debug_single_process=how.processes == 1)
