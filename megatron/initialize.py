@@ -29,7 +29,8 @@ from megatron.slurm import slurm_rendezvous
 from megatron.utils import print_rank_0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous nobody else named)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -70,7 +71,7 @@ def rendezvous_env(env: Mapping[str, str]) -> dict[str, str]:
     elif distributed_env(env)["world_size"] > 1:
         raise RuntimeError("MASTER_PORT is not set: launch with torchrun, deepspeed or srun")
     else:
-        chosen["MASTER_PORT"] = str(_free_port())
+        chosen["MASTER_PORT"] = str(free_port())
     return chosen
 
 
@@ -109,7 +110,7 @@ def _initialize_xla_distributed(timeout_minutes: int) -> None:
     elif world_size > 1:
         raise RuntimeError("MASTER_PORT is not set: launch with --xla-processes or torchrun")
     else:
-        env["MASTER_PORT"] = str(_free_port())
+        env["MASTER_PORT"] = str(free_port())
     if xla.runs_a_thread_per_device():
         xla.install_thread_local_worlds()
     else:

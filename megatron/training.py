@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import xla
 from megatron.checkpointing.ranks import any_true
 from megatron.config import (
     ConfigError,
@@ -264,6 +265,8 @@ def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+    if device.type == "xla":  # run the traced evaluation step before reading it
+        xla.mark_step()
     return dict(zip(names, values.tolist()))
 
 
@@ -290,6 +293,9 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
     advance the learning-rate schedule.
     """
     cfg, timers = ctx.config, ctx.timers
+    if ctx.device.type == "xla":
+        return _xla_train_step(forward_step, data_iterator, chunks, optimizer, scheduler, ctx,
+                               num_microbatches)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -322,6 +328,20 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
         scheduler.step(increment=num_microbatches * cfg.training.micro_batch_size
                        * parallel_state.get_data_parallel_world_size())
     return StepResult(_reduce_losses(losses), not updated, grad_norm, num_zeros, nonfinite)
+
+
+def _xla_train_step(forward_step: Callable, data_iterator, chunks, optimizer, scheduler,
+                    ctx: RunContext, num_microbatches: int) -> StepResult:
+    """``train_step`` on an XLA device: one traced graph per iteration (training_xla)."""
+    from megatron import training_xla
+
+    cfg = ctx.config
+    step = training_xla.train_step(forward_step, data_iterator, chunks, optimizer, cfg,
+                                   num_microbatches, ctx.timers)
+    if step.updated:
+        scheduler.step(increment=num_microbatches * cfg.training.micro_batch_size
+                       * parallel_state.get_data_parallel_world_size())
+    return StepResult(step.losses, not step.updated, step.grad_norm, None, step.nonfinite)
 
 
 def engine_train_step(engine, forward_step: Callable, data_iterator, ctx: RunContext,
@@ -490,6 +510,10 @@ class Trainer:
         s.history.append(dict(iteration=s.iteration, losses=losses, grad_norm=result.grad_norm,
                               skipped=result.skipped, nonfinite=result.nonfinite is not None,
                               loss_scale=float(scale) if scale is not None else None))
+        if self.ctx.device.type == "xla":
+            from megatron import training_xla
+
+            training_xla.record_compilations(s.history[-1])
         self._interval_iters += 1
         self._interval_tokens += gbs * self.cfg.model.seq_length
         self._skipped += int(result.skipped)
@@ -756,6 +780,16 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     wall_start = time.perf_counter()
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     configure_output(cfg.logging.log_all_ranks)
+    _check_device_support_or_exit(cfg)
+    if cfg.training.xla_processes and not xla.inside_replica():
+        from megatron.initialize import free_port
+
+        xla.launch_replicas(
+            functools.partial(pretrain, train_valid_test_datasets_provider, model_provider,
+                              forward_step_func, extra_args_provider=extra_args_provider,
+                              args_defaults=args_defaults, argv=argv),
+            cfg.training.xla_processes, cfg.training.mp_start_method, free_port())
+        return TrainState()
     _check_checkpoint_folders_or_exit(cfg)
     _check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
@@ -876,6 +910,10 @@ def _end_run(trainer: Trainer, start: _RunStart, loop_seconds: float) -> None:
         flops_per_token=flops_per_token(cfg.model),
         train_losses=s.history[-1]["losses"] if s.history else {},
         valid_losses=s.last_valid_losses, checkpoint=s.last_checkpoint))
+    if trainer.ctx.device.type == "xla":
+        from megatron import training_xla
+
+        print_rank_0(training_xla.compilation_report())
     trainer.tensorboard.close()
     _finish()
 
@@ -895,6 +933,19 @@ def _exit_message(reason: str, state: TrainState, cfg: RunConfig) -> str:
     else:
         saved = f"no checkpoint saved (the latest is iteration {state.last_saved})"
     return f"exiting at iteration {state.iteration} ({_EXIT_MESSAGES[reason]}); {saved}"
+
+
+def _check_device_support_or_exit(cfg: RunConfig) -> None:
+    """Flags an XLA device cannot honour, and XLA-only flags without one, end the run with
+    ``error: ...`` naming the flag (exit 2) before any process group or model exists."""
+    from megatron import training_xla
+
+    on_xla = cfg.training.distributed_backend == "xla"
+    problem = (training_xla.unsupported_on_xla(cfg) if on_xla
+               else training_xla.unsupported_off_xla(cfg))
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:

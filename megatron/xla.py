@@ -19,7 +19,6 @@ the graph compiled.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import importlib.util
 import os
@@ -161,19 +160,50 @@ def set_rng_state(seed: int) -> None:
     _xm().set_rng_state(int(seed))
 
 
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """How ``--xla-processes`` starts the replicas (``torch_xla.launch``)."""
+# Set by launch_replicas for the replicas it starts (inherited by processes and threads).
+REPLICA_ENV = "MEGATRON_XLA_REPLICA"
+# The variable that limits how many devices PJRT shows this host, per PJRT_DEVICE.
+_NUM_DEVICES_ENV = {"CPU": "CPU_NUM_DEVICES", "CUDA": "GPU_NUM_DEVICES", "GPU": "GPU_NUM_DEVICES",
+                    "TPU": "TPU_NUM_DEVICES"}
 
-    processes: int
-    start_method: str
+
+def inside_replica(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this process is already one of the run's replicas (started by
+    ``launch_replicas``, or by torchrun, which starts one process per device itself)."""
+    env = os.environ if env is None else env
+    return env.get(REPLICA_ENV) == "1" or "TORCHELASTIC_RUN_ID" in env
 
 
-def launch(entry: Callable[[int], None], how: Launch) -> None:
-    """Run ``entry(index)`` on every XLA device of this host through torch_xla's launcher
-    (one process per chip, a thread per device where a process has several). Under torchrun
-    the launcher only calls ``entry`` (torchrun started the processes)."""
+class _Replica:
+    """Picklable ``entry`` for torch_xla's launcher, which passes the replica's index."""
+
+    def __init__(self, entry: Callable[[], Any]) -> None:
+        self.entry = entry
+
+    def __call__(self, index: int) -> None:
+        self.entry()
+
+
+def replica_environment(processes: int, env: Mapping[str, str], free_port: int) -> dict:
+    """The variables ``launch_replicas`` sets for ``processes`` replicas on this host: the
+    world size the configuration is checked against, the rendezvous, and PJRT's device count
+    (unless the user set it)."""
+    chosen = {REPLICA_ENV: "1", "WORLD_SIZE": str(processes),
+              "MASTER_ADDR": env.get("MASTER_ADDR") or "127.0.0.1",
+              "MASTER_PORT": env.get("MASTER_PORT") or str(free_port)}
+    count_env = _NUM_DEVICES_ENV.get(env.get(PJRT_ENV, "").upper())
+    if count_env and not env.get(count_env):
+        chosen[count_env] = str(processes)
+    return chosen
+
+
+def launch_replicas(entry: Callable[[], Any], processes: int, start_method: str,
+                    free_port: int) -> None:
+    """``--xla-processes N``: run ``entry()`` once per XLA device of this host through
+    ``torch_xla.launch`` (xmp.spawn: a process per chip, a thread per device where one
+    process drives several), ``start_method`` being ``--mp-start-method``."""
     import torch_xla
 
-    torch_xla.launch(entry, args=(), start_method=how.start_method,
-                     debug_single_process=how.processes == 1)
+    os.environ.update(replica_environment(processes, os.environ, free_port))
+    torch_xla.launch(_Replica(entry), args=(), start_method=start_method,
+                     debug_single_process=processes == 1)

@@ -70,7 +70,10 @@ def _try_mixed_addmm(device: torch.device) -> bool:
 def fusion_possible(param_dtype: torch.dtype, grad_dtype: torch.dtype,
                     device: torch.device) -> bool:
     """Whether gradients of a ``param_dtype`` weight can be accumulated in the backward into
-    a ``grad_dtype`` buffer on ``device``."""
+    a ``grad_dtype`` buffer on ``device``. Never on an XLA device: its traced graph cannot
+    hold the in-place custom operator, and XLA fuses the addition into the matmul itself."""
+    if torch.device(device).type == "xla":
+        return False
     if param_dtype == grad_dtype:
         return True
     return (grad_dtype == torch.float32 and param_dtype in _HALF

@@ -309,8 +309,8 @@ def test_compiled_layers_keep_gradient_accumulation_fusion(monkeypatch):
     the backward (a custom operator inside the compiled graph), to eager's values."""
     import megatron.core.grad_accumulation as ga
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.model.gpt_model import GPTModel
     from megatron.core.tensor_parallel.layers import compiled_fusion_works
+    from megatron.model.gpt_model import GPTModel
     from megatron.model.transformer import compile_transformer_layers
 
     config = _tiny_config()
