@@ -184,5 +184,7 @@ def initialize_megatron(config: RunConfig) -> torch.device:
             p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
             p.virtual_pipeline_model_parallel_size)
     set_random_seeds(t.seed)
+    if device.type == "xla":  # dropout there draws from the device's own generator
+        xla.set_rng_state(t.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     print_rank_0(describe(device, dist.get_backend(), t.use_cpu))
     return device

@@ -98,7 +98,7 @@ def ranks_where(flag: bool) -> list[int]:
     """The global ranks on which ``flag`` is true. A collective over all ranks, sized by the
     world: meant for the rare paths that report a failure."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    flags = torch.zeros(world, dtype=torch.int32, device=parallel_state.get_default_device())
+    flags = torch.zeros(world, dtype=torch.int32, device=parallel_state.get_control_device())
     flags[_rank()] = int(flag)
     if dist.is_initialized():
         dist.all_reduce(flags)

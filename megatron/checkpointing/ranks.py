@@ -54,7 +54,7 @@ def _reduce_flag(flag: bool, op: dist.ReduceOp) -> bool:
     if not dist.is_initialized():
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32,
-                     device=parallel_state.get_default_device())
+                     device=parallel_state.get_control_device())
     dist.all_reduce(t, op=op)
     return bool(t.item())
 
@@ -90,7 +90,7 @@ def check_same_everywhere(value: int, what: str) -> None:
     if not dist.is_initialized():
         return
     t = torch.tensor([value, -value], dtype=torch.int64,
-                     device=parallel_state.get_default_device())
+                     device=parallel_state.get_control_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if t[0].item() != -t[1].item():
         raise CheckpointError(f"ranks disagree on {what} (between {-t[1].item()} and "

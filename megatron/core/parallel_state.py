@@ -300,3 +300,12 @@ def get_default_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def get_control_device() -> torch.device:
+    """Where a host value (a flag, a count, a timing) meets the other ranks' in a collective
+    whose result the host reads at once: the compute device, except on an XLA device, whose
+    process group carries CPU tensors over gloo (an XLA tensor read on the host would run a
+    graph of its own, outside the step)."""
+    device = get_default_device()
+    return torch.device("cpu") if device.type == "xla" else device
