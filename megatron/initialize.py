@@ -111,10 +111,9 @@ def _initialize_xla_distributed(timeout_minutes: int) -> None:
         raise RuntimeError("MASTER_PORT is not set: launch with --xla-processes or torchrun")
     else:
         env["MASTER_PORT"] = str(free_port())
-    if xla.runs_a_thread_per_device():
-        xla.install_thread_local_worlds()
-    else:
-        os.environ.update(env)
+    if world_size > 1 and xla.runs_a_thread_per_device():
+        raise RuntimeError(xla.THREADS_REFUSED)
+    os.environ.update(env)
     xla.init_process_group(timeout_minutes)
     atexit.register(_destroy_process_group_at_exit)
 

@@ -63,6 +63,14 @@ def unsupported_on_xla(cfg: RunConfig) -> Optional[str]:
     for refused, what in refusals:
         if refused:
             return f"an XLA device cannot train with {what}"
+    return unsupported_launch(cfg)
+
+
+def unsupported_launch(cfg: RunConfig) -> Optional[str]:
+    """Why ``--xla-processes`` cannot start this run's replicas on this host, or None."""
+    processes = cfg.training.xla_processes
+    if processes and xla.threads_would_stand_for_ranks(processes):
+        return f"--xla-processes {processes}: {xla.THREADS_REFUSED}"
     return None
 
 

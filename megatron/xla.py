@@ -2,19 +2,18 @@
 imports torch_xla.
 
 A run computes on an XLA device when ``--device xla`` asks for it, or when ``PJRT_DEVICE`` is
-set and torch_xla is importable (``megatron.device`` decides). Each replica is a process on
-TPU v4+ and GPUs (``torchrun`` with PJRT, or ``--xla-processes N``, which starts them through
-``torch_xla.launch``), and a thread per device where one process drives several devices (TPU
-v2/v3, and ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=N``, how this is tested). Collectives go through
-torch.distributed's ``xla`` backend for XLA tensors and gloo for host values (a
-``cpu:gloo,xla:xla`` process group), so the data-parallel code is the one every device uses.
+set and torch_xla is importable (``megatron.device`` decides). Each replica is a process with
+one device: ``torchrun`` with PJRT starts them, or ``--xla-processes N``, which starts them
+through ``torch_xla.launch`` (xmp.spawn). Collectives go through torch.distributed's ``xla``
+backend for XLA tensors and gloo for host values (a ``cpu:gloo,xla:xla`` process group), so the
+data-parallel code is the one every device uses. Where one process drives several devices, a
+thread each (TPU v2/v3, ``PJRT_DEVICE=CPU`` with ``CPU_NUM_DEVICES`` > 1), the threads would
+have to be torch.distributed ranks, which it does not support: such a data-parallel run is
+refused (``THREADS_REFUSED``).
 
 An XLA step is traced, not run: nothing reads a device value while it is traced, the step is
 cut into one graph by ``mark_step`` once per iteration, and what the log needs reaches the
-host in a step closure after the graph ran (``add_step_closure``). Threads of one process
-that compile the same collective at once give it different rendezvous ids on the CPU client,
-so ``mark_step`` runs under a process-wide lock: the first thread compiles, the others find
-the graph compiled.
+host in a step closure after the graph ran (``add_step_closure``).
 """
 
 from __future__ import annotations
@@ -22,15 +21,12 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import torch
 
-# What the run needs from torch_xla, and which flags it refuses on an XLA device.
 PJRT_ENV = "PJRT_DEVICE"
-_MARK_STEP_LOCK = threading.Lock()
 
 
 def torch_xla_importable() -> bool:
@@ -76,10 +72,24 @@ def runs_a_thread_per_device() -> bool:
     return xr.addressable_device_count() > 1
 
 
+THREADS_REFUSED = (
+    "data parallelism over the XLA devices of one process (a thread per device: TPU v2/v3, "
+    "PJRT_DEVICE=CPU with CPU_NUM_DEVICES > 1) is not supported: torch.distributed keeps one "
+    "rank per process. Run one process per device (TPU v4 and later, GPUs under PJRT, with "
+    "--xla-processes or torchrun), or a single device")
+
+
+def threads_would_stand_for_ranks(processes: int, env: Optional[Mapping[str, str]] = None
+                                  ) -> bool:
+    """Before any runtime exists: whether ``--xla-processes processes`` would put several
+    replicas in one process (the CPU client drives all its devices from one process)."""
+    env = os.environ if env is None else env
+    return processes > 1 and env.get(PJRT_ENV, "").upper() == "CPU"
+
+
 def init_process_group(timeout_minutes: int) -> None:
     """Join the run's process group: XLA tensors over the ``xla`` backend, host values over
-    gloo. Where threads stand for ranks, each thread gets a torch.distributed world of its
-    own first (``install_thread_local_worlds``)."""
+    gloo."""
     import torch.distributed as dist
     import torch_xla.distributed.xla_backend  # noqa: F401 - registers the backend
 
@@ -89,22 +99,10 @@ def init_process_group(timeout_minutes: int) -> None:
                             timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
-def install_thread_local_worlds() -> None:
-    """Give every thread its own torch.distributed state (groups, ranks), as each thread of a
-    process that drives several devices is a rank. torch keeps that state in one module-level
-    object; its thread-local variant is the one torch's own threaded process groups use."""
-    import torch.distributed.distributed_c10d as c10d
-    from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
-
-    if not isinstance(c10d._world, ThreadLocalWorld):
-        c10d._world = ThreadLocalWorld()
-
-
 def mark_step() -> None:
     """End the traced step: the graph is compiled (once per shape) and runs on the device;
     step closures run after it."""
-    with _MARK_STEP_LOCK:
-        _xm().mark_step()
+    _xm().mark_step()
 
 
 def add_step_closure(fn: Callable[..., None], args: tuple = ()) -> None:
