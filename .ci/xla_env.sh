@@ -28,6 +28,17 @@ if found != pins:
 PY
 }
 
+quietly() {  # pip's output only when it fails (the local indexes warn about every name)
+    local log
+    log="$(mktemp)"
+    if ! "$@" > "$log" 2>&1; then
+        cat "$log" >&2
+        rm -f "$log"
+        return 1
+    fi
+    rm -f "$log"
+}
+
 # One builder at a time on this machine; a second CI run waits and then reuses its work.
 exec 9>"$venv.lock"
 flock 9
@@ -38,12 +49,13 @@ else
     rm -rf "$venv"
     partial="$venv.partial"  # an interrupted build resumes here: pip skips what is in
     [ -x "$partial/bin/python" ] || python -m venv "$partial"
-    "$partial/bin/python" -m pip install -q --no-cache-dir --progress-bar off -r "$requirements" >&2
+    quietly "$partial/bin/python" -m pip install --no-cache-dir --progress-bar off \
+        -r "$requirements"
     verify "$partial" >&2
     echo "$want" > "$partial/complete.txt"
     mv "$partial" "$venv"
     echo "built $venv" >&2
 fi
 # This checkout, without dependencies (pinned above); the C++ helpers build here too.
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >&2
+quietly "$venv/bin/python" -m pip install --no-deps --no-build-isolation -e .
 echo "$venv/bin/python"
