@@ -114,7 +114,7 @@ def _initialize_xla_distributed(timeout_minutes: int) -> None:
     if world_size > 1 and xla.runs_a_thread_per_device():
         raise RuntimeError(xla.THREADS_REFUSED)
     os.environ.update(env)
-    xla.init_process_group(timeout_minutes)
+    parallel_state.set_control_group(xla.init_process_group(timeout_minutes))
     atexit.register(_destroy_process_group_at_exit)
 
 
@@ -124,6 +124,7 @@ def _destroy_process_group_at_exit() -> None:
     called without an active exception", exit status -6) after a clean run."""
     if dist.is_initialized():
         parallel_state.destroy_model_parallel()
+        parallel_state.set_control_group(None)
         dist.destroy_process_group()
 
 

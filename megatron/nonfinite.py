@@ -69,10 +69,12 @@ def locate_nonfinite_loss(losses: Sequence[dict[str, torch.Tensor]]) -> Optional
     return decode_nonfinite_loss_key(int(nonfinite_loss_key(losses).item()))
 
 
-def nonfinite_loss_key(losses: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+def nonfinite_loss_key(losses: Sequence[dict[str, torch.Tensor]],
+                       group: Any = None) -> torch.Tensor:
     """``locate_nonfinite_loss``'s answer as a 1-element int64 tensor on the compute device,
     not yet read (an XLA step reads it after its graph ran): decode it with
-    ``decode_nonfinite_loss_key``. A collective over all ranks."""
+    ``decode_nonfinite_loss_key``. A collective over all ranks (``group``: the default
+    group's ranks in another group, as an XLA run's device groups are)."""
     device = parallel_state.get_default_device()  # what the collective can carry
     key = torch.full((1,), _NONE, dtype=torch.int64, device=device)
     if losses:
@@ -80,7 +82,7 @@ def nonfinite_loss_key(losses: Sequence[dict[str, torch.Tensor]]) -> torch.Tenso
         first = torch.argmax(bad.to(torch.int64)).reshape(1)  # the first True
         key = torch.where(bad.any(), _rank() * _MICRO_BATCHES + first, key)
     if dist.is_initialized():
-        dist.all_reduce(key, op=dist.ReduceOp.MIN)
+        dist.all_reduce(key, op=dist.ReduceOp.MIN, group=group)
     return key
 
 
@@ -101,7 +103,7 @@ def ranks_where(flag: bool) -> list[int]:
     flags = torch.zeros(world, dtype=torch.int32, device=parallel_state.get_control_device())
     flags[_rank()] = int(flag)
     if dist.is_initialized():
-        dist.all_reduce(flags)
+        dist.all_reduce(flags, group=parallel_state.get_control_group())
     return [rank for rank, value in enumerate(flags.tolist()) if value]
 
 
@@ -159,7 +161,7 @@ def check_finite_for_save(chunks: Sequence[nn.Module], optimizer: Any, iteration
         return
     box = [what]
     if dist.is_initialized():
-        dist.broadcast_object_list(box, src=ranks[0])
+        dist.broadcast_object_list(box, src=ranks[0], group=parallel_state.get_control_group())
     raise NonFiniteError(
         f"refusing to save the checkpoint of iteration {iteration}: {box[0]} on rank "
         f"{ranks[0]} holds NaN/Inf (non-finite values on ranks {_ranges(ranks)}); the latest "

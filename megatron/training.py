@@ -790,6 +790,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                               args_defaults=args_defaults, argv=argv),
             cfg.training.xla_processes, cfg.training.mp_start_method, free_port())
         return TrainState()
+    _check_xla_replica_or_exit(cfg)
     _check_checkpoint_folders_or_exit(cfg)
     _check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
@@ -948,6 +949,14 @@ def _check_device_support_or_exit(cfg: RunConfig) -> None:
         raise SystemExit(2)
 
 
+def _check_xla_replica_or_exit(cfg: RunConfig) -> None:
+    """Several replicas of one process (a thread per device) cannot be ranks: say so."""
+    if cfg.training.distributed_backend == "xla" and cfg.parallel.world_size > 1 \
+            and xla.runs_a_thread_per_device():
+        print(f"error: {xla.THREADS_REFUSED}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
     """A --load that is a file and a --save that cannot be written are user errors: say so
     (``error: ...``, exit 2) before any process group or model exists."""
@@ -974,4 +983,4 @@ def _warn_slow_precision(cfg: RunConfig, device: torch.device) -> None:
 def _finish() -> None:
     sys.stdout.flush()
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=parallel_state.get_control_group())

@@ -116,7 +116,10 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, cfg: Ru
     timers("grads-reduce").stop()
     timers("optimizer", log_level=1).start()
     check = cfg.optimizer.check_for_nan_in_loss_and_grad
-    loss_key = nonfinite_loss_key(losses) if check else None
+    # Over the device's data-parallel group: tensor and pipeline parallelism are refused on
+    # XLA, so it holds every rank (the default group, gloo, carries no XLA tensor).
+    loss_key = (nonfinite_loss_key(losses, parallel_state.get_data_parallel_group()) if check
+                else None)
     loss_bad = None if loss_key is None else nonfinite_loss_found(loss_key)
     skipped, grad_norm = optimizer.step_on_device(loss_bad)
     names, values = _reduce_losses(losses)

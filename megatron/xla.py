@@ -4,9 +4,10 @@ imports torch_xla.
 A run computes on an XLA device when ``--device xla`` asks for it, or when ``PJRT_DEVICE`` is
 set and torch_xla is importable (``megatron.device`` decides). Each replica is a process with
 one device: ``torchrun`` with PJRT starts them, or ``--xla-processes N``, which starts them
-through ``torch_xla.launch`` (xmp.spawn). Collectives go through torch.distributed's ``xla``
-backend for XLA tensors and gloo for host values (a ``cpu:gloo,xla:xla`` process group), so the
-data-parallel code is the one every device uses. Where one process drives several devices, a
+through ``torch_xla.launch`` (xmp.spawn). The default and model-parallel groups (data
+parallel among them) are torch.distributed groups of the ``xla`` backend, so the
+data-parallel code is the one every device uses; host values meet in a gloo group
+(``parallel_state.get_control_group``). Where one process drives several devices, a
 thread each (TPU v2/v3, ``PJRT_DEVICE=CPU`` with ``CPU_NUM_DEVICES`` > 1), the threads would
 have to be torch.distributed ranks, which it does not support: such a data-parallel run is
 refused (``THREADS_REFUSED``).
@@ -81,22 +82,31 @@ THREADS_REFUSED = (
 
 def threads_would_stand_for_ranks(processes: int, env: Optional[Mapping[str, str]] = None
                                   ) -> bool:
-    """Before any runtime exists: whether ``--xla-processes processes`` would put several
-    replicas in one process (the CPU client drives all its devices from one process)."""
+    """Before any runtime exists: whether ``--xla-processes processes`` (0: every device)
+    would put several replicas in one process (the CPU client drives all its devices from
+    one process)."""
     env = os.environ if env is None else env
-    return processes > 1 and env.get(PJRT_ENV, "").upper() == "CPU"
+    if env.get(PJRT_ENV, "").upper() != "CPU":
+        return False
+    return processes > 1 or (processes == 0 and int(env.get("CPU_NUM_DEVICES") or 1) > 1)
 
 
-def init_process_group(timeout_minutes: int) -> None:
-    """Join the run's process group: XLA tensors over the ``xla`` backend, host values over
-    gloo."""
+def init_process_group(timeout_minutes: int) -> Any:
+    """Join the run's process groups at torch_xla's rendezvous; returns the host group.
+
+    The default group is torch_xla's ``xla`` backend (its model-parallel subgroups must be
+    made from one), which carries XLA tensors only; host values (flags, pickled objects,
+    barriers) travel in a gloo group of every rank, returned here for
+    ``parallel_state.set_control_group``. (torch_xla's backend is a whole process group, not
+    one device's part of a ``cpu:gloo,xla:xla`` group: CPU tensors sent there fail.)"""
     import torch.distributed as dist
     import torch_xla.distributed.xla_backend  # noqa: F401 - registers the backend
 
     rank, world_size = world()
-    dist.init_process_group("cpu:gloo,xla:xla", init_method="xla://", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    dist.init_process_group("xla", init_method="xla://", rank=rank, world_size=world_size,
+                            timeout=timeout)
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def mark_step() -> None:
@@ -179,6 +189,8 @@ class _Replica:
         self.entry = entry
 
     def __call__(self, index: int) -> None:
+        # With every device of the host, the world size is known only to the runtime.
+        os.environ.setdefault("WORLD_SIZE", str(world()[1]))
         self.entry()
 
 
@@ -186,9 +198,11 @@ def replica_environment(processes: int, env: Mapping[str, str], free_port: int) 
     """The variables ``launch_replicas`` sets for ``processes`` replicas on this host: the
     world size the configuration is checked against, the rendezvous, and PJRT's device count
     (unless the user set it)."""
-    chosen = {REPLICA_ENV: "1", "WORLD_SIZE": str(processes),
-              "MASTER_ADDR": env.get("MASTER_ADDR") or "127.0.0.1",
+    chosen = {REPLICA_ENV: "1", "MASTER_ADDR": env.get("MASTER_ADDR") or "127.0.0.1",
               "MASTER_PORT": env.get("MASTER_PORT") or str(free_port)}
+    if processes == 0:  # every device: the replicas learn the world size from the runtime
+        return chosen
+    chosen["WORLD_SIZE"] = str(processes)
     count_env = _NUM_DEVICES_ENV.get(env.get(PJRT_ENV, "").upper())
     if count_env and not env.get(count_env):
         chosen[count_env] = str(processes)
@@ -203,5 +217,10 @@ def launch_replicas(entry: Callable[[], Any], processes: int, start_method: str,
     import torch_xla
 
     os.environ.update(replica_environment(processes, os.environ, free_port))
-    torch_xla.launch(_Replica(entry), args=(), start_method=start_method,
-                     debug_single_process=processes == 1)
+    if processes == 0:
+        os.environ.pop("WORLD_SIZE", None)
+    try:
+        torch_xla.launch(_Replica(entry), args=(), start_method=start_method,
+                         debug_single_process=processes == 1)
+    except Exception:  # noqa: BLE001 - a replica failed and printed why; no second traceback
+        raise SystemExit(1) from None

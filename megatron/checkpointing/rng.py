@@ -80,7 +80,11 @@ def gather_rng_states(layout: RankLayout) -> list[dict]:
     if layout.dp_size == 1:
         return [mine]
     gathered: list[Any] = [None] * layout.dp_size
-    dist.all_gather_object(gathered, mine, group=layout.dp_group)
+    # An XLA run's data-parallel group is torch_xla's, for XLA tensors only; its data-parallel
+    # ranks are every rank (no tensor or pipeline parallelism there), whose host group is gloo.
+    control = parallel_state.get_control_group()
+    group = control if control is not None else layout.dp_group
+    dist.all_gather_object(gathered, mine, group=group)
     return gathered
 
 

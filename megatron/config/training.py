@@ -72,8 +72,8 @@ class TrainingConfig(Slice):
         "and torch_xla is installed); auto picks a GPU where one is visible, else the CPU.")
     xla_processes: Optional[int] = option(
         default=None, help="On an XLA device: start this many replicas through "
-        "torch_xla.launch (xmp.spawn), one per device of this host (a thread per device "
-        "where one process drives several); not needed under torchrun.")
+        "torch_xla.launch (xmp.spawn), one process per device of this host; 0: one per "
+        "device PJRT shows (what run_pretrain_xla.py passes). Not needed under torchrun.")
     mp_start_method: str = option(
         default="spawn", choices=("spawn", "fork", "forkserver"), help="With --xla-processes: "
         "how torch_xla.launch starts the processes (Python multiprocessing's start method).")
@@ -104,8 +104,10 @@ class TrainingConfig(Slice):
         non_negative(self, "manual_gc_interval", "eval_iters")
         positive(self, "micro_batch_size", "eval_interval", "distributed_timeout_minutes",
                  "max_consecutive_nonfinite_iterations")
-        optional_positive(self, "global_batch_size", "train_iters", "train_samples", "xla_processes",
+        optional_positive(self, "global_batch_size", "train_iters", "train_samples",
                           "train_tokens", "exit_interval", "exit_duration_in_mins")
+        require(self.xla_processes is None or self.xla_processes >= 0,
+                f"--xla-processes must be 0 (every device) or positive, got {self.xla_processes}")
         require(self.train_iters is None or self.train_samples is None,
                 f"--train-iters ({self.train_iters}) and --train-samples ({self.train_samples}) "
                 "are mutually exclusive")

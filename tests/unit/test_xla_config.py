@@ -14,6 +14,7 @@ from megatron.config import ConfigError, parse_args
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32, grad_norm_on_device
 from megatron.training import pretrain
+from run_pretrain_xla import xla_argv
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --micro-batch-size 1 --train-iters 2 --lr 1e-3 "
@@ -103,9 +104,18 @@ def test_replica_environment():
     assert "GPU_NUM_DEVICES" not in mine and mine["MASTER_PORT"] == "29500"
     assert xla.inside_replica({xla.REPLICA_ENV: "1"}) and xla.inside_replica(
         {"TORCHELASTIC_RUN_ID": "x"}) and not xla.inside_replica({})
+    every = xla.replica_environment(0, {"PJRT_DEVICE": "TPU"}, free_port=7)
+    assert "WORLD_SIZE" not in every and "TPU_NUM_DEVICES" not in every  # the runtime's
+    assert xla.threads_would_stand_for_ranks(0, {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"})
     assert xla.threads_would_stand_for_ranks(2, {"PJRT_DEVICE": "CPU"})
     assert not xla.threads_would_stand_for_ranks(1, {"PJRT_DEVICE": "CPU"})
     assert not xla.threads_would_stand_for_ranks(4, {"PJRT_DEVICE": "TPU"})
+
+
+def test_run_pretrain_xla_asks_for_every_xla_device_unless_told():
+    assert xla_argv(["--bf16"]) == ["--device", "xla", "--xla-processes", "0", "--bf16"]
+    assert xla_argv(["--xla-processes=2", "--device", "cpu"]) == ["--xla-processes=2",
+                                                                  "--device", "cpu"]
 
 
 class _SkippableSGD(torch.optim.SGD):

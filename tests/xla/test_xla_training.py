@@ -173,7 +173,7 @@ def test_seed_workflow_npy_syncfree_bf16_then_sampling_on_the_cpu(tmp_path):
     save = tmp_path / "ckpt"
     flags = {**TINY, "--mock-data": False, "--vocab-size": None, "--data-path": shards,
              "--data-impl": "npy", "--split": None, "--data-cache-path": tmp_path / "cache",
-             "--train-iters": 30, "--eval-interval": 30, "--save-interval": None,
+             "--train-iters": 30, "--eval-interval": 30, "--save-interval": 30,
              "--save": save, "--bf16": True, "--use-syncfree-optim": True,
              "--xla-processes": 1, "--mp-start-method": "spawn", "--lr": 1e-2,
              "--make-vocab-size-divisible-by": 64}
