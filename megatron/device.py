@@ -30,13 +30,14 @@ BACKEND_CHOICES = ("auto", "nccl", "gloo", "xla")
 DEVICE_CHOICES = ("auto", "cuda", "cpu", "xla")
 
 
-def compute_device_type(use_cpu: bool, requested: str = "auto") -> str:
+def compute_device_type(use_cpu: bool, requested: str = "auto", xla_allowed: bool = True) -> str:
     """``"xla"`` for ``--device xla`` or PJRT_DEVICE with torch_xla installed (unless
-    ``--use-cpu``); ``"cuda"`` where a GPU is visible and the CPU was not asked for; else
-    ``"cpu"``. Raises ValueError for a ``--device`` this machine cannot give."""
+    ``--use-cpu``, or for callers that do not run on XLA: ``xla_allowed=False``, the
+    generation and evaluation tools); ``"cuda"`` where a GPU is visible and the CPU was not
+    asked for; else ``"cpu"``. Raises ValueError for a ``--device`` this machine cannot give."""
     if requested not in DEVICE_CHOICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {requested!r}")
-    if requested == "xla" or (requested == "auto" and not use_cpu
+    if requested == "xla" or (requested == "auto" and not use_cpu and xla_allowed
                               and xla.requested_by_environment()):
         if use_cpu:
             raise ValueError("--device xla and --use-cpu contradict each other: drop one")
@@ -52,10 +53,11 @@ def compute_device_type(use_cpu: bool, requested: str = "auto") -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def compute_device(use_cpu: bool, local_rank: int, requested: str = "auto") -> torch.device:
+def compute_device(use_cpu: bool, local_rank: int, requested: str = "auto",
+                   xla_allowed: bool = True) -> torch.device:
     """This process's device: its XLA device, the GPU of its local rank (modulo the visible
     GPUs), or the CPU."""
-    device_type = compute_device_type(use_cpu, requested)
+    device_type = compute_device_type(use_cpu, requested, xla_allowed)
     if device_type == "xla":
         return xla.device()
     if device_type == "cpu":
@@ -63,12 +65,13 @@ def compute_device(use_cpu: bool, local_rank: int, requested: str = "auto") -> t
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def resolve_backend(requested: str, use_cpu: bool, device: str = "auto") -> str:
+def resolve_backend(requested: str, use_cpu: bool, device: str = "auto",
+                    xla_allowed: bool = True) -> str:
     """The backend for ``--distributed-backend requested`` on this machine (see the module
     docstring); raises ValueError where the flags contradict each other."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"--distributed-backend must be nccl, gloo or xla, got {requested!r}")
-    device_type = compute_device_type(use_cpu, device)
+    device_type = compute_device_type(use_cpu, device, xla_allowed)
     if device_type == "xla":
         if requested not in ("auto", "xla"):
             raise ValueError(f"--distributed-backend {requested} cannot carry XLA tensors: "

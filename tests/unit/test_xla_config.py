@@ -38,6 +38,9 @@ def test_pjrt_device_picks_xla_only_where_torch_xla_is_installed(monkeypatch,
     assert device_mod.compute_device_type(False) == "xla"
     assert device_mod.resolve_backend("auto", False) == "xla"
     assert device_mod.compute_device_type(True) == "cpu"  # --use-cpu wins over PJRT_DEVICE
+    # The generation tools stay off XLA: a GPU where there is one, else the CPU.
+    assert device_mod.compute_device_type(False, xla_allowed=False) in ("cpu", "cuda")
+    assert device_mod.resolve_backend("auto", False, xla_allowed=False) in ("gloo", "nccl")
     monkeypatch.delenv("PJRT_DEVICE")
     assert device_mod.compute_device_type(False, "xla") == "xla"
 
