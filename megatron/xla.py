@@ -141,11 +141,21 @@ def syncfree_optimizer(name: str, groups: list[dict], **kwargs: Any) -> torch.op
     skips the update on the device when ``t`` is non-zero, so no host read decides it."""
     from torch_xla.amp import syncfree
 
-    if name == "adam":
-        return syncfree.AdamW(groups, **kwargs)
-    if name == "sgd":
-        return syncfree.SGD(groups, **kwargs)
-    raise ValueError(f"--use-syncfree-optim has no sync-free --optimizer {name}")
+    classes = {"adam": syncfree.AdamW, "sgd": syncfree.SGD}
+    if name not in classes:
+        raise ValueError(f"--use-syncfree-optim has no sync-free --optimizer {name}")
+    optimizer = classes[name](groups, **kwargs)
+    optimizer.register_load_state_dict_post_hook(_state_on_the_parameters_device)
+    return optimizer
+
+
+def _state_on_the_parameters_device(optimizer: torch.optim.Optimizer) -> None:
+    """After loading: torch keeps a loaded ``step`` on the CPU, where the sync-free kernels
+    want every state tensor on its parameter's device."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != param.device:
+                state[key] = value.to(param.device)
 
 
 def to_host(value: Any) -> Any:
