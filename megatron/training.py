@@ -950,10 +950,19 @@ def _check_device_support_or_exit(cfg: RunConfig) -> None:
 
 
 def _check_xla_replica_or_exit(cfg: RunConfig) -> None:
-    """Several replicas of one process (a thread per device) cannot be ranks: say so."""
-    if cfg.training.distributed_backend == "xla" and cfg.parallel.world_size > 1 \
-            and xla.runs_a_thread_per_device():
-        print(f"error: {xla.THREADS_REFUSED}", file=sys.stderr, flush=True)
+    """An XLA replica's world must be PJRT's, one device per process: say so where not."""
+    if cfg.training.distributed_backend != "xla":
+        return
+    problem = None
+    if cfg.parallel.world_size > 1 and xla.runs_a_thread_per_device():
+        problem = xla.THREADS_REFUSED
+    elif xla.world()[1] != cfg.parallel.world_size:
+        problem = (f"the launcher started {cfg.parallel.world_size} processes (WORLD_SIZE) but "
+                   f"PJRT ({xla.PJRT_ENV}={os.environ.get(xla.PJRT_ENV)}) joins "
+                   f"{xla.world()[1]} device(s) into one run: its CPU client cannot join "
+                   "processes; one process per device needs TPUs or GPUs")
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
 

@@ -188,16 +188,20 @@ def test_seed_workflow_npy_syncfree_bf16_then_sampling_on_the_cpu(tmp_path):
     assert completion.startswith("The") and len(completion) > len("The"), sample.stdout
 
 
-def test_refusals_name_the_flag(tmp_path):
+def test_refusals_name_the_flag():
     syncfree = ["--use-syncfree-optim"]
-    for extra, flag in ((syncfree + ["--xla-processes", "2"], "--xla-processes 2"),
-                        (syncfree + ["--fp16"], "--fp16"),
-                        (syncfree + ["--tensor-model-parallel-size", "2"],
-                         "--tensor-model-parallel-size"),
-                        ([], "--use-syncfree-optim")):
+    cases = (
+        (syncfree + ["--xla-processes", "2"], "1", "--xla-processes 2"),
+        (syncfree + ["--fp16"], "1", "--fp16"),
+        (syncfree + ["--tensor-model-parallel-size", "2"], "2", "--tensor-model-parallel-size"),
+        ([], "1", "--use-syncfree-optim"),
+        # Two processes as torchrun starts them: PJRT's CPU client cannot join them.
+        (syncfree, "2", "WORLD_SIZE"),
+    )
+    for extra, world_size, named in cases:
         argv = _argv({**TINY, "--save": None, "--save-interval": None}) + extra
         result = _run(REPO / "pretrain_gpt.py", argv, on_xla=True, check=False,
-                      WORLD_SIZE="2" if "tensor" in flag else "1")
+                      WORLD_SIZE=world_size)
         assert result.returncode == 2, result.stderr[-2000:]
         last = result.stderr.strip().splitlines()[-1]
-        assert last.startswith("error: ") and flag in last, last
+        assert last.startswith("error: ") and named in last, last
