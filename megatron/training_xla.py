@@ -49,6 +49,7 @@ def unsupported_on_xla(cfg: RunConfig) -> Optional[str]:
          "backend has no point-to-point send/recv)"),
         (cfg.deepspeed.deepspeed, "--deepspeed (DeepSpeed's engine has no XLA accelerator)"),
         (o.fp16, "--fp16 (its dynamic loss scale is a host decision; use --bf16)"),
+        (o.loss_scale is not None, "--loss-scale (bf16 and fp32 need none)"),
         (o.use_distributed_optimizer, "--use-distributed-optimizer"),
         (o.overlap_grad_reduce, "--overlap-grad-reduce (the graph schedules the reduction)"),
         (o.log_num_zeros_in_grad, "--log-num-zeros-in-grad"),
