@@ -151,11 +151,18 @@ def syncfree_optimizer(name: str, groups: list[dict], **kwargs: Any) -> torch.op
 
 def _state_on_the_parameters_device(optimizer: torch.optim.Optimizer) -> None:
     """After loading: torch keeps a loaded ``step`` on the CPU, where the sync-free kernels
-    want every state tensor on its parameter's device."""
+    want every state tensor on its parameter's device; and torch's AdamW (a checkpoint from
+    a CPU or GPU run) keeps no ``max_exp_avg_sq`` without amsgrad, where the sync-free AdamW
+    keeps an empty one."""
+    amsgrad = {p: group.get("amsgrad", False) for group in optimizer.param_groups
+               for p in group["params"]}
     for param, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.device != param.device:
                 state[key] = value.to(param.device)
+        if "exp_avg" in state and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = (torch.zeros_like(param) if amsgrad.get(param) else
+                                       torch.empty(0, dtype=torch.float, device=param.device))
 
 
 def to_host(value: Any) -> Any:
