@@ -148,8 +148,10 @@ def _read_step(read: dict, values: torch.Tensor, skipped: torch.Tensor,
 
 
 def record_compilations(entry: dict) -> None:
-    """Add the graphs compiled so far to a history entry (``xla_compilations``)."""
+    """Add the graphs compiled and run so far to a history entry (``xla_compilations``,
+    ``xla_executions``)."""
     entry["xla_compilations"] = xla.compilations()
+    entry["xla_executions"] = xla.executions()
 
 
 def compilation_report() -> str:
