@@ -60,12 +60,6 @@ def world() -> tuple[int, int]:
     return xr.global_ordinal(), xr.world_size()
 
 
-def local_device_count() -> int:
-    import torch_xla.runtime as xr
-
-    return xr.addressable_device_count()
-
-
 def runs_a_thread_per_device() -> bool:
     """Whether this process drives several devices, one thread each (TPU v2/v3, CPU PJRT)."""
     import torch_xla.runtime as xr
