@@ -790,7 +790,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                               args_defaults=args_defaults, argv=argv),
             cfg.training.xla_processes, cfg.training.mp_start_method, free_port())
         return TrainState()
-    _check_xla_replica_or_exit(cfg)
+    _check_device_support_or_exit(cfg, replica=True)
     _check_checkpoint_folders_or_exit(cfg)
     _check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
@@ -936,31 +936,18 @@ def _exit_message(reason: str, state: TrainState, cfg: RunConfig) -> str:
     return f"exiting at iteration {state.iteration} ({_EXIT_MESSAGES[reason]}); {saved}"
 
 
-def _check_device_support_or_exit(cfg: RunConfig) -> None:
-    """Flags an XLA device cannot honour, and XLA-only flags without one, end the run with
-    ``error: ...`` naming the flag (exit 2) before any process group or model exists."""
+def _check_device_support_or_exit(cfg: RunConfig, replica: bool = False) -> None:
+    """Flags an XLA device cannot honour, XLA-only flags without one and (``replica``) an XLA
+    world PJRT cannot make end the run with ``error: ...`` naming the flag (exit 2) before
+    any process group or model exists (``megatron.training_xla``)."""
     from megatron import training_xla
 
-    on_xla = cfg.training.distributed_backend == "xla"
-    problem = (training_xla.unsupported_on_xla(cfg) if on_xla
-               else training_xla.unsupported_off_xla(cfg))
-    if problem is not None:
-        print(f"error: {problem}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-
-
-def _check_xla_replica_or_exit(cfg: RunConfig) -> None:
-    """An XLA replica's world must be PJRT's, one device per process: say so where not."""
-    if cfg.training.distributed_backend != "xla":
-        return
-    problem = None
-    if cfg.parallel.world_size > 1 and xla.runs_a_thread_per_device():
-        problem = xla.THREADS_REFUSED
-    elif xla.world()[1] != cfg.parallel.world_size:
-        problem = (f"the launcher started {cfg.parallel.world_size} processes (WORLD_SIZE) but "
-                   f"PJRT ({xla.PJRT_ENV}={os.environ.get(xla.PJRT_ENV)}) joins "
-                   f"{xla.world()[1]} device(s) into one run: its CPU client cannot join "
-                   "processes; one process per device needs TPUs or GPUs")
+    if replica:
+        problem = training_xla.unsupported_replica(cfg)
+    elif cfg.training.distributed_backend == "xla":
+        problem = training_xla.unsupported_on_xla(cfg)
+    else:
+        problem = training_xla.unsupported_off_xla(cfg)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)

@@ -13,6 +13,7 @@ count at the end of the run, come from torch_xla's metrics).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import NamedTuple, Optional
 
@@ -72,6 +73,23 @@ def unsupported_launch(cfg: RunConfig) -> Optional[str]:
     processes = cfg.training.xla_processes
     if processes and xla.threads_would_stand_for_ranks(processes):
         return f"--xla-processes {processes}: {xla.THREADS_REFUSED}"
+    return None
+
+
+def unsupported_replica(cfg: RunConfig) -> Optional[str]:
+    """Why this process cannot be one replica of an XLA run (its world must be PJRT's, one
+    device per process), or None. Starts torch_xla's runtime."""
+    if cfg.training.distributed_backend != "xla":
+        return None
+    world = cfg.parallel.world_size
+    if world > 1 and xla.runs_a_thread_per_device():
+        return xla.THREADS_REFUSED
+    pjrt_world = xla.world()[1]
+    if pjrt_world != world:
+        return (f"the launcher started {world} processes (WORLD_SIZE) but PJRT "
+                f"({xla.PJRT_ENV}={os.environ.get(xla.PJRT_ENV)}) joins {pjrt_world} device(s) "
+                "into this run: each process must be one device of it (PJRT_DEVICE=CPU "
+                "cannot join processes; one process per device needs TPUs or GPUs)")
     return None
 
 
