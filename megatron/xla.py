@@ -124,7 +124,11 @@ def compilations() -> int:
 
 
 def executions() -> int:
+    """Graphs run by this process so far (ExecuteTime), once the device is idle: the metric
+    is recorded by the thread that ran the graph, a moment after its results are ready."""
     import torch_xla.debug.metrics as met
+
+    _xm().wait_device_ops()
 
     data = met.metric_data("ExecuteTime")
     return int(data[0]) if data else 0
