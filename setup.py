@@ -31,7 +31,8 @@ setup(
     packages=find_packages(include=["megatron", "megatron.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.1",
+        # 2.9: the oldest torch CI runs (with torch_xla 2.9); newer APIs are probed.
+        "torch>=2.9",
         "numpy",
         "regex",
         "tokenizers>=0.15",

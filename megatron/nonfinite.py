@@ -72,6 +72,15 @@ def locate_nonfinite_loss(losses: Sequence[dict[str, torch.Tensor]]) -> Optional
     A collective over all ranks: every rank calls it every iteration (ranks without losses,
     e.g. pipeline stages before the last, pass an empty list).
     """
+    return decode_nonfinite_loss_key(int(nonfinite_loss_key(losses).item()))
+
+
+def nonfinite_loss_key(losses: Sequence[dict[str, torch.Tensor]],
+                       group: Any = None) -> torch.Tensor:
+    """``locate_nonfinite_loss``'s answer as a 1-element int64 tensor on the compute device,
+    not yet read (an XLA step reads it after its graph ran): decode it with
+    ``decode_nonfinite_loss_key``. A collective over all ranks (``group``: the default
+    group's ranks in another group, as an XLA run's device groups are)."""
     device = parallel_state.get_default_device()  # what the collective can carry
     key = torch.full((1,), _NONE, dtype=torch.int64, device=device)
     if losses:
@@ -79,8 +88,17 @@ def locate_nonfinite_loss(losses: Sequence[dict[str, torch.Tensor]]) -> Optional
         first = torch.argmax(bad.to(torch.int64)).reshape(1)  # the first True
         key = torch.where(bad.any(), _rank() * _MICRO_BATCHES + first, key)
     if dist.is_initialized():
-        dist.all_reduce(key, op=dist.ReduceOp.MIN)
-    value = int(key.item())
+        dist.all_reduce(key, op=dist.ReduceOp.MIN, group=group)
+    return key
+
+
+def nonfinite_loss_found(key: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor: whether ``nonfinite_loss_key`` found a NaN/Inf loss anywhere."""
+    return (key != _NONE).reshape(())
+
+
+def decode_nonfinite_loss_key(value: int) -> Optional[tuple[int, int]]:
+    """``(rank, micro_batch)`` from ``nonfinite_loss_key``'s value, or None (all finite)."""
     return None if value == _NONE else divmod(value, _MICRO_BATCHES)
 
 
@@ -88,10 +106,10 @@ def ranks_where(flag: bool) -> list[int]:
     """The global ranks on which ``flag`` is true. A collective over all ranks, sized by the
     world: meant for the rare paths that report a failure."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    flags = torch.zeros(world, dtype=torch.int32, device=parallel_state.get_default_device())
+    flags = torch.zeros(world, dtype=torch.int32, device=parallel_state.get_control_device())
     flags[_rank()] = int(flag)
     if dist.is_initialized():
-        dist.all_reduce(flags)
+        dist.all_reduce(flags, group=parallel_state.get_control_group())
     return [rank for rank, value in enumerate(flags.tolist()) if value]
 
 
@@ -149,7 +167,7 @@ def check_finite_for_save(chunks: Sequence[nn.Module], optimizer: Any, iteration
         return
     box = [what]
     if dist.is_initialized():
-        dist.broadcast_object_list(box, src=ranks[0])
+        dist.broadcast_object_list(box, src=ranks[0], group=parallel_state.get_control_group())
     raise NonFiniteError(
         f"refusing to save the checkpoint of iteration {iteration}: {box[0]} on rank "
         f"{ranks[0]} holds NaN/Inf (non-finite values on ranks {_ranges(ranks)}); the latest "

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import xla
 from megatron.checkpointing.ranks import any_true
 from megatron.config import (
     ConfigError,
@@ -270,6 +271,8 @@ def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+    if device.type == "xla":  # run the traced evaluation step before reading it
+        xla.mark_step()
     return dict(zip(names, values.tolist()))
 
 
@@ -296,6 +299,9 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
     advance the learning-rate schedule.
     """
     cfg, timers = ctx.config, ctx.timers
+    if ctx.device.type == "xla":
+        return _xla_train_step(forward_step, data_iterator, chunks, optimizer, scheduler, ctx,
+                               num_microbatches)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -328,6 +334,20 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
         scheduler.step(increment=num_microbatches * cfg.training.micro_batch_size
                        * parallel_state.get_data_parallel_world_size())
     return StepResult(_reduce_losses(losses), not updated, grad_norm, num_zeros, nonfinite)
+
+
+def _xla_train_step(forward_step: Callable, data_iterator, chunks, optimizer, scheduler,
+                    ctx: RunContext, num_microbatches: int) -> StepResult:
+    """``train_step`` on an XLA device: one traced graph per iteration (training_xla)."""
+    from megatron import training_xla
+
+    cfg = ctx.config
+    step = training_xla.train_step(forward_step, data_iterator, chunks, optimizer, cfg,
+                                   num_microbatches, ctx.timers)
+    if step.updated:
+        scheduler.step(increment=num_microbatches * cfg.training.micro_batch_size
+                       * parallel_state.get_data_parallel_world_size())
+    return StepResult(step.losses, not step.updated, step.grad_norm, None, step.nonfinite)
 
 
 def engine_train_step(engine, forward_step: Callable, data_iterator, ctx: RunContext,
@@ -496,6 +516,10 @@ class Trainer:
         s.history.append(dict(iteration=s.iteration, losses=losses, grad_norm=result.grad_norm,
                               skipped=result.skipped, nonfinite=result.nonfinite is not None,
                               loss_scale=float(scale) if scale is not None else None))
+        if self.ctx.device.type == "xla":
+            from megatron import training_xla
+
+            training_xla.record_compilations(s.history[-1])
         self._interval_iters += 1
         self._interval_tokens += gbs * self.cfg.model.seq_length
         self._skipped += int(result.skipped)
@@ -782,6 +806,17 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     wall_start = time.perf_counter()
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     configure_output(cfg.logging.log_all_ranks)
+    _check_device_support_or_exit(cfg)
+    if cfg.training.xla_processes and not xla.inside_replica():
+        from megatron.initialize import free_port
+
+        xla.launch_replicas(
+            functools.partial(pretrain, train_valid_test_datasets_provider, model_provider,
+                              forward_step_func, extra_args_provider=extra_args_provider,
+                              args_defaults=args_defaults, argv=argv),
+            cfg.training.xla_processes, cfg.training.mp_start_method, free_port())
+        return TrainState()
+    _check_device_support_or_exit(cfg, replica=True)
     signals = ShutdownSignals(cfg.training.exit_signal_handler)
     state = TrainState()
     try:
@@ -931,6 +966,10 @@ def _end_run(trainer: Trainer, start: _RunStart, loop_seconds: float) -> None:
         flops_per_token=flops_per_token(cfg.model),
         train_losses=s.history[-1]["losses"] if s.history else {},
         valid_losses=s.last_valid_losses, checkpoint=s.last_checkpoint))
+    if trainer.ctx.device.type == "xla":
+        from megatron import training_xla
+
+        print_rank_0(training_xla.compilation_report())
     trainer.tensorboard.close()
     _finish()
 
@@ -969,6 +1008,23 @@ def _interrupted_message(state: TrainState, cfg: RunConfig) -> str:
             "resume with --load, or add --exit-signal-handler to save when interrupted")
 
 
+def _check_device_support_or_exit(cfg: RunConfig, replica: bool = False) -> None:
+    """Flags an XLA device cannot honour, XLA-only flags without one and (``replica``) an XLA
+    world PJRT cannot make end the run with ``error: ...`` naming the flag (exit 2) before
+    any process group or model exists (``megatron.training_xla``)."""
+    from megatron import training_xla
+
+    if replica:
+        problem = training_xla.unsupported_replica(cfg)
+    elif cfg.training.distributed_backend == "xla":
+        problem = training_xla.unsupported_on_xla(cfg)
+    else:
+        problem = training_xla.unsupported_off_xla(cfg)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
     """A --load that is a file and a --save that cannot be written are user errors: say so
     (``error: ...``, exit 2) before any process group or model exists."""
@@ -995,4 +1051,4 @@ def _warn_slow_precision(cfg: RunConfig, device: torch.device) -> None:
 def _finish() -> None:
     sys.stdout.flush()
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=parallel_state.get_control_group())

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Optional
 
+from megatron import xla
 from megatron.checkpointing.contents import (
     ModelChunks,
     as_chunks,
@@ -75,8 +76,10 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
     tmp_dir = _make_tmp_dir(save_dir, iteration, layout)
 
     def state_fn() -> dict:
-        return build_state(iteration, chunks, optimizer, opt_param_scheduler, config, layout,
-                           rng_states, (consumed_train_samples, consumed_valid_samples), extra)
+        # Saved from the host: XLA tensors become CPU ones, loadable without torch_xla.
+        return xla.to_host(build_state(
+            iteration, chunks, optimizer, opt_param_scheduler, config, layout, rng_states,
+            (consumed_train_samples, consumed_valid_samples), extra))
 
     error, digests = None, {}
     try:

@@ -56,6 +56,9 @@ class OptimizerConfig(Slice):
         action=argparse.BooleanOptionalAction, help="Skip (never apply or save) a step whose "
         "loss or gradient norm is NaN/Inf; on by default, "
         "--no-check-for-nan-in-loss-and-grad turns it off.")
+    use_syncfree_optim: bool = option(
+        default=False, help="On an XLA device: torch_xla's sync-free AdamW/SGD, which skip a "
+        "NaN/Inf step on the device (no host read decides it).")
     loss_scale: Optional[float] = option(
         default=None, help="Static loss scale (fp16); dynamic loss scaling when unset.")
     initial_loss_scale: float = option(default=2.0**32, help="First dynamic loss scale.")

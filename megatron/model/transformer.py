@@ -16,6 +16,8 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core import tensor_parallel
+from megatron.core.grad_accumulation import refuse_fusion
+from megatron.core.tensor_parallel.layers import compiled_fusion_works
 from megatron.core.utils import divide
 from megatron.model.init import InitRNG
 from megatron.model.kv_cache import KVCache
@@ -256,6 +258,10 @@ def compile_transformer_layers(module: nn.Module) -> int:
     embedding, the LM head with its fused loss, pipeline exchanges and recomputation stay
     eager around them. Layers share their compiled code (same shapes, same structure)."""
     layers = [m for m in module.modules() if isinstance(m, ParallelTransformerLayer)]
+    keep_fusion = compiled_fusion_works() if layers else True
     for layer in layers:
+        if not keep_fusion:  # this torch cannot: the compiled layers' weights go unfused
+            for param in layer.parameters():
+                refuse_fusion(param)
         layer.compile()
     return len(layers)

@@ -51,6 +51,11 @@ NEW_FLAGS = {
     "--partition-activations", "--contigious-checkpointing", "--checkpoint-in-cpu",
     "--synchronize-each-layer",
     "--compile",  # torch.compile of the transformer layers (issue 10)
+    # XLA devices through torch_xla (issue 26)
+    "--device",
+    "--xla-processes",
+    "--mp-start-method",
+    "--use-syncfree-optim",
 }
 
 

@@ -90,6 +90,16 @@ def build_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.
     """The torch optimizer for ``groups`` (the main parameters) from ``--optimizer`` flags."""
     params = [p for g in groups for p in g["params"]]
     on_cuda = bool(params) and all(p.is_cuda for p in params)
+    if config.use_syncfree_optim:  # an XLA device's: the NaN/Inf skip stays on the device
+        from megatron import xla
+
+        if config.optimizer == "adam":
+            return xla.syncfree_optimizer(
+                "adam", groups, lr=config.lr, weight_decay=config.weight_decay,
+                betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        return xla.syncfree_optimizer("sgd", groups, lr=config.lr,
+                                      weight_decay=config.weight_decay,
+                                      momentum=config.sgd_momentum)
     if config.optimizer == "adam":
         betas = (config.adam_beta1, config.adam_beta2)
         fused_adam = _apex_fused_adam() if on_cuda else None
