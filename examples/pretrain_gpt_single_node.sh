@@ -1,5 +1,6 @@
 #!/bin/bash
-# GPT-2 345M through DeepSpeed's launcher and engine (Megatron-DeepSpeed's single-node recipe):
+# GPT-2 345M through DeepSpeed's launcher and engine (Megatron-DeepSpeed's single-node recipe),
+# or any size the environment variables below give it:
 #
 #     bash examples/pretrain_gpt_single_node.sh CHECKPOINT_PATH VOCAB_FILE MERGE_FILE DATA_PATH [flags]
 #
@@ -23,6 +24,13 @@
 #   MICRO_BATCH_SIZE=4 GLOBAL_BATCH_SIZE=8  --micro-batch-size/--global-batch-size and the
 #                       JSON's train_micro_batch_size_per_gpu/train_batch_size (pass batch
 #                       sizes here, not as flags: the engine stops where file and flags differ)
+#   NUM_LAYERS=24 HIDDEN_SIZE=1024 NUM_HEADS=16 SEQ_LENGTH=1024  the model (345M by default;
+#                       SEQ_LENGTH is also --max-position-embeddings)
+#   TRAIN_ITERS=500000  iterations; LR_DECAY_ITERS (default 320000, or TRAIN_ITERS when that
+#                       is smaller) the cosine decay's length
+#   LR=0.00015          the peak learning rate
+#   LOG_INTERVAL=10 SAVE_INTERVAL=500 EVAL_INTERVAL=100 EVAL_ITERS=10  logging, checkpoints
+#                       and evaluation (EVAL_ITERS=0: none)
 #   ZERO_STAGE=1        the JSON's zero_optimization.stage and --zero-stage (2 and 3 need
 #                       PP=1: the plain model, --no-pipeline-parallel, runs in the engine)
 #   DS_CONFIG           where the JSON is written (default: CHECKPOINT_PATH/ds_config.json)
@@ -66,13 +74,24 @@ if [ -n "${MASTER_PORT:-}" ]; then LAUNCHER_ARGS+=(--master_port "$MASTER_PORT")
 MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-4}
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-8}
 ZERO_STAGE=${ZERO_STAGE:-1}
+NUM_LAYERS=${NUM_LAYERS:-24}
+HIDDEN_SIZE=${HIDDEN_SIZE:-1024}
+NUM_HEADS=${NUM_HEADS:-16}
+SEQ_LENGTH=${SEQ_LENGTH:-1024}
+TRAIN_ITERS=${TRAIN_ITERS:-500000}
+LR_DECAY_ITERS=${LR_DECAY_ITERS:-$(( TRAIN_ITERS < 320000 ? TRAIN_ITERS : 320000 ))}
+LR=${LR:-0.00015}
+LOG_INTERVAL=${LOG_INTERVAL:-10}
+SAVE_INTERVAL=${SAVE_INTERVAL:-500}
+EVAL_INTERVAL=${EVAL_INTERVAL:-100}
+EVAL_ITERS=${EVAL_ITERS:-10}
 
 GPT_ARGS=(
-    --num-layers 24 --hidden-size 1024 --num-attention-heads 16
-    --seq-length 1024 --max-position-embeddings 1024
+    --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_HEADS"
+    --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
-    --lr 0.00015 --train-iters 500000 --lr-decay-iters 320000 --lr-decay-style cosine
-    --lr-warmup-fraction .01
+    --lr "$LR" --train-iters "$TRAIN_ITERS"
+    --lr-decay-iters "$LR_DECAY_ITERS" --lr-decay-style cosine --lr-warmup-fraction .01
     $PRECISION_FLAG
 )
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
@@ -81,7 +100,8 @@ DATA_ARGS=(
     --split 949,50,1
 )
 OUTPUT_ARGS=(
-    --log-interval 10 --save-interval 500 --eval-interval 100 --eval-iters 10
+    --log-interval "$LOG_INTERVAL" --save-interval "$SAVE_INTERVAL"
+    --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
     --checkpoint-activations
     --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH"
 )

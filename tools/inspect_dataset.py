@@ -4,14 +4,20 @@
     python tools/inspect_dataset.py my-gpt2_text_document --docs 3 \\
         --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
     python tools/inspect_dataset.py my-gpt2_text_document --check --eod 50256
+    python tools/inspect_dataset.py --fix-eod-index my-gpt2_text_document
 
 The structural checks (dtype code, pointers against sizes, the document index, the ``.bin``
 length) are the ones the training loader runs when it opens a dataset
-(``megatron.data.indexed_dataset.index_problems``); they catch, for instance, the index that
-Megatron-DeepSpeed's preprocess_data.py writes with ``--append-eod``: its sizes leave out each
-document's EOD, so the sizes sum to fewer tokens than the ``.bin`` holds and every document
-after the first is read from the wrong offset (document k starts k tokens early; document 1
-starts with document 0's EOD). ``--check`` adds the EOD placement of the first documents. Exit code 1 when a problem is found.
+(``megatron.data.indexed_dataset.index_problems``). ``--check`` adds the EOD placement of the
+first documents. Exit code 1 when a problem is found.
+
+The index that Megatron-DeepSpeed's preprocess_data.py writes with ``--append-eod`` leaves each
+document's EOD out of its sizes, so the sizes sum to fewer tokens than the ``.bin`` holds and
+document k is read k tokens early (document 1 starts with document 0's EOD). The loader reads
+such a pair as Megatron-DeepSpeed does, with a warning, and so does this tool (the warning is
+printed, not a problem). ``--fix-eod-index PREFIX`` rewrites its ``.idx`` to count the EODs
+(atomically, keeping the original as ``PREFIX.idx.megatron-deepspeed``); the pair then reads
+as the output of our preprocess_data.py for the same input.
 
 Legacy ``lazy``/``cached`` pairs (TNTIDX, Megatron-DeepSpeed's ``--dataset-impl lazy|cached``)
 are read too, told apart by the .idx's magic (``--data-impl infer``, the default) or named with
@@ -31,13 +37,17 @@ import numpy as np
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megatron.data import legacy_indexed_dataset as legacy  # noqa: E402
+from megatron.data.eod_index import fix_uncounted_eod_index  # noqa: E402
 from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetError,
     MMapIndexedDataset,
+    UncountedEod,
     data_file_path,
+    find_uncounted_eod,
     index_file_path,
     layout_problems,
     sequences_end,
+    uncounted_eod_message,
 )
 
 Dataset = Union[MMapIndexedDataset, legacy.LegacyIndexedDataset]
@@ -87,11 +97,20 @@ def document(dataset: Dataset, d: int) -> np.ndarray:
 def check(dataset: Dataset, eod: Optional[int]) -> list[str]:
     """Problems found in the dataset (empty when it is consistent): the structural checks the
     loader runs at open (indexed_dataset.index_problems), then, when the tokens can be read,
-    the EOD placement of the first documents."""
+    the EOD placement of the first documents (not for Megatron-DeepSpeed's --append-eod
+    index, whose documents start with an EOD as its reader reads them)."""
     problems = structural_problems(dataset)
-    if eod is not None and _readable(dataset):
+    if eod is not None and _readable(dataset) and uncounted_eod(dataset) is None:
         problems += _check_eod(dataset, eod)
     return problems
+
+
+def uncounted_eod(dataset: Dataset) -> Optional[UncountedEod]:
+    """The Megatron-DeepSpeed --append-eod quirk of an mmap pair (None for any other)."""
+    if not isinstance(dataset, MMapIndexedDataset):
+        return None
+    bin_path = data_file_path(dataset.path_prefix)
+    return find_uncounted_eod(dataset.index, bin_path, os.path.getsize(bin_path))
 
 
 def structural_problems(dataset: Dataset) -> list[str]:
@@ -130,7 +149,11 @@ def _check_eod(dataset: Dataset, eod: int, sample: int = 1000) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("prefix", help="dataset path without .bin/.idx")
+    parser.add_argument("prefix", nargs="?", help="dataset path without .bin/.idx")
+    parser.add_argument("--fix-eod-index", metavar="PREFIX", default=None,
+                        help="rewrite the .idx of Megatron-DeepSpeed's --append-eod dataset "
+                             "PREFIX to count each document's EOD (atomically; the original "
+                             "is kept as PREFIX.idx.megatron-deepspeed)")
     parser.add_argument("--docs", type=int, default=2, help="documents to print")
     parser.add_argument("--check", action="store_true", help="verify; exit 1 on a problem")
     parser.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default="infer",
@@ -155,9 +178,33 @@ def _tokenizer(args):
                            args.merge_file, args.tokenizer_name_or_path, args.vocab_size)
 
 
+def _strip_suffix(prefix: str) -> str:
+    return prefix[:-4] if prefix.endswith((".bin", ".idx")) else prefix
+
+
+def fix_eod_index(prefix: str) -> int:
+    """--fix-eod-index: rewrite the index; one line saying what changed, or an error."""
+    try:
+        quirk, backup = fix_uncounted_eod_index(prefix)
+    except (IndexedDatasetError, OSError) as e:
+        print(f"error: --fix-eod-index: {e}", file=sys.stderr)
+        return 1
+    print(f"{index_file_path(prefix)}: rewritten to count the EOD (id {quirk.eod}) of each of "
+          f"its {quirk.documents} non-empty documents; the .bin is unchanged, and the "
+          f"original index is kept as {backup}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    prefix = args.prefix[:-4] if args.prefix.endswith((".bin", ".idx")) else args.prefix
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.fix_eod_index is not None:
+        if args.prefix is not None:
+            parser.error("give the dataset once: --fix-eod-index PREFIX")
+        return fix_eod_index(_strip_suffix(args.fix_eod_index))
+    if args.prefix is None:
+        parser.error("the dataset PREFIX is required")
+    prefix = _strip_suffix(args.prefix)
     try:
         tokenizer = _tokenizer(args)
         dataset = open_dataset(prefix, args.data_impl)
@@ -173,6 +220,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("  documents not shown: the index does not fit the .bin (see PROBLEM)")
     eod = args.eod if args.eod is not None else getattr(tokenizer, "eod", None)
     problems = check(dataset, eod) if args.check else structural_problems(dataset)
+    quirk = uncounted_eod(dataset)
+    if quirk is not None:
+        print(f"WARNING: {uncounted_eod_message(prefix, quirk)}")
     for problem in problems:
         print(f"PROBLEM: {problem}")
     if args.check or problems:

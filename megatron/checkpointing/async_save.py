@@ -8,8 +8,8 @@ The torch format's job is in save.py; another format (torch_dist) brings its own
 
 ``finish_save`` is the end both ways share (collective, main thread): the ranks vote on their
 writes, the digests go to rank 0, rank 0 publishes, and every rank learns the outcome; a
-failure anywhere raises ``CheckpointError`` on every rank, naming the rank and its error
-(for a full disk: the file, the bytes needed and free).
+failure anywhere raises ``CheckpointError`` on every rank, naming the lowest failing rank and
+its error (for a full disk: the file, the bytes needed and free).
 
 ``AsyncSaver`` runs one job's ``write()`` in a thread while training goes on, from host
 copies taken into its ``HostBuffers`` (reused from save to save). The loop calls
@@ -26,14 +26,14 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from typing import Optional, Protocol
+from typing import NoReturn, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import FileDigest
-from megatron.checkpointing.ranks import all_true, gather_to_all
+from megatron.checkpointing.ranks import all_true, first_failure, gather_to_all
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +82,15 @@ def finish_save(job: SaveJob, error: Optional[BaseException],
     return job.folder
 
 
-def _raise_failure(job: SaveJob, error: Optional[BaseException], rank: int) -> None:
+def _raise_failure(job: SaveJob, error: Optional[BaseException], rank: int) -> NoReturn:
+    """Every rank, after a failed vote: its own error, or the lowest failing rank's, so that
+    rank 0 (which speaks for all) names the real cause."""
+    failed_rank, message = first_failure(error)
     where = f"saving the checkpoint of iteration {job.iteration} to {job.save_dir} failed"
+    after = "; the tracker file still names the previous checkpoint"
     if error is not None:
-        raise CheckpointError(f"{where} on rank {rank}: {error}; the tracker file still names "
-                              "the previous checkpoint") from error
-    raise CheckpointError(f"{where} on another rank (see its error); the tracker file still "
-                          "names the previous checkpoint")
+        raise CheckpointError(f"{where} on rank {rank}: {error}{after}") from error
+    raise CheckpointError(f"{where} on rank {failed_rank}: {message}{after}")
 
 
 def run_job(job: SaveJob) -> str:

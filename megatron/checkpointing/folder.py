@@ -137,13 +137,16 @@ DEEPSPEED = Naming(DEEPSPEED_TRACKER_FILENAME, "global_step", 1, tracker_names_f
 class FolderFormat:
     """One checkpoint format: how to tell its folders by their files, and what can be read
     from a folder without loading the model (``layout``: the (tensor, pipeline) sizes it was
-    saved with; ``stored_config``: its run configuration when it has no manifest)."""
+    saved with; ``stored_config``: its run configuration when it has no manifest;
+    ``common``: the top-level entries every rank shares, such as the schedule and the
+    counters, without reading the weights)."""
 
     name: str
     naming: Naming
     recognise: Callable[[str], bool]
     layout: Callable[[str], tuple[int, int]]
     stored_config: Callable[[str], Optional[dict]]
+    common: Callable[[str], dict]
 
 
 _FORMATS: dict[str, FolderFormat] = {}
@@ -167,12 +170,17 @@ def _torch_layout(iter_dir: str) -> tuple[int, int]:
     return tp, pp
 
 
+def _torch_common(iter_dir: str) -> dict:
+    """Rank (0, 0)'s model_optim_rng.pt, memory-mapped: no tensor is read."""
+    _, pp = _torch_layout(iter_dir)
+    return read_torch(os.path.join(iter_dir, mp_rank_dir_name(0, 0, pp), MODEL_FILENAME),
+                      mmap=True)
+
+
 def _torch_config(iter_dir: str) -> Optional[dict]:
     from megatron.checkpointing.contents import stored_config
 
-    _, pp = _torch_layout(iter_dir)
-    path = os.path.join(iter_dir, mp_rank_dir_name(0, 0, pp), MODEL_FILENAME)
-    return stored_config(read_torch(path, mmap=True))  # mmap: no tensor is read
+    return stored_config(_torch_common(iter_dir))
 
 
 def _recognise_torch(iter_dir: str) -> bool:
@@ -196,18 +204,31 @@ def _deepspeed_layout(iter_dir: str) -> tuple[int, int]:
     return max(len(ranks), 1), 1  # a pipeline's stages are not told apart by name
 
 
+def _deepspeed_mp_files(iter_dir: str) -> list[str]:
+    return [n for n in _deepspeed_files(iter_dir) if _DS_MP_FILE_RE.fullmatch(n)]
+
+
+def _deepspeed_common(iter_dir: str) -> dict:
+    """The first model-parallel rank's model-states file (memory-mapped), which holds the
+    engine's client state."""
+    names = _deepspeed_mp_files(iter_dir)
+    if not names:
+        raise CheckpointError(f"{iter_dir} holds no DeepSpeed mp_rank_*_model_states.pt file")
+    return read_torch(os.path.join(iter_dir, names[0]), mmap=True)
+
+
 def _deepspeed_config(iter_dir: str) -> Optional[dict]:
     from megatron.checkpointing.contents import stored_config
 
-    names = [n for n in _deepspeed_files(iter_dir) if _DS_MP_FILE_RE.fullmatch(n)]
-    if not names:
+    if not _deepspeed_mp_files(iter_dir):
         return None
-    return stored_config(read_torch(os.path.join(iter_dir, names[0]), mmap=True))
+    return stored_config(_deepspeed_common(iter_dir))
 
 
-TORCH = FolderFormat("torch", MEGATRON, _recognise_torch, _torch_layout, _torch_config)
+TORCH = FolderFormat("torch", MEGATRON, _recognise_torch, _torch_layout, _torch_config,
+                     _torch_common)
 DEEPSPEED_FORMAT = FolderFormat("deepspeed", DEEPSPEED, lambda d: bool(_deepspeed_files(d)),
-                                _deepspeed_layout, _deepspeed_config)
+                                _deepspeed_layout, _deepspeed_config, _deepspeed_common)
 register_format(TORCH)
 register_format(DEEPSPEED_FORMAT)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple, NoReturn, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -33,19 +34,21 @@ from megatron.checkpointing.folder import (
     latest_checkpoint,
     list_iterations,
 )
+from megatron.checkpointing.manifest import check_complete, check_listed
 from megatron.checkpointing.model_shape import check_model_shape
 from megatron.checkpointing.paths import (
     DISTRIB_OPTIM_FILENAME,
     MANIFEST_FILENAME,
     MODEL_FILENAME,
-    RESHARD_HINT,
     TRACKER_FILENAME,
+    reshard_hint,
 )
 from megatron.checkpointing.ranks import (
     RankLayout,
     all_true,
     check_same_everywhere,
     current_layout,
+    first_failure,
 )
 from megatron.checkpointing.rng import restore_rng_state, rng_state_for
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
@@ -133,14 +136,11 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
     error, files = None, None
     try:
         files = _read_rank_files(config, folder, layout, optimizer, load_optim)
-        _load_model(files.state, chunks, files.path, strict)
+        _load_model(files.state, chunks, files.path, strict, _reshard_hint(config))
     except Exception as e:  # noqa: BLE001 - decide together before any collective
         error = e
     if not all_true(error is None):
-        if error is not None:
-            raise error
-        raise CheckpointError(f"loading the checkpoint from {ckpt.load} failed on another rank "
-                              "(see its error)")
+        _raise_first_failure(error)
     scheduler_loaded, rng_loaded = _restore_training_state(
         files, ckpt, layout, optimizer, opt_param_scheduler, model_only, load_optim)
     state = files.state
@@ -163,12 +163,18 @@ def _agreed_latest(load_dir: str) -> Optional[CheckpointFolder]:
     except CheckpointError as e:
         error = e
     if not all_true(error is None):
-        if error is not None:
-            raise error
-        raise CheckpointError(f"finding the checkpoint in --load {load_dir} failed on another "
-                              "rank (see its error)")
+        _raise_first_failure(error)
     check_same_everywhere(-1 if folder is None else folder.iteration, "the latest iteration")
     return folder
+
+
+def _raise_first_failure(error: Optional[Exception]) -> NoReturn:
+    """After a failed vote: this rank's own error, or the lowest failing rank's message, so
+    that rank 0 (which speaks for all) names the real cause."""
+    rank, message = first_failure(error)
+    if error is not None:
+        raise error
+    raise CheckpointError(f"on rank {rank}: {message}")
 
 
 def _read_rank_files(config: Any, folder: CheckpointFolder, layout: RankLayout, optimizer: Any,
@@ -176,9 +182,16 @@ def _read_rank_files(config: Any, folder: CheckpointFolder, layout: RankLayout, 
     """Check the folder against this run and its manifest, then read this rank's files. The
     model shape is compared before any tensor is read when there is a manifest."""
     ckpt = config.checkpoint
-    _check_layout(folder, layout.tp_size, layout.pp_size)
     where = f"{folder.path} (--load {ckpt.load})"
     manifest = folder.manifest
+    if manifest is not None:
+        # Before the layout: a folder missing a rank's files is incomplete, not another
+        # layout (the manifest records the one it was saved with).
+        if os.path.isfile(folder.rank_file(layout.tp_rank, layout.pp_rank, layout.pp_size)):
+            rel = f"{layout.mp_rank_dir}/{MODEL_FILENAME}"
+            _with_hint(folder, ckpt.load, lambda: check_listed(folder.path, manifest, rel))
+        _with_hint(folder, ckpt.load, lambda: check_complete(folder.path, manifest))
+    _check_layout(folder, layout.tp_size, layout.pp_size, _reshard_hint(config))
     if manifest is not None:
         check_model_shape(manifest.get("config"), config.model, where)
         _verify(folder, layout, load_optim, ckpt)
@@ -196,15 +209,17 @@ def _read_rank_files(config: Any, folder: CheckpointFolder, layout: RankLayout, 
     return _RankFiles(path, state, distrib_state)
 
 
-def _check_layout(folder: CheckpointFolder, tp_size: int, pp_size: int) -> None:
-    """Raise ``CheckpointLayoutError`` unless ``folder`` was saved at (tp_size, pp_size)."""
+def _check_layout(folder: CheckpointFolder, tp_size: int, pp_size: int, reshard: str) -> None:
+    """Raise ``CheckpointLayoutError`` unless ``folder`` was saved at (tp_size, pp_size) (as
+    its manifest records, else as its mp_rank_* folders tell); ``reshard``: the
+    ``reshard_hint`` to give."""
     saved = folder.layout()
     now = (tp_size, pp_size)
     if saved != now:
         raise CheckpointLayoutError(
             f"checkpoint {folder.path} was saved with tensor-model-parallel size {saved[0]} and "
             f"pipeline-model-parallel size {saved[1]} (tp={saved[0]}, pp={saved[1]}); this run "
-            f"has tp={now[0]}, pp={now[1]}. Run with the saved layout, or {RESHARD_HINT}")
+            f"has tp={now[0]}, pp={now[1]}. Run with the saved layout, or {reshard}")
 
 
 def _verify(folder: CheckpointFolder, layout: RankLayout, load_optim: bool, ckpt: Any) -> None:
@@ -216,11 +231,23 @@ def _verify(folder: CheckpointFolder, layout: RankLayout, load_optim: bool, ckpt
     rel_paths = [model] + ([distrib] if load_optim and distrib in folder.manifest["files"]
                            else [])
     checksums = layout.dp_rank == 0 and not ckpt.no_verify_checkpoint
+    _with_hint(folder, ckpt.load, lambda: folder.verify(rel_paths, checksums=checksums))
+
+
+def _with_hint(folder: CheckpointFolder, load_dir: str, check: Callable[[], None]) -> None:
+    """``check()`` of ``folder``; a damaged or incomplete folder's error says which other
+    checkpoints could be resumed instead."""
     try:
-        folder.verify(rel_paths, checksums=checksums)
+        check()
     except CheckpointCorruptError as error:
-        hint = _earlier_checkpoints_hint(ckpt.load, folder.manifest.get("iteration"))
+        hint = _earlier_checkpoints_hint(load_dir, folder.iteration)
         raise CheckpointCorruptError(f"{error}. {hint}") from error
+
+
+def _reshard_hint(config: Any) -> str:
+    p = config.parallel
+    return reshard_hint(config.checkpoint.load, p.tensor_model_parallel_size,
+                        p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage)
 
 
 def _earlier_checkpoints_hint(load_dir: str, damaged: Optional[int]) -> str:
@@ -232,14 +259,15 @@ def _earlier_checkpoints_hint(load_dir: str, damaged: Optional[int]) -> str:
             f"{os.path.join(load_dir, TRACKER_FILENAME)}")
 
 
-def _load_model(state: dict, chunks: list[nn.Module], path: str, strict: bool) -> None:
+def _load_model(state: dict, chunks: list[nn.Module], path: str, strict: bool,
+                reshard: str) -> None:
     keys = sorted((k for k in state if MODEL_KEY_RE.fullmatch(k)),
                   key=lambda k: int(k[5:] or 0))
     if keys != model_keys(len(chunks)):
         raise CheckpointLayoutError(
             f"{path} holds {len(keys)} model chunk(s) ({', '.join(keys) or 'none'}), this run "
             f"has {len(chunks)} (virtual pipeline size): run with the saved "
-            f"--num-layers-per-virtual-pipeline-stage, or {RESHARD_HINT}")
+            f"--num-layers-per-virtual-pipeline-stage, or {reshard}")
     for key, chunk in zip(keys, chunks):
         try:
             unwrap_model(chunk).load_state_dict(state[key], strict=strict)
@@ -328,10 +356,7 @@ def _load_torch_dist(folder: CheckpointFolder, chunks: list[nn.Module], optimize
     except Exception as e:  # noqa: BLE001 - decide together before any collective
         error = e
     if not all_true(error is None):
-        if error is not None:
-            raise error
-        raise CheckpointError(f"loading the checkpoint from {ckpt.load} failed on another rank "
-                              "(see its error)")
+        _raise_first_failure(error)
     logger.info("loading torch_dist checkpoint from %s at iteration %d", ckpt.load,
                 folder.iteration)
     rng_wanted = not model_only and not ckpt.no_load_rng
@@ -356,13 +381,30 @@ def _verify_torch_dist(folder: CheckpointFolder, layout: RankLayout, ckpt: Any) 
         return
     names = sorted(folder.manifest["files"])
     world = dist.get_world_size() if dist.is_initialized() else 1
-    try:
+
+    def check() -> None:
+        check_complete(folder.path, folder.manifest)
         folder.verify(names, checksums=False)
         if not ckpt.no_verify_checkpoint:
             folder.verify(names[layout.rank::world], checksums=True)
-    except CheckpointCorruptError as error:
-        hint = _earlier_checkpoints_hint(ckpt.load, folder.iteration)
-        raise CheckpointCorruptError(f"{error}. {hint}") from error
+
+    _with_hint(folder, ckpt.load, check)
+
+
+def load_scheduler_state(load_dir: str) -> Optional[tuple[str, dict]]:
+    """The learning-rate schedule stored with the latest checkpoint of ``load_dir``: its
+    folder and state, or None when there is none to resume (no checkpoint, a release one, a
+    format or file that cannot be read ahead: loading reports those). Reads one small entry
+    of a memory-mapped file, so it is cheap enough to check before anything is built."""
+    try:
+        folder = latest_checkpoint(load_dir)
+        if folder is None or folder.release:
+            return None
+        state = folder.format.common(folder.path)
+    except (CheckpointError, OSError):
+        return None
+    saved = state.get("opt_param_scheduler", state.get("lr_scheduler"))
+    return (folder.path, saved) if isinstance(saved, dict) else None
 
 
 def load_checkpoint_config(load_dir: str) -> Optional[dict]:

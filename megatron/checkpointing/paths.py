@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import tempfile
 from typing import NamedTuple, Optional
 
@@ -19,10 +20,6 @@ BEST_FILENAME = "best_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
 MANIFEST_FILENAME = "manifest.json"
-RESHARD_HINT = ("reshard it (python tools/checkpoint/convert.py --model-type GPT --loader "
-                "megatron --saver megatron --load-dir LOAD --save-dir NEW "
-                "--target-tensor-parallel-size N --target-pipeline-parallel-size M) and "
-                "--load the new folder")
 
 MP_RANK_RE = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
 
@@ -50,6 +47,20 @@ def read_best(save_dir: str) -> Optional[BestCheckpoint]:
     except (IndexError, ValueError):
         raise CheckpointError(f"{path}: expected 'ITERATION VALID_LOSS', "
                               f"got {' '.join(lines)[:80]!r}") from None
+
+
+def reshard_hint(load_dir: str, tp_size: int, pp_size: int,
+                 vp_layers: Optional[int] = None) -> str:
+    """How to get ``load_dir``'s checkpoint at this run's layout: the converter command with
+    the real paths and sizes, ready to paste, and the ``--load`` to use after it."""
+    new = f"{os.path.normpath(load_dir)}_tp{tp_size}_pp{pp_size}"
+    cmd = ["python", "tools/checkpoint/convert.py", "--model-type", "GPT", "--loader",
+           "megatron", "--saver", "megatron", "--load-dir", load_dir, "--save-dir", new,
+           "--target-tensor-parallel-size", str(tp_size),
+           "--target-pipeline-parallel-size", str(pp_size)]
+    if vp_layers:
+        cmd += ["--target-num-layers-per-virtual-pipeline-stage", str(vp_layers)]
+    return f"reshard it with `{shlex.join(cmd)}`, then --load {shlex.quote(new)}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from megatron import xla
 from megatron.checkpointing.async_save import AsyncSaver, run_job
 from megatron.checkpointing.contents import (
     ModelChunks,
@@ -124,8 +125,10 @@ def _torch_job(iteration: int, chunks: list, optimizer: Any, opt_param_scheduler
     model_state, problem = None, None
     if layout.dp_rank == 0:  # the replicas' model files would be the same
         try:
-            model_state = build_state(iteration, chunks, optimizer, opt_param_scheduler,
-                                      config, layout, rng_states, consumed, extra)
+            # Saved from the host: XLA tensors become CPU ones, loadable without torch_xla.
+            model_state = xla.to_host(build_state(iteration, chunks, optimizer,
+                                                  opt_param_scheduler, config, layout,
+                                                  rng_states, consumed, extra))
             if copy_to_host is not None:
                 model_state = host_copy(model_state, copy_to_host)
         except Exception as error:  # noqa: BLE001 - raised by write(), so the ranks vote

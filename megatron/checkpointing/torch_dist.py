@@ -74,7 +74,7 @@ from megatron.checkpointing.mcore_layout import (
     rng_key,
 )
 from megatron.checkpointing.paths import CHECKPOINT_VERSION
-from megatron.checkpointing.ranks import RankLayout, all_true
+from megatron.checkpointing.ranks import RankLayout, all_true, first_failure
 from megatron.checkpointing.save import PublishedSave
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -337,8 +337,9 @@ def prepare_save(iteration: int, model_chunks: ModelChunks, optimizer: Any, sche
     except Exception as e:  # noqa: BLE001 - every rank must reach the vote
         error = e
     if not all_true(error is None):
-        raise error or CheckpointError("preparing the checkpoint failed on another rank (see "
-                                       "its error)")
+        rank, message = first_failure(error)
+        raise error or CheckpointError(f"preparing the checkpoint failed on rank {rank}: "
+                                       f"{message}")
     return PreparedSave(pieces, objects, common)
 
 
@@ -526,8 +527,9 @@ def read_into(iter_dir: str, common: dict, model_chunks: ModelChunks, optimizer:
     except Exception as e:  # noqa: BLE001 - every rank must reach the vote
         error = e
     if not all_true(error is None):
-        raise error or CheckpointError(f"loading the checkpoint {iter_dir} failed on another "
-                                       "rank (see its error)")
+        rank, message = first_failure(error)
+        raise error or CheckpointError(f"loading the checkpoint {iter_dir} failed on rank "
+                                       f"{rank}: {message}")
     pieces, read, object_keys = prepared
     objects = dcp.read_pieces(iter_dir, pieces, object_keys)
     scheduler_loaded = False
@@ -577,5 +579,6 @@ def check_stored_config(common: dict, config: Any, where: str) -> dict:
     return saved
 
 
-TORCH_DIST = FolderFormat(FORMAT, MEGATRON, _recognise, _folder_layout, _folder_config)
+TORCH_DIST = FolderFormat(FORMAT, MEGATRON, _recognise, _folder_layout, _folder_config,
+                         read_common)
 register_format(TORCH_DIST)

@@ -63,7 +63,7 @@ def _help(f: dataclasses.Field, switch: bool) -> str:
     text = f.metadata["help"]
     if f.metadata.get("required"):
         return f"{text} (required)"
-    if switch:
+    if switch or "(default:" in text:  # a help text may say its default in its own words
         return text
     default = cli_default(f)
     if isinstance(default, tuple):
@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Read settings from a TOML file (tables [model], [parallel], ...); "
                        "flags given here override it (default: unset).")
     files.add_argument("--dump-config", default=None, metavar="FILE",
-                       help="Write the effective configuration to FILE as TOML (default: "
-                       "unset).")
+                       help="Write the effective configuration to FILE as TOML, then go on "
+                       "(with --dry-run: print the plan and train nothing) (default: unset).")
     for name, cls in SLICE_CLASSES.items():
         group = parser.add_argument_group(_TITLES[name])
         for f in option_fields(cls):
@@ -185,15 +185,17 @@ def checkpoint_model_settings(load_dir: Optional[str]) -> dict[str, Any]:
     """The model-shape values stored in the latest checkpoint of ``load_dir``."""
     if load_dir is None:
         raise ConfigError("--use-checkpoint-args needs --load (the checkpoint to read)")
-    from megatron.checkpointing import CheckpointError, load_checkpoint_config
+    from megatron.checkpointing import CheckpointError
+    from megatron.conversion.checkpoint_kinds import summarize_checkpoint
 
-    try:
-        stored = load_checkpoint_config(load_dir)
+    try:  # any kind: ours, Megatron's, DeepSpeed's
+        summary = summarize_checkpoint(load_dir)
     except (CheckpointError, OSError) as error:
         raise ConfigError(f"--use-checkpoint-args: cannot read --load {load_dir}: "
                           f"{error}") from None
-    if stored is None:
+    if summary is None:
         raise ConfigError(f"--use-checkpoint-args: --load {load_dir} holds no checkpoint")
+    stored = summary.stored
     model = stored.get("model", stored)  # ours: nested slices; Megatron's: flat args
     return {k: model[k] for k in CHECKPOINT_MODEL_FIELDS if model.get(k) is not None}
 

@@ -33,6 +33,7 @@ from megatron.data.dataset_utils import (
     json_text,
     log_rank0,
     parse_data_path,
+    parse_split,
     write_text_atomic,
 )
 from megatron.data.indexed_dataset import (
@@ -193,28 +194,51 @@ def open_checked(flag: str, prefix: str, data_impl: str = "mmap") -> MMapIndexed
     return dataset
 
 
+SPLIT_REMEDY = "give the training share more weight"
+
+
+def sample_tokens_problem(lead: str, tokens: int, seq_length: int, train_samples: int,
+                          remedy: str = SPLIT_REMEDY) -> Optional[str]:
+    """Why ``tokens`` training tokens (``lead`` says where, and how many) cannot serve
+    training, or None: one sample takes --seq-length + 1 tokens, and fewer would repeat the
+    same documents within each sample, epoch after epoch."""
+    need = seq_length + 1
+    if tokens >= need:
+        return None
+    return (f"{lead}, fewer than one training sample needs ({need} at "
+            f"--seq-length {seq_length}), but {train_samples} training samples are asked for "
+            f"(--train-iters/--train-samples); {remedy}")
+
+
 def check_train_split(prefix: str, dataset: MMapIndexedDataset, split: str,
-                      train_samples: int) -> None:
-    """The training share of ``--split`` must hold documents (and two tokens) of ``prefix``."""
+                      train_samples: int, seq_length: int = 1) -> None:
+    """The training share of ``--split`` must have a weight and hold one sample of ``prefix``:
+    refused the same way whatever the dataset's size (Megatron's rounding can hand a share
+    of weight 0 a document of a large dataset, and none of a small one)."""
     n = len(dataset)
     start, end = get_train_valid_test_split_(split, n)[:2]
-    if end <= start:
+    if parse_split(split)[0] == 0:
         raise DataConfigError(
-            f"--split {split} leaves no documents of {prefix} ({n} in all) for training, but "
-            f"{train_samples} training samples are asked for (--train-iters/--train-samples); "
-            "give the training share a weight")
+            f"--split {split} gives training no weight (Megatron's rounding leaves it "
+            f"{end - start} of the {n} documents of {prefix}), but {train_samples} training "
+            "samples are asked for (--train-iters/--train-samples); give the training share a "
+            "weight")
     tokens = int(dataset.sizes[start:end].sum(dtype=np.int64))
-    if tokens < 2:
-        raise DataConfigError(
-            f"--split {split}: the training documents [{start}, {end}) of {prefix} hold "
-            f"{tokens} tokens; a sample needs at least 2")
+    lead = (f"--split {split} leaves {end - start} of the {n} documents of {prefix} ({tokens} "
+            "tokens) for training")
+    problem = sample_tokens_problem(lead, tokens, seq_length, train_samples)
+    if problem is not None:
+        raise DataConfigError(problem)
 
 
-def check_training_data(data: Any, vocab_size: Optional[int], train_samples: int) -> None:
+def check_training_data(data: Any, vocab_size: Optional[int], train_samples: int,
+                        seq_length: int = 1, eval_samples: tuple[int, int] = (0, 0)) -> None:
     """Everything about the data flags that can be known before training: files, structure,
-    documents, the training split and the token ids (``vocab_size`` None skips the ids).
+    documents, the training split (one sample of ``seq_length`` + 1 tokens at least), a
+    blend's validation and test shares, and the token ids (``vocab_size`` None skips them).
 
-    ``data`` is the run's data config (``DataConfig``); ``train_samples`` what training asks.
+    ``data`` is the run's data config (``DataConfig``); ``train_samples`` and
+    ``eval_samples`` (validation, test) what the run asks of each split.
     """
     if getattr(data, "mock_data", False):
         return
@@ -223,17 +247,15 @@ def check_training_data(data: Any, vocab_size: Optional[int], train_samples: int
     if train_samples > 0 and "--data-path" not in flags and "--train-data-path" not in flags:
         raise DataConfigError(f"no training data: {train_samples} training samples are asked "
                               "for; give --data-path or --train-data-path")
-    data_impl = getattr(data, "data_impl", "mmap")
     opened = []
     for flag, prefixes in sources:  # every cheap check of every dataset before any scan
-        if check_token_files(flag, prefixes, data, train_samples):
+        if check_token_files(flag, prefixes, data, train_samples, seq_length):
             continue
-        for prefix in prefixes:
-            dataset = open_checked(flag, prefix, data_impl)
-            if flag == "--data-path" and train_samples > 0:
-                check_train_split(prefix, dataset, getattr(data, "split", DEFAULT_SPLIT),
-                                  train_samples)
-            opened.append(dataset)
+        datasets = [_open_source(flag, p, data, train_samples, seq_length) for p in prefixes]
+        if flag == "--data-path" and len(prefixes) > 1:
+            check_blend_eval_shares(prefixes, datasets, getattr(data, "split", DEFAULT_SPLIT),
+                                    eval_samples)
+        opened += datasets
     for dataset in opened:
         if vocab_size is not None:
             check_token_ids(dataset, vocab_size, tokenizer_flags(data),
@@ -242,9 +264,46 @@ def check_training_data(data: Any, vocab_size: Optional[int], train_samples: int
             dataset.close()
 
 
-def check_token_files(flag: str, paths: list[str], data: Any, train_samples: int) -> bool:
+def _open_source(flag: str, prefix: str, data: Any, train_samples: int,
+                 seq_length: int) -> MMapIndexedDataset:
+    """One dataset of ``flag``, opened and checked, with what training needs of it."""
+    dataset = open_checked(flag, prefix, getattr(data, "data_impl", "mmap"))
+    if flag == "--data-path" and train_samples > 0:
+        check_train_split(prefix, dataset, getattr(data, "split", DEFAULT_SPLIT),
+                          train_samples, seq_length)
+    elif flag == "--train-data-path" and train_samples > 0:
+        tokens = int(dataset.sizes.sum(dtype=np.int64))
+        problem = sample_tokens_problem(f"--train-data-path: {prefix} holds {tokens} tokens",
+                                        tokens, seq_length, train_samples, "give it more data")
+        if problem is not None:
+            raise DataConfigError(problem)
+    return dataset
+
+
+def check_blend_eval_shares(prefixes: list[str], datasets: list, split: str,
+                            eval_samples: tuple[int, int]) -> None:
+    """A blend draws validation (and test) samples from each dataset by its weight: every
+    dataset must hold documents in that share of ``--split``, or none (no such dataset)."""
+    for s, name, samples in ((1, "validation", eval_samples[0]), (2, "test", eval_samples[1])):
+        if samples <= 0:
+            continue
+        counts = []
+        for dataset in datasets:
+            bounds = get_train_valid_test_split_(split, len(dataset))
+            counts.append(bounds[s + 1] - bounds[s])
+        if 0 in counts and any(counts):
+            empty = counts.index(0)
+            raise DataConfigError(
+                f"--split {split} leaves no {name} documents of {prefixes[empty]} "
+                f"({len(datasets[empty])} documents in all), but the blend --data-path draws "
+                f"{samples} {name} samples from each of its datasets by weight (--eval-iters); "
+                f"give the {name} share more weight, or evaluate with --eval-iters 0")
+
+
+def check_token_files(flag: str, paths: list[str], data: Any, train_samples: int,
+                      seq_length: int = 1) -> bool:
     """For flat/npy token files (``token_files``): every file opens (headers, sizes) and
-    the training split holds two tokens; returns False when ``paths`` are not token files.
+    the training split holds one sample; returns False when ``paths`` are not token files.
     Their id range is not scanned (the files carry no dtype to check it against cheaply)."""
     from megatron.data import token_files
 
@@ -258,20 +317,21 @@ def check_token_files(flag: str, paths: list[str], data: Any, train_samples: int
             if flag != "--data-path":
                 spans = token_files.whole_spans(path, impl)
             else:
-                spans = token_files.split_spans(path, impl, split)[0]
+                spans = token_files.split_spans(path, impl, split, log=False)[0]
         except DataConfigError as e:
             raise DataConfigError(f"{flag}: {e}") from None
         tokens = sum(count for _, _, count in spans)
-        if (flag in ("--data-path", "--train-data-path") and train_samples > 0
-                and tokens < 2):
-            raise DataConfigError(f"{flag}: the training tokens of {path} (--data-impl "
-                                  f"{impl}, --split {split}) number {tokens}; a sample needs "
-                                  "at least 2")
+        lead = (f"{flag}: the training tokens of {path} (--data-impl {impl}, --split {split}) "
+                f"number {tokens}")
+        remedy = SPLIT_REMEDY if flag == "--data-path" else "give it more data"
+        problem = sample_tokens_problem(lead, tokens, seq_length, train_samples, remedy)
+        if flag in ("--data-path", "--train-data-path") and train_samples > 0 and problem:
+            raise DataConfigError(problem)
     return True
 
 
 __all__ = [
-    "TokenRange", "cached_token_range", "check_token_ids", "check_train_split",
-    "check_training_data", "data_sources", "open_checked", "scan_token_range",
-    "tokenizer_flags",
+    "TokenRange", "cached_token_range", "check_blend_eval_shares", "check_token_ids",
+    "check_train_split", "check_training_data", "data_sources", "open_checked",
+    "sample_tokens_problem", "scan_token_range", "tokenizer_flags",
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import numpy as np
@@ -125,6 +125,27 @@ def index_description(name: str, data_prefix: str, num_samples: int, num_epochs:
             f"Sequence length {seq_length}\nRandom seed {seed}\nSplit {splits_string}\n")
 
 
+def _sample_end_problem(sample_idx: np.ndarray, doc_idx: np.ndarray, sizes: np.ndarray,
+                        total_tokens: int, end_token: int) -> Optional[str]:
+    """Why a cached sample_idx does not fit ``sizes`` (None when it does): its last entry,
+    (row of doc_idx, offset), must sit at token ``end_token`` of the epochs' token stream.
+
+    The cache is named from the flags alone (Megatron-DeepSpeed's names), so a dataset
+    rewritten in place, for instance by ``tools/inspect_dataset.py --fix-eod-index``, would
+    otherwise reuse a sample index of its old sizes. Reads only the few documents after the
+    entry: every document is in doc_idx once per epoch, so the tokens before it are the total
+    less those.
+    """
+    row, offset = (int(v) for v in sample_idx[-1])
+    after = int(np.sum(sizes[np.asarray(doc_idx[row:])], dtype=np.int64))
+    at = total_tokens - after + offset
+    if at != end_token:
+        return (f"sample_idx ends at token {at} of the epochs' {total_tokens}, but the "
+                f"dataset's sizes put its last sample at {end_token} (the dataset changed "
+                "since the cache was built)")
+    return None
+
+
 def build_index_mappings(name: str, data_prefix: str, documents: np.ndarray, sizes: np.ndarray,
                          splits_string: str, num_samples: int, seq_length: int, seed: int, *,
                          data_cache_path: Optional[str] = None,
@@ -154,7 +175,8 @@ def build_index_mappings(name: str, data_prefix: str, documents: np.ndarray, siz
             return f"sample_idx has shape {sample_idx.shape}, expected ({expected_samples + 1}, 2)"
         if shuffle_idx.shape != (expected_samples,):
             return f"shuffle_idx has {shuffle_idx.shape[0]} entries, expected {expected_samples}"
-        return None
+        return _sample_end_problem(sample_idx, doc_idx, sizes, epochs * tokens_per_epoch,
+                                   expected_samples * seq_length)
 
     def build() -> dict[str, np.ndarray]:
         log_rank0(" > building GPT index mappings for %s (%s): %d samples, %d epochs",
@@ -264,10 +286,10 @@ def _open(prefix: str, data_impl: str, skip_warmup: bool,
     return ds
 
 
-def _token_file_splits(prefixes: list[str], weights: Optional[list[float]], data_impl: str,
-                       splits_string: str, num_samples: Sequence[int], seq_length: int,
-                       seed: int, in_memory: bool, common: dict) -> tuple:
-    """train/valid/test of flat/npy token files, split by tokens (see ``token_files``)."""
+def _token_file_builder(prefixes: list[str], weights: Optional[list[float]], data_impl: str,
+                        splits_string: str, num_samples: Sequence[int], seq_length: int,
+                        seed: int, in_memory: bool, common: dict) -> Callable[[int], object]:
+    """The builder of split s of flat/npy token files, split by tokens (see ``token_files``)."""
     from megatron.data import token_files
 
     per_prefix = []
@@ -275,51 +297,49 @@ def _token_file_splits(prefixes: list[str], weights: Optional[list[float]], data
         impl = token_files.source_impl(prefix, data_impl)
         spans = token_files.split_spans(prefix, impl, splits_string)
         per_prefix.append([token_files.TokenSpans(s, in_memory) for s in spans])
-    out = []
-    for s, name in enumerate(SPLIT_NAMES):
-        splits = [p[s] for p in per_prefix]
+
+    def build(s: int):
+        name, splits = SPLIT_NAMES[s], [p[s] for p in per_prefix]
         # The token count enters the cache description: another file of the same name and
         # sample count must not reuse this index.
         desc = f"{splits_string} ({data_impl}, {sum(t.num_tokens for t in splits)} tokens)"
         ranges = [np.arange(len(t), dtype=np.int32) for t in splits]
         if weights is not None:
-            out.append(_blend(name, prefixes, weights, ranges, splits, desc, num_samples[s],
-                              seq_length, seed, common["data_cache_path"],
-                              common["lock_timeout_s"], "--data-path"))
-        elif len(splits[0]) == 0:
-            out.append(None)
-        else:
-            out.append(GPTDataset(name, prefixes[0], ranges[0], splits[0], desc, num_samples[s],
-                                  seq_length, seed, **common))
-    return tuple(out)
+            return _blend(name, prefixes, weights, ranges, splits, desc, num_samples[s],
+                          seq_length, seed, common["data_cache_path"], common["lock_timeout_s"],
+                          "--data-path")
+        if len(splits[0]) == 0:
+            return None
+        return GPTDataset(name, prefixes[0], ranges[0], splits[0], desc, num_samples[s],
+                          seq_length, seed, **common)
+
+    return build
 
 
 def _documents(bounds: list[int], split: int) -> np.ndarray:
     return np.arange(bounds[split], bounds[split + 1], dtype=np.int32)
 
 
-def _split_datasets(prefix: str, indexed: MMapIndexedDataset, splits_string: str,
-                    num_samples: Sequence[int], seq_length: int, seed: int,
-                    data_cache_path: Optional[str], lock_timeout_s: float
-                    ) -> list[Optional[GPTDataset]]:
-    """train/valid/test GPTDatasets of one prefix (None where the split has no documents).
+def _split_dataset(s: int, prefix: str, indexed: MMapIndexedDataset, splits_string: str,
+                   num_samples: int, seq_length: int, seed: int,
+                   data_cache_path: Optional[str], lock_timeout_s: float
+                   ) -> Optional[GPTDataset]:
+    """Split s (train, valid, test) of one prefix, or None when it has no documents.
 
     Megatron splits the *sequences* of the .idx (for GPT data, one per document)."""
-    bounds = get_train_valid_test_split_(splits_string, len(indexed.sizes))
-    out: list[Optional[GPTDataset]] = []
-    for s, name in enumerate(SPLIT_NAMES):
-        log_rank0("    %s: document indices in [%d, %d)", name, bounds[s], bounds[s + 1])
-        if bounds[s + 1] <= bounds[s]:
-            if num_samples[s] > 0:
-                logger.warning("%s: the %s split of --split %s has no documents; no %s dataset "
-                               "(%d samples were asked for)", prefix, name, splits_string, name,
-                               num_samples[s])
-            out.append(None)
-            continue
-        out.append(GPTDataset(name, prefix, _documents(bounds, s), indexed, splits_string,
-                              num_samples[s], seq_length, seed, data_cache_path=data_cache_path,
-                              lock_timeout_s=lock_timeout_s))
-    return out
+    bounds, name = get_train_valid_test_split_(splits_string, len(indexed.sizes)), SPLIT_NAMES[s]
+    log_rank0("    %s: document indices in [%d, %d)", name, bounds[s], bounds[s + 1])
+    if bounds[s + 1] <= bounds[s]:
+        _warn_no_documents(prefix, name, splits_string, num_samples)
+        return None
+    return GPTDataset(name, prefix, _documents(bounds, s), indexed, splits_string, num_samples,
+                      seq_length, seed, data_cache_path=data_cache_path,
+                      lock_timeout_s=lock_timeout_s)
+
+
+def _warn_no_documents(prefixes: str, name: str, splits_string: str, num_samples: int) -> None:
+    logger.warning("%s: the %s split of --split %s has no documents; no %s dataset (%d "
+                   "samples were asked for)", prefixes, name, splits_string, name, num_samples)
 
 
 def _blend(name: str, prefixes: list[str], weights: list[float], doc_ranges: list[np.ndarray],
@@ -392,6 +412,7 @@ def build_train_valid_test_datasets(data_prefix: DataPath, data_impl: str, split
     ``data_prefix`` is ``--data-path``: one prefix, or ``w1 p1 w2 p2 ...`` (list or one
     string), split by ``--split``.  Without it, ``--train/valid/test-data-path`` give each
     split its own prefix or blend, and the split string only enters the cache description.
+    A split asked for 0 samples is None whatever the flags (``_wanted_splits``).
     """
     if len(train_valid_test_num_samples) != 3:
         raise DataConfigError("train_valid_test_num_samples must hold 3 counts")
@@ -399,33 +420,51 @@ def build_train_valid_test_datasets(data_prefix: DataPath, data_impl: str, split
         raise DataConfigError(f"--seq-length must be positive, got {seq_length}")
     parsed = parse_data_path(data_prefix)
     common = dict(data_cache_path=data_cache_path, lock_timeout_s=lock_timeout_s)
+    n = train_valid_test_num_samples
     if parsed is None:
         separate = (train_data_prefix, valid_data_prefix, test_data_prefix)
         if all(p is None for p in separate):
             raise DataConfigError("give --data-path or --train-data-path/--valid-data-path/"
                                   "--test-data-path")
-        return tuple(
-            build_dataset(name, p, data_impl, splits_string, n, seq_length, seed, skip_warmup,
-                          in_memory=in_memory, **common)
-            for name, p, n in zip(SPLIT_NAMES, separate, train_valid_test_num_samples))
+        return _wanted_splits(n, lambda s: build_dataset(
+            SPLIT_NAMES[s], separate[s], data_impl, splits_string, n[s], seq_length, seed,
+            skip_warmup, in_memory=in_memory, **common))
     prefixes, weights = parsed
     from megatron.data.token_files import uses_token_files
 
     if uses_token_files(prefixes, data_impl):
-        return _token_file_splits(prefixes, weights, data_impl, splits_string,
-                                  train_valid_test_num_samples, seq_length, seed, in_memory,
-                                  common)
+        return _wanted_splits(n, _token_file_builder(prefixes, weights, data_impl,
+                                                     splits_string, n, seq_length, seed,
+                                                     in_memory, common))
     indexed = [_open(p, data_impl, skip_warmup, in_memory) for p in prefixes]
     if weights is None:
-        return tuple(_split_datasets(prefixes[0], indexed[0], splits_string,
-                                     train_valid_test_num_samples, seq_length, seed,
-                                     data_cache_path, lock_timeout_s))
+        return _wanted_splits(n, lambda s: _split_dataset(
+            s, prefixes[0], indexed[0], splits_string, n[s], seq_length, seed, **common))
     bounds = [get_train_valid_test_split_(splits_string, len(ds.sizes)) for ds in indexed]
-    return tuple(
-        _blend(name, prefixes, weights, [_documents(b, s) for b in bounds], indexed,
-               splits_string, train_valid_test_num_samples[s], seq_length, seed,
-               data_cache_path, lock_timeout_s, "--data-path")
-        for s, name in enumerate(SPLIT_NAMES))
+
+    def blend_split(s: int):
+        documents = [_documents(b, s) for b in bounds]
+        if not any(len(d) for d in documents):  # as for one prefix
+            _warn_no_documents(", ".join(prefixes), SPLIT_NAMES[s], splits_string, n[s])
+            return None
+        return _blend(SPLIT_NAMES[s], prefixes, weights, documents, indexed, splits_string,
+                      n[s], seq_length, seed, data_cache_path, lock_timeout_s, "--data-path")
+
+    return _wanted_splits(n, blend_split)
+
+
+def _wanted_splits(num_samples: Sequence[int], build: Callable[[int], object]) -> tuple:
+    """(train, valid, test), ``build(s)`` for each split asked for samples; a split asked for
+    none (``--eval-iters 0``, or no test iterations) gets no dataset rather than an empty
+    one, whichever data flags name it (a blend, one prefix, or per-split paths)."""
+    out = []
+    for s, name in enumerate(SPLIT_NAMES):
+        if num_samples[s] > 0:
+            out.append(build(s))
+        else:
+            log_rank0(" > %s: no samples asked for, so no %s dataset", name, name)
+            out.append(None)
+    return tuple(out)
 
 
 __all__ = [

@@ -34,6 +34,15 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from megatron.data import index_checks
+from megatron.data.index_checks import (  # the reader's API too
+    UncountedEod,
+    find_uncounted_eod,
+    index_problems,
+    layout_problems,
+    sequences_end,
+)
+
 logger = logging.getLogger(__name__)
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
@@ -183,128 +192,43 @@ def _warmup(path: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Structural checks (the reader runs them at open; tools/inspect_dataset.py --check lists them)
+# Checks at open (index_checks) and Megatron-DeepSpeed's --append-eod index
 # ----------------------------------------------------------------------------------------------
 
-# Index entries per vectorised step: bounded memory on indexes of billions of sequences.
-_CHECK_CHUNK = 1 << 24
-_ITEMSIZES = (1, 2, 4, 8)
 
-
-def index_problems(index: MMapIndex, bin_path: str, bin_bytes: int) -> list[str]:
-    """What is structurally wrong with an opened .idx and its .bin of ``bin_bytes`` bytes
-    (empty when consistent); each problem names its file.
-
-    Reads the index arrays only (vectorised, in chunks), never the tokens: the pointers must
-    advance by the sizes in the dtype's item size from byte 0, the document index must rise
-    from 0 to at most the sequence count, and the .bin must end exactly where the last
-    sequence does (a wrong dtype code or another dataset's .bin breaks one of these).
-    """
-    problems = layout_problems(index)
-    if not problems:  # where the last sequence ends means something only with sound pointers
-        problems += _bin_length_problems(index, bin_path, bin_bytes)
-    return problems
-
-
-def layout_problems(index: MMapIndex) -> list[str]:
-    """The problems of the index arrays alone (pointers, sizes, document index)."""
-    return _pointer_problems(index) + _doc_idx_problems(index)
-
-
-def sequences_end(index: MMapIndex) -> int:
-    """The byte of the .bin where the last sequence ends (what its length must be)."""
-    if len(index) == 0:
-        return 0
-    return int(index.pointers[-1]) + int(index.sizes[-1]) * index.dtype.itemsize
-
-
-def verify_index(index: MMapIndex, bin_path: str, bin_bytes: int) -> None:
-    """Raise IndexedDatasetError listing ``index_problems`` when there are any."""
-    problems = index_problems(index, bin_path, bin_bytes)
+def verify_index(index: MMapIndex, bin_path: str, bin_bytes: int) -> Optional[UncountedEod]:
+    """Raise IndexedDatasetError listing ``index_problems`` when there are any; else return
+    the pair's Megatron-DeepSpeed --append-eod quirk, or None for a pair without it."""
+    problems = index_checks.index_problems(index, bin_path, bin_bytes)
     if problems:
         raise IndexedDatasetError("; ".join(problems) + " (tools/inspect_dataset.py --check "
                                   "shows the dataset)")
+    return index_checks.uncounted_eod_of_sound_pair(index, bin_path, bin_bytes)
 
 
-def _chunks(n: int):
-    for start in range(0, n, _CHECK_CHUNK):
-        yield start, min(start + _CHECK_CHUNK, n)
+def uncounted_eod_message(prefix: str, quirk: UncountedEod) -> str:
+    """The one warning a Megatron-DeepSpeed --append-eod pair gets: the quirk and its fix."""
+    return (f"{index_file_path(prefix)} is Megatron-DeepSpeed's preprocess_data.py --append-eod "
+            f"index: its sizes leave out the EOD (id {quirk.eod}) that ends each of its "
+            f"{quirk.documents} non-empty documents in {data_file_path(prefix)}. It is read as "
+            "Megatron-DeepSpeed reads it, so samples equal Megatron-DeepSpeed's: document k "
+            "starts k tokens before where it was written and ends that much short. To read "
+            "every document as written, rewrite the index once: python "
+            f"tools/inspect_dataset.py --fix-eod-index {prefix}")
 
 
-def _pointer_problems(index: MMapIndex) -> list[str]:
-    sizes, pointers, n = index.sizes, index.pointers, len(index)
-    if n == 0:
-        return []
-    if int(pointers[0]) != 0:
-        return [f"{index.path}: the first sequence starts at byte {int(pointers[0])} of the "
-                ".bin, expected 0"]
-    itemsize = index.dtype.itemsize
-    for start, stop in _chunks(n):
-        negative = np.flatnonzero(sizes[start:stop] < 0)
-        if negative.size:
-            i = start + int(negative[0])
-            return [f"{index.path}: sequence {i} has a negative size {int(sizes[i])}"]
-        last = min(stop, n - 1)  # steps from sequence i to i + 1 for i in [start, last)
-        steps = np.diff(pointers[start:last + 1])
-        bad = np.flatnonzero(steps != sizes[start:last].astype(np.int64) * itemsize)
-        if bad.size:
-            return [_pointer_problem(index, start + int(bad[0]) + 1)]
-    return []
+# Pairs warned about in this process, by path and version: a run opens each dataset more than
+# once (the start-up checks, then the dataset builders), and says it once.
+_warned_uncounted_eod: set[tuple[str, int, int]] = set()
 
 
-def _pointer_problem(index: MMapIndex, i: int) -> str:
-    """Sequence ``i`` does not start where sequence ``i - 1`` ends."""
-    itemsize = index.dtype.itemsize
-    previous, step = int(index.sizes[i - 1]), int(index.pointers[i] - index.pointers[i - 1])
-    text = (f"{index.path}: pointers do not advance by the sequence sizes: sequence {i} starts "
-            f"{step} bytes after sequence {i - 1}, whose {previous} tokens of {index.dtype} take "
-            f"{previous * itemsize}")
-    if previous > 0 and step % previous == 0 and step // previous in _ITEMSIZES:
-        text += (f"; the pointers fit {step // previous}-byte tokens: is the dtype code "
-                 f"{index.code} ({index.dtype}) in the .idx wrong?")
-    return text
-
-
-def _doc_idx_problems(index: MMapIndex) -> list[str]:
-    doc_idx, n = index.doc_idx, len(index)
-    if len(doc_idx) == 0 or int(doc_idx[0]) != 0:
-        first = int(doc_idx[0]) if len(doc_idx) else None
-        return [f"{index.path}: the document index must start with 0, found {first} "
-                f"({len(doc_idx)} entries)"]
-    if int(doc_idx[-1]) > n:
-        return [f"{index.path}: the document index ends at sequence {int(doc_idx[-1])} but "
-                f"there are {n} sequences"]
-    for start, stop in _chunks(len(doc_idx) - 1):
-        falls = np.flatnonzero(np.diff(doc_idx[start:stop + 1]) < 0)
-        if falls.size:
-            j = start + int(falls[0]) + 1
-            return [f"{index.path}: the document index decreases at entry {j} "
-                    f"({int(doc_idx[j - 1])} then {int(doc_idx[j])})"]
-    return []
-
-
-def _bin_length_problems(index: MMapIndex, bin_path: str, bin_bytes: int) -> list[str]:
-    itemsize, end = index.dtype.itemsize, sequences_end(index)
-    if bin_bytes == end:
-        return []
-    text = (f"{bin_path}: file is {bin_bytes} bytes but {index.path} says its last sequence "
-            f"ends at byte {end}")
-    tokens = int(index.sizes.sum(dtype=np.int64))
-    extra = (bin_bytes - end) / itemsize
-    nonempty = int(np.count_nonzero(np.diff(index.doc_idx)))
-    if bin_bytes > end and extra == nonempty:
-        return [text + f"; the .bin holds {nonempty} tokens more than the .idx counts, exactly "
-                "one per non-empty document: this is Megatron-DeepSpeed's preprocess_data.py "
-                "--append-eod index, which does not count the EOD, so each document would be "
-                "read shifted by one token per earlier document. Re-run tools/preprocess_data.py "
-                "on the source JSON to fix it"]
-    if tokens and bin_bytes % tokens == 0 and bin_bytes // tokens in _ITEMSIZES:
-        return [text + f"; the .bin holds exactly {tokens} tokens of {bin_bytes // tokens} "
-                f"bytes: is the dtype code {index.code} ({index.dtype}) in the .idx wrong?"]
-    if bin_bytes < end:
-        return [text + "; the .bin is truncated or belongs to another index"]
-    return [text + "; the .bin is longer than the index describes: it belongs to another "
-            "(larger) dataset, or the .idx leaves tokens out"]
+def _warn_uncounted_eod(prefix: str, quirk: UncountedEod) -> None:
+    idx = index_file_path(prefix)
+    st = os.stat(idx)
+    key = (os.path.abspath(idx), st.st_size, st.st_mtime_ns)
+    if key not in _warned_uncounted_eod:
+        _warned_uncounted_eod.add(key)
+        logger.warning(uncounted_eod_message(prefix, quirk))
 
 
 class MMapIndexedDataset:
@@ -332,7 +256,9 @@ class MMapIndexedDataset:
         bin_bytes = os.path.getsize(bin_path)
         self._index = MMapIndex(idx_path, skip_warmup, bin_bytes)
         if verify:
-            verify_index(self._index, bin_path, bin_bytes)
+            quirk = verify_index(self._index, bin_path, bin_bytes)
+            if quirk is not None:
+                _warn_uncounted_eod(path_prefix, quirk)
         if not skip_warmup:
             _warmup(bin_path)
         self._bin_mmap = None
@@ -425,7 +351,7 @@ class MMapIndexedDataset:
     def problems(self) -> list[str]:
         """``index_problems`` of this pair (for a dataset opened with ``verify=False``)."""
         bin_path = data_file_path(self._path)
-        return index_problems(self._index, bin_path, os.path.getsize(bin_path))
+        return index_checks.index_problems(self._index, bin_path, os.path.getsize(bin_path))
 
     @property
     def supports_prefetch(self) -> bool:
@@ -683,8 +609,9 @@ def merge_datasets(prefixes: list[str], out_prefix: str) -> None:
 
 __all__ = [
     "DTYPE_CODES", "HEADER_SIZE", "INDEX_MAGIC", "IndexedDatasetError", "MMapIndex",
-    "MMapIndexedDataset", "MMapIndexedDatasetBuilder", "best_fitting_dtype", "data_file_path",
-    "dataset_exists", "dtype_code", "index_file_path", "index_problems", "layout_problems",
-    "make_builder", "make_dataset", "merge_datasets", "sequences_end", "verify_index",
-    "write_index",
+    "MMapIndexedDataset", "MMapIndexedDatasetBuilder", "UncountedEod", "best_fitting_dtype",
+    "data_file_path", "dataset_exists", "dtype_code",
+    "find_uncounted_eod", "index_file_path", "index_problems",
+    "layout_problems", "make_builder", "make_dataset", "merge_datasets", "sequences_end",
+    "uncounted_eod_message", "verify_index", "write_index",
 ]

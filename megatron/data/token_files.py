@@ -220,20 +220,24 @@ def _cut(files: Sequence[TokenFile], begin: int, end: int) -> list[tuple[TokenFi
     return spans
 
 
-def split_spans(path: str, impl: str, splits_string: str
+def split_spans(path: str, impl: str, splits_string: str, log: bool = True
                 ) -> list[list[tuple[TokenFile, int, int]]]:
-    """[train, valid, test] spans of one data path (see the module docstring)."""
+    """[train, valid, test] spans of one data path (see the module docstring); ``log`` says
+    how the path was split (the dataset builder does; the start-up checks, which read the
+    same files first, do not, so the line is printed once)."""
     groups = resolve_source(path, impl)
     opened = {k: [open_token_file(p, impl) for p in v] for k, v in groups.items()}
     if "all" not in opened:
-        log_rank0(" > %s: train files %s, validation files %s (no test split)", path,
-                  groups["train"], groups["valid"])
+        if log:
+            log_rank0(" > %s: train files %s, validation files %s (no test split)", path,
+                      groups["train"], groups["valid"])
         return [_whole(opened["train"]), _whole(opened["valid"]), []]
     files = opened["all"]
     total = sum(f.count for f in files)
     bounds = get_train_valid_test_split_(splits_string, total)
-    log_rank0(" > %s: %d tokens in %d file(s); split %s by tokens at %s", path, total,
-              len(files), splits_string, bounds)
+    if log:
+        log_rank0(" > %s: %d tokens in %d file(s); split %s by tokens at %s", path, total,
+                  len(files), splits_string, bounds)
     return [_cut(files, bounds[s], bounds[s + 1]) for s in range(3)]
 
 

@@ -1,9 +1,9 @@
 """--async-save and the --save folder under faults, through the real CLI (mock data, CPU, the
 distributed optimizer, whose state the background write streams): a SIGKILL during a
 background write leaves the previous checkpoint the latest and loadable, and the resume
-repeats the killed run's losses; SIGTERM while one is written finishes it first; a disk that
-fills up during a background write stops the run naming the file, and the previous checkpoint
-stays; a second run saving into a folder in use is refused at start-up."""
+repeats the killed run's losses; SIGTERM or Ctrl-C while one is written finishes it first; a
+disk that fills up during a background write stops the run naming the file, and the previous
+checkpoint stays; a second run saving into a folder in use is refused at start-up."""
 
 from __future__ import annotations
 
@@ -101,6 +101,24 @@ def test_sigterm_while_writing_finishes_the_checkpoint_first(tmp_path):
     saved = [int(line.split()[5]) for line in out.splitlines()
              if line.startswith("successfully saved checkpoint at iteration")]
     assert saved[:2] == [2, 4] and read_tracker(save).iteration == saved[-1]
+    latest_checkpoint(save).verify(checksums=True)
+
+
+def test_ctrl_c_while_writing_finishes_the_checkpoint_then_exits_130(tmp_path):
+    save, mark = str(tmp_path / "ckpt"), str(tmp_path / "writing")
+    run = _start(save, f"4:3:{mark}", **{"--async-save": True})
+    _wait_for(mark, run)
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=240)
+    assert run.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    saved = [int(line.split()[5]) for line in out.splitlines()
+             if line.startswith("successfully saved checkpoint at iteration")]
+    assert saved[:2] == [2, 4] and read_tracker(save).iteration == saved[-1]
+    # Ctrl-C's one line, once every checkpoint the loop started is published.
+    assert err.strip().splitlines()[-1].startswith("interrupted (SIGINT, Ctrl-C) after iteration ")
+    assert (f"; the latest checkpoint is iteration {saved[-1]} in --save {save}; resume with "
+            "--load") in err
     latest_checkpoint(save).verify(checksums=True)
 
 

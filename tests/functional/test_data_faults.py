@@ -111,6 +111,29 @@ def test_good_data_trains_and_its_token_range_is_cached(corpus, tmp_path):
     assert cached["bin_bytes"] == os.path.getsize(corpus["prefix"] + ".bin")
 
 
+@pytest.mark.slow
+def test_blend_of_megatron_deepspeed_datasets_trains_with_eval_iters_0(corpus, tmp_path):
+    """Issue 22 items 1 and 2: a blend of two datasets as Megatron-DeepSpeed's
+    preprocess_data.py --append-eod writes them trains, with one warning per dataset, and
+    with --eval-iters 0 builds no validation dataset though the split holds documents (an
+    empty one stopped every rank: "no samples to consume")."""
+    from tests.unit.data.corpus import uncount_eods
+
+    a, b = _copy(corpus, tmp_path, "a"), _copy(corpus, tmp_path, "b")
+    uncount_eods(a)
+    uncount_eods(b)
+    done = _pretrain(corpus, tmp_path, **{"--data-path": f"0.3 {a} 0.7 {b}", "--split": "90,10,0",
+                                          "--eval-iters": 0, "--eval-interval": 2,
+                                          "--save": None, "--save-interval": None})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert " iteration        4/       4 |" in done.stdout
+    warned = [line for line in done.stderr.splitlines() if "--append-eod index" in line]
+    assert len(warned) == 2 and warned[0].startswith(f"{a}.idx is Megatron-DeepSpeed's")
+    assert warned[1].startswith(f"{b}.idx is Megatron-DeepSpeed's")
+    assert "no samples asked for, so no valid dataset" in done.stdout
+    assert "last validation loss: none" in done.stdout
+
+
 # Case 6: found before the model is built.
 
 
@@ -127,7 +150,8 @@ def test_data_path_that_does_not_exist(corpus, tmp_path, missing):
 
 def test_empty_training_split(corpus, tmp_path):
     done = _pretrain(corpus, tmp_path, **{"--split": "0,100,0"})
-    _assert_refused(done, tmp_path, "--split 0,100,0", "no documents", corpus["prefix"])
+    _assert_refused(done, tmp_path, "--split 0,100,0", "gives training no weight",
+                    corpus["prefix"])
 
 
 def test_dataset_with_no_documents(corpus, tmp_path):

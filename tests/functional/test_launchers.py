@@ -13,9 +13,12 @@ import re
 import shutil
 import sys
 
+import numpy as np
 import pytest
 
 from megatron.checkpointing import read_tracker
+from megatron.data.dataset_utils import get_train_valid_test_split_
+from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from tests.corpus import build_corpus
 from tests.dist_utils import free_port
 from tests.distributed.training_utils import parse_log_lines
@@ -26,12 +29,20 @@ BLEND = ("wikipedia_20220301_en_text_document", "openwebtext_Skylion007_text_doc
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """One small corpus under the two names of the 175B recipe's blend, and its tokenizer."""
+    """Two small datasets under the two names of the 175B recipe's blend (the same articles,
+    in opposite orders), each with documents in the validation share of --split 949,50,1,
+    and their tokenizer."""
     folder = tmp_path_factory.mktemp("datasets")
-    built = build_corpus(str(folder), max_chars=60_000)
-    for name in BLEND:
-        for ext in (".bin", ".idx"):
-            shutil.copy(built["prefix"] + ext, folder / f"{name}{ext}")
+    built = build_corpus(str(folder))
+    source = MMapIndexedDataset(built["prefix"])
+    documents = [np.array(source[i]) for i in range(len(source))]
+    bounds = get_train_valid_test_split_("949,50,1", len(documents))
+    assert bounds[2] > bounds[1], bounds  # the validation share is not empty
+    for name, order in zip(BLEND, (documents, documents[::-1])):
+        builder = MMapIndexedDatasetBuilder(str(folder / f"{name}.bin"), dtype=source.dtype)
+        for doc in order:
+            builder.add_doc(doc, [len(doc)])
+        builder.finalize(str(folder / f"{name}.idx"))
     tok = built["tokenizer_flags"]
     return dict(folder=folder, prefix=built["prefix"], vocab=tok[tok.index("--vocab-file") + 1],
                 merges=tok[tok.index("--merge-file") + 1])
@@ -44,6 +55,7 @@ def _gpt3(script: str, corpus, tmp_path, **env):
                 MASTER_PORT=str(free_port()), **env)
 
 
+@pytest.mark.slow
 def test_gpt3_175b_script_trains_at_toy_size(corpus, tmp_path):
     done = _gpt3("train_gpt3_175b_distributed.sh", corpus, tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -60,7 +72,10 @@ def test_gpt3_175b_script_trains_at_toy_size(corpus, tmp_path):
     assert any(name.endswith(".npy") for name in os.listdir(tmp_path / "cache"))
 
 
+@pytest.mark.slow
 def test_gpt3_tgs_script_prints_the_mean_throughput_of_10_iterations(corpus, tmp_path):
+    """On the recipe's two-dataset blend, whose validation share holds documents: --eval-iters
+    0 builds no validation dataset (an empty one stopped every rank, issue 22 item 2)."""
     # Two ranks (tensor 2) keep the ten iterations short on a 2-core machine.
     done = _gpt3("train_gpt3_175b_distributed_tgs.sh", corpus, tmp_path, GPUS_PER_NODE="2",
                  PP="1")
@@ -85,32 +100,23 @@ def _toy_args(corpus, tmp_path) -> list:
             *TOY_FLAGS]
 
 
-def _without_batch_flags(args: list) -> list:
-    """The toy arguments less their batch sizes (the recipe takes those from the environment
-    and writes them into DeepSpeed's JSON too)."""
-    out, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg in ("--micro-batch-size", "--global-batch-size"):
-            skip = True
-        else:
-            out.append(arg)
-    return out
-
-
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("deepspeed") is None,
                     reason="needs DeepSpeed's launcher (pip install deepspeed)")
 def test_deepspeed_launcher_runs_the_single_node_recipe(corpus, tmp_path):
     """Megatron-DeepSpeed's single-node command: DeepSpeed's launcher, its engine with the
-    JSON the script writes (ZeRO stage 1 by default), and DS_ARGS passed on."""
+    JSON the script writes (ZeRO stage 1 by default), DS_ARGS passed on, and the model's size
+    and length set by the usual variables (NUM_LAYERS, HIDDEN_SIZE, ..., TRAIN_ITERS)."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    done = _run(["bash", "examples/pretrain_gpt_single_node.sh",
-                 *_without_batch_flags(_toy_args(corpus, tmp_path))], timeout=300, N_GPUS="2",
+    sizes = dict(NUM_LAYERS="1", HIDDEN_SIZE="16", NUM_HEADS="2", SEQ_LENGTH="16",
+                 TRAIN_ITERS="2", LOG_INTERVAL="1", EVAL_INTERVAL="2", EVAL_ITERS="1")
+    done = _run(["bash", "examples/pretrain_gpt_single_node.sh", tmp_path / "ckpt",
+                 corpus["vocab"], corpus["merges"], corpus["prefix"], "--use-cpu", "--split",
+                 "90,5,5", "--num-workers", "0"], timeout=300, N_GPUS="2",
                 NUM_NODES="1", HOSTFILE=str(hostfile), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(free_port()), PRECISION="fp32", MICRO_BATCH_SIZE="1",
-                GLOBAL_BATCH_SIZE="2", DS_ARGS="--partition-activations")
+                GLOBAL_BATCH_SIZE="2", DS_ARGS="--partition-activations", **sizes)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "WORLD INFO DICT: {'localhost': [0, 1]}" in out  # DeepSpeed's launcher said so
@@ -124,6 +130,12 @@ def test_deepspeed_launcher_runs_the_single_node_recipe(corpus, tmp_path):
     assert "----Partition Activations True" in out  # DS_ARGS reached DeepSpeed's recompute
     assert _printed_argument(done.stdout, "data_parallel_size") == "2"
     assert _printed_argument(done.stdout, "recompute_granularity") == "full"
+    printed = {name: _printed_argument(done.stdout, name) for name in (
+        "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+        "max_position_embeddings", "train_iters", "lr_decay_iters", "eval_iters")}
+    assert printed == {"num_layers": "1", "hidden_size": "16", "num_attention_heads": "2",
+                       "seq_length": "16", "max_position_embeddings": "16", "train_iters": "2",
+                       "lr_decay_iters": "2", "eval_iters": "1"}
     assert [line["iteration"] for line in parse_log_lines(done.stdout)] == [1, 2]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step2"
 

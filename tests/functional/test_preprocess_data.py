@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -344,23 +345,41 @@ def test_merge_refuses_mixed_dtypes(tmp_path):
     assert not any(name.startswith("out") for name in os.listdir(tmp_path))
 
 
-def test_inspect_check_flags_megatron_deepspeed_index(tmp_path):
-    docs = [[10, 11, EOD], [12, EOD], [13, 14, 15, EOD]]
-    _make_dataset(tmp_path / "good", docs)
-    # Megatron-DeepSpeed's --append-eod index: the same .bin, sizes without the EOD.
-    builder = MMapIndexedDatasetBuilder(str(tmp_path / "mds.bin"), dtype=np.uint16)
-    for doc in docs:
-        builder.add_item(np.array(doc[:-1], dtype=np.uint16))
-        builder.end_document()
-    builder.finalize(str(tmp_path / "mds.idx"))
-    with open(tmp_path / "mds.bin", "wb") as f:
-        f.write(np.array([t for doc in docs for t in doc], dtype=np.uint16).tobytes())
-    good = run_tool("inspect_dataset.py", tmp_path / "good", "--check", "--eod", EOD)
-    assert "check: OK" in good.stdout
-    bad = run_tool("inspect_dataset.py", tmp_path / "mds", "--check", "--eod", EOD,
-                   expect_ok=False)
-    assert bad.returncode == 1
-    assert "Megatron-DeepSpeed" in bad.stdout and "start with the EOD" in bad.stdout
+def test_inspect_and_fix_megatron_deepspeed_append_eod_index(tmp_path, corpus_texts):
+    """Issue 22 item 1: Megatron-DeepSpeed's --append-eod pair (its index written as it
+    writes it, beside the same .bin as ours) is shown with the warning; --fix-eod-index makes
+    its .idx the one our preprocess_data.py writes, atomically, keeping the original."""
+    from tests.unit.data.corpus import uncount_eods
+
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in corpus_texts])
+    preprocess(src, tmp_path / "ours", "--append-eod")
+    ours, mds = str(tmp_path / "ours_text_document"), str(tmp_path / "mds")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(ours + suffix, mds + suffix)
+    uncount_eods(mds)
+    written = read_bytes(mds + ".idx")
+    shown = run_tool("inspect_dataset.py", mds, "--check", "--eod", EOD)
+    assert "WARNING: " + mds + ".idx is Megatron-DeepSpeed's preprocess_data.py --append-eod " \
+        "index" in shown.stdout
+    assert f"--fix-eod-index {mds}" in shown.stdout and "check: OK" in shown.stdout
+    fixed = run_tool("inspect_dataset.py", "--fix-eod-index", mds)
+    nonempty = int(np.count_nonzero(np.diff(MMapIndexedDataset(ours).doc_idx)))
+    assert fixed.stdout == (
+        f"{mds}.idx: rewritten to count the EOD (id {EOD}) of each of its {nonempty} non-empty "
+        f"documents; the .bin is unchanged, and the original index is kept as "
+        f"{mds}.idx.megatron-deepspeed\n")
+    assert read_bytes(mds + ".idx") == read_bytes(ours + ".idx")
+    assert read_bytes(mds + ".idx.megatron-deepspeed") == written
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["c.jsonl", "ours_text_document.bin", "ours_text_document.idx", "mds.bin", "mds.idx",
+         "mds.idx.megatron-deepspeed"])
+    assert "check: OK" in run_tool("inspect_dataset.py", mds, "--check", "--eod", EOD).stdout
+    again = run_tool("inspect_dataset.py", "--fix-eod-index", mds, expect_ok=False)
+    assert again.returncode == 1 and again.stdout == ""
+    assert again.stderr == (f"error: --fix-eod-index: {mds}.idx is not a Megatron-DeepSpeed "
+                            "--append-eod index, so nothing was changed: its sizes already "
+                            "count every token\n")
+    assert read_bytes(mds + ".idx") == read_bytes(ours + ".idx")
 
 
 def test_tool_never_imports_torch_or_transformers(tmp_path):

@@ -143,7 +143,7 @@ def test_formats_are_told_by_their_files(tmp_path):
     (dist_dir / ".metadata").write_bytes(b"x")
     fake = folders.FolderFormat("fake_dist", folders.MEGATRON,
                                 lambda d: os.path.isfile(os.path.join(d, ".metadata")),
-                                lambda d: (4, 1), lambda d: {"model": {}})
+                                lambda d: (4, 1), lambda d: {"model": {}}, lambda d: {})
     folders.register_format(fake)
     try:
         folder = folders.checkpoint_at(str(tmp_path), 5)

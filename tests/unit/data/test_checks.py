@@ -123,11 +123,13 @@ def test_dataset_without_documents(tmp_path):
         check_training_data(_data(data_path=[prefix]), 1000, 4)
 
 
-@pytest.mark.parametrize("split", ["0,100,0", "0,1", "1,1000000,0"])
-def test_empty_training_split_names_split(tmp_path, split):
+@pytest.mark.parametrize("split,words", [("0,100,0", "gives training no weight"),
+                                         ("0,1", "gives training no weight"),
+                                         ("1,1000000,0", "leaves 0 of the 10 documents")])
+def test_empty_training_split_names_split(tmp_path, split, words):
     prefix = str(tmp_path / "d")
     write_corpus(prefix, [5] * 10)
-    with pytest.raises(DataConfigError, match=f"--split {split} leaves no documents"):
+    with pytest.raises(DataConfigError, match=f"--split {split} {words}"):
         check_training_data(_data(data_path=[prefix], split=split), 1000, 4)
     check_training_data(_data(data_path=[prefix], split=split), 1000, 0)  # eval only: fine
 
@@ -135,8 +137,41 @@ def test_empty_training_split_names_split(tmp_path, split):
 def test_training_split_of_empty_documents(tmp_path):
     prefix = str(tmp_path / "d")
     write_corpus(prefix, [0, 0, 0, 9])
-    with pytest.raises(DataConfigError, match="hold 0 tokens"):
+    with pytest.raises(DataConfigError, match=r"\(0 tokens\) for training"):
         check_training_data(_data(data_path=[prefix], split="3,1,0"), 1000, 4)
+
+
+@pytest.mark.parametrize("documents", [50, 201])
+def test_a_split_without_training_samples_is_refused_on_any_dataset(tmp_path, documents):
+    """--split 0,50,50: Megatron's rounding gives training no document of 50 but one of 201
+    (which then trained epoch after epoch); both are refused, by the same one line."""
+    prefix = str(tmp_path / "d")
+    write_corpus(prefix, [40] * documents)
+    with pytest.raises(DataConfigError) as err:
+        check_training_data(_data(data_path=[prefix], split="0,50,50"), 1000, 8, seq_length=32)
+    assert str(err.value) == (
+        f"--split 0,50,50 gives training no weight (Megatron's rounding leaves it "
+        f"{documents // 200} of the {documents} documents of {prefix}), but 8 training "
+        "samples are asked for (--train-iters/--train-samples); give the training share a "
+        "weight")
+
+
+def test_a_training_share_without_one_sample_is_refused(tmp_path):
+    """A weighted share must hold one sample's --seq-length + 1 tokens; one token fewer
+    would repeat its documents inside every sample."""
+    prefix = str(tmp_path / "d")
+    write_corpus(prefix, [33] + [1] * 99)
+    check_training_data(_data(data_path=[prefix], split="1,99,0"), 1000, 8, seq_length=32)
+    with pytest.raises(DataConfigError) as err:
+        check_training_data(_data(data_path=[prefix], split="1,99,0"), 1000, 8, seq_length=33)
+    assert str(err.value) == (
+        f"--split 1,99,0 leaves 1 of the 100 documents of {prefix} (33 tokens) for training, "
+        "fewer than one training sample needs (34 at --seq-length 33), but 8 training samples "
+        "are asked for (--train-iters/--train-samples); give the training share more weight")
+    check_training_data(_data(train_data_path=[prefix]), 1000, 8, seq_length=131)
+    with pytest.raises(DataConfigError, match=r"^--train-data-path: .*d holds 132 tokens, "
+                       r"fewer than one training sample needs \(133 .*; give it more data$"):
+        check_training_data(_data(train_data_path=[prefix]), 1000, 8, seq_length=132)
 
 
 def test_no_training_source(tmp_path):
@@ -166,3 +201,23 @@ def test_unwritable_data_cache_path_names_the_flag(tmp_path, monkeypatch):
         check_training_data(_data(data_path=[prefix], data_cache_path=str(blocker / "cache")),
                             1000, 4)
     assert not (tmp_path / "user-cache").exists()
+
+
+def test_a_blend_whose_validation_share_misses_one_dataset_is_refused(tmp_path):
+    """Each dataset of a blend gives validation samples by its weight: one without
+    validation documents is refused before training (it stopped every rank after the model
+    was built); without evaluation, or with no dataset in the share, the blend is fine."""
+    big, small = str(tmp_path / "big"), str(tmp_path / "small")
+    write_corpus(big, [40] * 100)
+    write_corpus(small, [40] * 5)
+    data = _data(data_path=["0.5", big, "0.5", small], split="98,2,0")
+    with pytest.raises(DataConfigError) as err:
+        check_training_data(data, 1000, 8, seq_length=32, eval_samples=(16, 0))
+    assert str(err.value) == (
+        f"--split 98,2,0 leaves no validation documents of {small} (5 documents in all), but "
+        "the blend --data-path draws 16 validation samples from each of its datasets by "
+        "weight (--eval-iters); give the validation share more weight, or evaluate with "
+        "--eval-iters 0")
+    check_training_data(data, 1000, 8, seq_length=32, eval_samples=(0, 0))
+    check_training_data(_data(data_path=["0.5", big, "0.5", small], split="98,0,2"), 1000, 8,
+                        seq_length=32, eval_samples=(16, 0))  # no dataset has validation

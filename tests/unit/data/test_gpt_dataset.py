@@ -315,3 +315,129 @@ def test_pickles_without_index_arrays(corpus, tmp_path):
     again = pickle.loads(blob)
     for i in (0, 7, len(ds) - 1):
         np.testing.assert_array_equal(again[i]["text"], ds[i]["text"])
+
+
+def _our_append_eod_corpus(prefix, n=60, eod=1000, seed=3):
+    """Documents of random ids below ``eod`` with the EOD counted (our preprocess_data.py)."""
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for length in random_lengths(n, 1, 30, seed=seed):
+        builder.add_doc(np.append(rng.integers(0, eod, size=length), eod), [length + 1])
+    builder.finalize(prefix + ".idx")
+
+
+def test_megatron_deepspeed_append_eod_samples_equal_what_its_index_gives(tmp_path):
+    """Issue 22 item 1: index arrays and every sample of Megatron-DeepSpeed's --append-eod
+    pair are what its uncounted sizes give, read at its pointers."""
+    from .corpus import uncount_eods
+
+    prefix = str(tmp_path / "mds")
+    _our_append_eod_corpus(prefix)
+    uncount_eods(prefix)
+    raw = np.fromfile(prefix + ".bin", dtype=np.uint16)
+    sizes = np.fromfile(prefix + ".idx", dtype="<i4", count=60, offset=34)  # as written
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))  # Megatron-DeepSpeed's pointers
+
+    def mds_read(i):
+        return raw[starts[i]:starts[i] + sizes[i]].astype(np.int64)
+
+    train, valid, _ = build_train_valid_test_datasets(
+        [prefix], "mmap", "80,20,0", [150, 20, 0], 8, 1234, True,
+        data_cache_path=str(tmp_path / "cache"))
+    for ds, documents in ((train, np.arange(48)), (valid, np.arange(48, 60))):
+        ref_doc, ref_sample, ref_shuffle, _, _ = megatron_deepspeed_reference(
+            documents.astype(np.int32), sizes, ds.num_samples, 8, 1234)
+        np.testing.assert_array_equal(ds.doc_idx, ref_doc)
+        np.testing.assert_array_equal(ds.sample_idx, ref_sample)
+        np.testing.assert_array_equal(ds.shuffle_idx, ref_shuffle)
+        stream = np.concatenate([mds_read(d) for d in ref_doc])
+        for j in range(len(ds)):
+            k = int(ref_shuffle[j])
+            np.testing.assert_array_equal(ds[j]["text"], stream[k * 8:k * 8 + 9])
+
+
+def test_cache_of_the_old_index_is_rebuilt_after_fix_eod_index(tmp_path, caplog):
+    """The cache is named from the flags only: after --fix-eod-index rewrites the sizes the
+    old sample index does not fit, even where its shapes do, and is rebuilt."""
+    from megatron.data.eod_index import fix_uncounted_eod_index
+
+    from .corpus import uncount_eods
+
+    prefix, ours, cache = str(tmp_path / "mds"), str(tmp_path / "ours"), str(tmp_path / "c")
+    _our_append_eod_corpus(prefix)
+    _our_append_eod_corpus(ours)
+    uncount_eods(prefix)
+    docs = np.arange(60, dtype=np.int32)
+    GPTDataset("train", prefix, docs, MMapIndexedDataset(prefix), "1", 30, 8, 5,
+               data_cache_path=cache)
+    fix_uncounted_eod_index(prefix)
+    with caplog.at_level(logging.WARNING):
+        fixed = GPTDataset("train", prefix, docs, MMapIndexedDataset(prefix), "1", 30, 8, 5,
+                           data_cache_path=cache)
+    assert "does not fit this data" in caplog.text
+    want = GPTDataset("train", ours, docs, MMapIndexedDataset(ours), "1", 30, 8, 5,
+                      data_cache_path=str(tmp_path / "c2"))
+    assert len(fixed) == len(want)
+    for j in range(len(want)):
+        np.testing.assert_array_equal(fixed[j]["text"], want[j]["text"])
+
+
+def test_cache_of_other_sizes_with_the_same_shapes_is_rebuilt(tmp_path, caplog):
+    prefix, cache = str(tmp_path / "d"), str(tmp_path / "cache")
+    docs = np.arange(20, dtype=np.int32)
+    write_corpus(prefix, [10] * 20)
+    GPTDataset("train", prefix, docs, MMapIndexedDataset(prefix), "1", 10, 4, 1,
+               data_cache_path=cache)
+    write_corpus(prefix, [9, 11] * 10)  # the same tokens in all: the same array shapes
+    indexed = MMapIndexedDataset(prefix)
+    with caplog.at_level(logging.WARNING):
+        ds = GPTDataset("train", prefix, docs, indexed, "1", 10, 4, 1, data_cache_path=cache)
+    assert "sample_idx ends at token" in caplog.text
+    fresh = gpt_dataset.build_index_arrays(docs, indexed.sizes, 10, 4, 1)
+    np.testing.assert_array_equal(ds.sample_idx, fresh["sample_idx"])
+
+
+def test_a_split_asked_for_no_samples_builds_no_dataset(corpus, tmp_path):
+    """Issue 22 item 2: --eval-iters 0 (no validation or test samples) builds no dataset,
+    not an empty one, for a blend, one prefix, per-split paths and token files alike."""
+    other = str(tmp_path / "data" / "other")
+    write_corpus(other, random_lengths(40, 5, 20, seed=9))
+    flat = str(tmp_path / "tokens.bin")
+    np.arange(3000, dtype=np.uint16).tofile(flat)
+    forms = {
+        "one prefix": dict(data_prefix=[corpus]),
+        "blend": dict(data_prefix=["0.5", corpus, "0.5", other]),
+        "per-split paths": dict(data_prefix=None, train_data_prefix=[corpus],
+                                valid_data_prefix=["0.3", other, "0.7", corpus],
+                                test_data_prefix=[other]),
+        "token files": dict(data_prefix=[flat], data_impl="flat"),
+    }
+    for form, kwargs in forms.items():
+        kwargs = {"data_impl": "mmap", **kwargs}
+        cache = str(tmp_path / "cache" / form)
+        built = build_train_valid_test_datasets(
+            splits_string="80,10,10", train_valid_test_num_samples=[40, 0, 0], seq_length=8,
+            seed=1, skip_warmup=True, data_cache_path=cache, **kwargs)
+        assert built[1:] == (None, None), form
+        assert len(built[0]) >= 40, form
+        built = build_train_valid_test_datasets(
+            splits_string="80,10,10", train_valid_test_num_samples=[40, 8, 0], seq_length=8,
+            seed=1, skip_warmup=True, data_cache_path=cache, **kwargs)
+        assert len(built[1]) >= 8 and built[2] is None, form
+
+
+def test_a_split_without_documents_is_no_dataset_for_a_blend_as_for_one_prefix(corpus,
+                                                                               tmp_path,
+                                                                               caplog):
+    blend = ["0.5", corpus, "0.5", corpus]
+    for data_prefix, named in (([corpus], corpus), (blend, f"{corpus}, {corpus}")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            built = build_train_valid_test_datasets(
+                data_prefix, "mmap", "100,0,0", [40, 8, 0], 8, 1, True,
+                data_cache_path=str(tmp_path / "cache"))
+        assert built[1:] == (None, None)
+        assert caplog.messages == [f"{named}: the valid split of --split 100,0,0 has no "
+                                   "documents; no valid dataset (8 samples were asked for)"]

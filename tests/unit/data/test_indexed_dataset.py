@@ -1,5 +1,7 @@
+import logging
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.data import index_checks
 from megatron.data import indexed_dataset as ix
 from megatron.data.indexed_dataset import (
     IndexedDatasetError,
@@ -309,17 +312,144 @@ def test_loader_and_inspect_share_one_check(tmp_path, monkeypatch):
     problems = inspect_dataset.check(MMapIndexedDataset(prefix, verify=False), eod=None)
     assert len(problems) == 1 and problems[0] in str(err.value)
     calls = []
-    monkeypatch.setattr(ix, "index_problems", lambda *a: calls.append(a) or [])
+    monkeypatch.setattr(index_checks, "index_problems", lambda *a: calls.append(a) or [])
     MMapIndexedDataset(prefix)  # the loader goes through the shared function
     inspect_dataset.check(MMapIndexedDataset(prefix, verify=False), eod=None)
     assert len(calls) == 2
 
 
 def test_checks_read_the_index_in_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(ix, "_CHECK_CHUNK", 3)
+    monkeypatch.setattr(index_checks, "_CHECK_CHUNK", 3)
     prefix = str(tmp_path / "c")
     _build(prefix, [np.arange(i % 5) for i in range(20)], np.uint16)
     assert MMapIndexedDataset(prefix).problems() == []
     _hand_index(prefix, [1] * 20, [0, 20], pointers=[2 * i for i in range(19)] + [40])
     with pytest.raises(IndexedDatasetError, match="sequence 19 starts 4 bytes after"):
+        MMapIndexedDataset(prefix)
+
+
+# Megatron-DeepSpeed's --append-eod index (issue 22, item 1): the .bin holds each document's
+# EOD, the sizes (and the pointers made from them) do not count it.
+
+EOD = 50000
+# Four documents: one sentence; none; two sentences; one sentence.
+MDS_DOCS = [[[1, 2, 3]], [], [[4, 5], [6, 7, 8]], [[9]]]
+
+
+def _megatron_deepspeed_pair(prefix, docs=MDS_DOCS):
+    """Write ``docs`` as Megatron-DeepSpeed's preprocess_data.py --append-eod does; returns
+    the .bin's tokens, the sizes and the pointers (in tokens) of its index."""
+    from .corpus import write_megatron_deepspeed_index
+
+    tokens, sizes, doc_idx = [], [], [0]
+    for sentences in docs:
+        for sentence in sentences:
+            tokens += sentence
+            sizes.append(len(sentence))
+        if sentences:
+            tokens.append(EOD)
+        doc_idx.append(len(sizes))
+    np.asarray(tokens, dtype=np.uint16).tofile(prefix + ".bin")
+    write_megatron_deepspeed_index(prefix + ".idx", sizes, doc_idx)
+    return tokens, sizes, [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def test_megatron_deepspeed_append_eod_pair_is_read_as_megatron_deepspeed_reads_it(
+        tmp_path, caplog):
+    prefix = str(tmp_path / "mds")
+    tokens, sizes, pointers = _megatron_deepspeed_pair(prefix)
+    with caplog.at_level(logging.WARNING, logger="megatron"):
+        ds = MMapIndexedDataset(prefix)
+        MMapIndexedDataset(prefix)  # a run opens it again: no second warning
+    # Megatron-DeepSpeed's reader: `size` tokens at the pointer the .idx holds.
+    for i, (ptr, size) in enumerate(zip(pointers, sizes)):
+        assert ds[i].tolist() == tokens[ptr:ptr + size]
+    # Which means: a document starts k tokens early, after k uncounted EODs.
+    assert [ds[i].tolist() for i in range(4)] == [[1, 2, 3], [EOD, 4], [5, 6, 7], [8]]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning == (
+        f"{prefix}.idx is Megatron-DeepSpeed's preprocess_data.py --append-eod index: its "
+        f"sizes leave out the EOD (id {EOD}) that ends each of its 3 non-empty documents in "
+        f"{prefix}.bin. It is read as Megatron-DeepSpeed reads it, so samples equal "
+        "Megatron-DeepSpeed's: document k starts k tokens before where it was written and "
+        "ends that much short. To read every document as written, rewrite the index once: "
+        f"python tools/inspect_dataset.py --fix-eod-index {prefix}")
+
+
+@pytest.mark.parametrize("change,words", [
+    ("one more token", "longer than the index describes"),
+    ("one EOD replaced", "are not one EOD id (50000 after document 0, 7 after document 2"),
+])
+def test_a_pair_that_differs_from_megatron_deepspeeds_otherwise_is_refused(tmp_path, change,
+                                                                           words):
+    from megatron.data.eod_index import fix_uncounted_eod_index
+
+    prefix = str(tmp_path / "mds")
+    tokens, _, _ = _megatron_deepspeed_pair(prefix)
+    if change == "one more token":
+        tokens.append(EOD)
+    else:
+        tokens[9] = 7  # the EOD after document 2
+    np.asarray(tokens, dtype=np.uint16).tofile(prefix + ".bin")
+    with pytest.raises(IndexedDatasetError, match=re.escape(words)):
+        MMapIndexedDataset(prefix)
+    before = {n: open(tmp_path / n, "rb").read() for n in os.listdir(tmp_path)}
+    with pytest.raises(IndexedDatasetError, match="is not a Megatron-DeepSpeed --append-eod "
+                       "index, so nothing was changed: .*" + re.escape(words)):
+        fix_uncounted_eod_index(prefix)
+    assert {n: open(tmp_path / n, "rb").read() for n in os.listdir(tmp_path)} == before
+
+
+def test_fix_eod_index_writes_what_our_builder_writes(tmp_path, caplog, monkeypatch):
+    from megatron.data import eod_index
+
+    prefix, ours = str(tmp_path / "mds"), str(tmp_path / "ours")
+    _megatron_deepspeed_pair(prefix)
+    original = open(prefix + ".idx", "rb").read()
+    builder = MMapIndexedDatasetBuilder(ours + ".bin", dtype=np.uint16)
+    for sentences in MDS_DOCS:  # our preprocess_data.py: the EOD counted in the last sentence
+        lengths = [len(s) for s in sentences]
+        if lengths:
+            lengths[-1] += 1
+        builder.add_doc([t for s in sentences for t in s] + [EOD] * bool(sentences), lengths)
+    builder.finalize(ours + ".idx")
+    # A failure while writing (a full disk) leaves the .idx as it was, and no temporary file.
+    def write_half(path, *args):
+        open(path, "wb").write(b"MMIDIDX")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(eod_index, "write_index", write_half)
+    with pytest.raises(OSError, match="No space left"):
+        eod_index.fix_uncounted_eod_index(prefix)
+    assert open(prefix + ".idx", "rb").read() == original
+    assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+    monkeypatch.undo()
+    quirk, backup = eod_index.fix_uncounted_eod_index(prefix)
+    assert (quirk.documents, quirk.eod) == (3, EOD)
+    assert open(prefix + ".idx", "rb").read() == open(ours + ".idx", "rb").read()
+    assert open(prefix + ".bin", "rb").read() == open(ours + ".bin", "rb").read()
+    assert backup == prefix + ".idx.megatron-deepspeed" and open(backup, "rb").read() == original
+    with caplog.at_level(logging.WARNING, logger="megatron"):
+        ds = MMapIndexedDataset(prefix)
+    assert not caplog.records
+    assert [ds[i].tolist() for i in range(4)] == [[1, 2, 3, EOD], [4, 5], [6, 7, 8, EOD],
+                                                  [9, EOD]]
+    with pytest.raises(IndexedDatasetError, match="nothing was changed: its sizes already "
+                       "count every token"):
+        eod_index.fix_uncounted_eod_index(prefix)
+
+
+def test_the_append_eod_signature_is_read_in_chunks_from_both_ends(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_checks, "_CHECK_CHUNK", 3)
+    monkeypatch.setattr(index_checks, "EOD_SAMPLE", 2)
+    prefix = str(tmp_path / "mds")
+    docs = [[[i + 1] * (1 + i % 3)] if i % 4 else [] for i in range(30)]  # every 4th empty
+    tokens, _, _ = _megatron_deepspeed_pair(prefix, docs)
+    assert MMapIndexedDataset(prefix).problems() == []
+    quirk = ix.find_uncounted_eod(MMapIndexedDataset(prefix).index, prefix + ".bin",
+                                  2 * len(tokens))
+    assert (quirk.documents, quirk.eod) == (22, EOD)
+    tokens[-1] = 7  # the EOD after the last document: among the two sampled at the end
+    np.asarray(tokens, dtype=np.uint16).tofile(prefix + ".bin")
+    with pytest.raises(IndexedDatasetError, match="7 after document 29"):
         MMapIndexedDataset(prefix)

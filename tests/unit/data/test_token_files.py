@@ -125,3 +125,23 @@ def test_weighted_blend_of_token_files(tmp_path):
         build_train_valid_test_datasets(None, "flat", "1,0,0", [4, 0, 0], SEQ, 1, True,
                                         train_data_prefix=str(tmp_path / "folder"),
                                         data_cache_path=str(tmp_path / "cache"))
+
+
+def test_the_split_of_a_token_folder_is_said_once(tmp_path, caplog):
+    """The start-up checks read the files before the builder does; only the builder says
+    how they split (issue 22: the "no test split" line printed twice)."""
+    import logging
+    from types import SimpleNamespace
+
+    from megatron.data.checks import check_training_data
+
+    np.arange(400, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    data = SimpleNamespace(data_path=[str(tmp_path)], data_impl="flat", split="98,2,0",
+                           mock_data=False, tokenizer_type="NullTokenizer", vocab_size=512)
+    with caplog.at_level(logging.INFO, logger="megatron"):
+        check_training_data(data, 512, train_samples=8, seq_length=SEQ)
+        _build(str(tmp_path), "flat", tmp_path, samples=(8, 4, 0))
+    said = [r.getMessage() for r in caplog.records if "(no test split)" in r.getMessage()]
+    assert said == [f" > {tmp_path}: train files {[str(tmp_path / 'train.bin')]}, validation "
+                    f"files {[str(tmp_path / 'val.bin')]} (no test split)"]
