@@ -25,12 +25,18 @@ when the tracker is missing or empty, or names a folder that is gone or incomple
 newest complete folder instead, and a warning says so (the tracker is written last, so a
 crash or a full disk after the folder was published leaves it behind).
 
+A root's kind is told here too (``namings_in``: by its tracker files, else by its folders);
+``find_checkpoint`` is the latest checkpoint of a root of either naming, for the tools that
+take any checkpoint (generation, evaluation, ``--use-checkpoint-args``).
+
 Interface::
 
     folder = latest_checkpoint(root)          # or checkpoint_at(root, iteration); None: none
+    folder = find_checkpoint(root)            # either naming (DeepSpeed's too); None: none
     folder.path, folder.iteration, folder.release, folder.format.name, folder.manifest
     folder.layout()            # (tensor, pipeline) sizes it was saved with
     folder.config()            # the run configuration stored with it (plain dicts)
+    folder.format.common(folder.path)   # the entries every rank shares (schedule, counters)
     folder.rank_file(t, p)     # torch format: mp_rank_TT[_PPP]/model_optim_rng.pt
     folder.verify(rel_paths, checksums=True)
     publish_checkpoint(root, tmp_dir, iteration, manifest)   # rank 0, after every rank wrote
@@ -58,7 +64,12 @@ from megatron.checkpointing.files import (
     read_torch,
     write_text_atomic,
 )
-from megatron.checkpointing.manifest import read_manifest, verify_files, write_manifest
+from megatron.checkpointing.manifest import (
+    manifest_layout,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
 from megatron.checkpointing.paths import (
     MANIFEST_FILENAME,
     MODEL_FILENAME,
@@ -188,41 +199,66 @@ def _recognise_torch(iter_dir: str) -> bool:
                for n in os.listdir(iter_dir))
 
 
-_DS_MP_FILE_RE = re.compile(r"(?:zero_pp_rank_\d+_)?mp_rank_(\d{2})_model_states\.pt")
+_DS_MP_FILE_RE = re.compile(r"mp_rank_(\d{2})_model_states\.pt")
+_DS_ZERO3_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt")
 
 
 def _deepspeed_files(iter_dir: str) -> list[str]:
     return sorted(n for n in os.listdir(iter_dir) if n.endswith("model_states.pt"))
 
 
-def _deepspeed_layout(iter_dir: str) -> tuple[int, int]:
-    layout = (read_manifest(iter_dir) or {}).get("parallel_layout") or {}
-    if "tensor_model_parallel_size" in layout:
-        return (int(layout["tensor_model_parallel_size"]),
-                int(layout.get("pipeline_model_parallel_size", 1)))
-    ranks = {m.group(1) for m in map(_DS_MP_FILE_RE.fullmatch, _deepspeed_files(iter_dir)) if m}
-    return max(len(ranks), 1), 1  # a pipeline's stages are not told apart by name
+def _deepspeed_state_files(iter_dir: str) -> tuple[list[str], list[str]]:
+    names = _deepspeed_files(iter_dir)
+    return ([n for n in names if _DS_MP_FILE_RE.fullmatch(n)],
+            [n for n in names if _DS_ZERO3_FILE_RE.fullmatch(n)])
 
 
-def _deepspeed_mp_files(iter_dir: str) -> list[str]:
-    return [n for n in _deepspeed_files(iter_dir) if _DS_MP_FILE_RE.fullmatch(n)]
+def deepspeed_model_state_files(iter_dir: str) -> tuple[list[str], list[str]]:
+    """The names of a DeepSpeed folder's ``mp_rank_XX_model_states.pt`` files (the engine's
+    and the client state, one per model-parallel rank) and of ZeRO-3's
+    ``zero_pp_rank_N_mp_rank_XX_model_states.pt`` (in their place), each sorted; a
+    ``CheckpointError`` without either."""
+    mp_files, zero3_files = _deepspeed_state_files(iter_dir)
+    if not mp_files and not zero3_files:
+        raise CheckpointError(f"{iter_dir} has no mp_rank_XX_model_states.pt (nor ZeRO-3's "
+                              "zero_pp_rank_N_mp_rank_XX_model_states.pt): not a DeepSpeed "
+                              "checkpoint")
+    return mp_files, zero3_files
 
 
 def _deepspeed_common(iter_dir: str) -> dict:
     """The first model-parallel rank's model-states file (memory-mapped), which holds the
     engine's client state."""
-    names = _deepspeed_mp_files(iter_dir)
-    if not names:
-        raise CheckpointError(f"{iter_dir} holds no DeepSpeed mp_rank_*_model_states.pt file")
-    return read_torch(os.path.join(iter_dir, names[0]), mmap=True)
+    mp_files, zero3_files = deepspeed_model_state_files(iter_dir)
+    return read_torch(os.path.join(iter_dir, (mp_files or zero3_files)[0]), mmap=True)
 
 
 def _deepspeed_config(iter_dir: str) -> Optional[dict]:
     from megatron.checkpointing.contents import stored_config
 
-    if not _deepspeed_mp_files(iter_dir):
+    if not any(_deepspeed_state_files(iter_dir)):
         return None
     return stored_config(_deepspeed_common(iter_dir))
+
+
+def _deepspeed_layout(iter_dir: str) -> tuple[int, int]:
+    """From the run configuration its client state stores (ours: the parallel slice;
+    Megatron-DeepSpeed's: its flags), else from its files' model-parallel ranks (a
+    pipeline's stages are not told apart by name)."""
+    try:
+        stored = _deepspeed_config(iter_dir)
+    except CheckpointError:
+        stored = None
+    sizes = stored.get("parallel", stored) if isinstance(stored, dict) else {}
+    if not isinstance(sizes, dict):
+        sizes = {}
+    if sizes.get("tensor_model_parallel_size") or sizes.get("pipeline_model_parallel_size"):
+        return (int(sizes.get("tensor_model_parallel_size") or 1),
+                int(sizes.get("pipeline_model_parallel_size") or 1))
+    mp_files, zero3_files = _deepspeed_state_files(iter_dir)
+    ranks = ({_DS_MP_FILE_RE.fullmatch(n).group(1) for n in mp_files}
+             | {_DS_ZERO3_FILE_RE.fullmatch(n).group(2) for n in zero3_files})
+    return max(len(ranks), 1), 1
 
 
 TORCH = FolderFormat("torch", MEGATRON, _recognise_torch, _torch_layout, _torch_config,
@@ -279,8 +315,10 @@ class CheckpointFolder:
         return read_manifest(self.path)
 
     def layout(self) -> tuple[int, int]:
-        """(tensor, pipeline) sizes it was saved with."""
-        return self.format.layout(self.path)
+        """(tensor, pipeline) sizes it was saved with: as its manifest records them (a folder
+        that lost a rank's files keeps its layout), else as its format tells from its files."""
+        recorded = manifest_layout(self.manifest) if self.manifest is not None else None
+        return recorded or self.format.layout(self.path)
 
     def num_model_chunks(self) -> int:
         """Model chunks (virtual-pipeline stages) per rank file, as the manifest records."""
@@ -436,6 +474,37 @@ def _newest_instead(root: str, naming: Naming, skip: Optional[int],
     return None
 
 
+# Any checkpoint root ------------------------------------------------------------------------
+
+
+def namings_in(root: str) -> list[Naming]:
+    """The namings of the checkpoints ``root`` holds, told by their tracker files, else by
+    their iteration folders: ``[MEGATRON]`` (ours, Megatron-LM's, Megatron-DeepSpeed's),
+    ``[DEEPSPEED]`` (DeepSpeed's engines), both, or none."""
+    if not os.path.isdir(root):
+        return []
+    namings = (MEGATRON, DEEPSPEED)
+    found = [n for n in namings if os.path.isfile(os.path.join(root, n.tracker))]
+    return found or [n for n in namings if list_iterations(root, n)]
+
+
+def find_checkpoint(root: str) -> Optional[CheckpointFolder]:
+    """The latest checkpoint of ``root`` whatever its kind (``latest_checkpoint`` in the
+    naming ``namings_in`` finds; ours first when both are there, as --load without
+    --deepspeed reads it): for the tools that take any checkpoint (generation, evaluation,
+    --use-checkpoint-args). None when it holds none."""
+    namings = namings_in(root)
+    return latest_checkpoint(root, namings[0]) if namings else None
+
+
+def no_checkpoint_error(root: str, flag: str = "--load",
+                        namings: tuple[Naming, ...] = (MEGATRON, DEEPSPEED)) -> CheckpointError:
+    """The error for a ``flag`` folder without a checkpoint of any of ``namings``."""
+    trackers = [f"no {MEGATRON.tracker}" if n is MEGATRON else f"DeepSpeed's '{n.tracker}' file"
+                for n in namings]
+    return CheckpointError(f"{flag} {root} holds no checkpoint ({', nor '.join(trackers)})")
+
+
 # --load, checked before anything is built -----------------------------------------------
 
 
@@ -449,15 +518,16 @@ def check_load_dir(load_dir: str, deepspeed: bool = False) -> None:
         raise CheckpointError(f"--load {load_dir} is a file, not a checkpoint folder: pass the "
                               f"folder that holds {TRACKER_FILENAME} (the --save of the run "
                               "that wrote it)")
-    if os.path.isfile(os.path.join(load_dir, TRACKER_FILENAME)):
+    found = namings_in(load_dir)
+    if MEGATRON in found:
         return
-    if os.path.isfile(os.path.join(load_dir, DEEPSPEED.tracker)):
+    if DEEPSPEED in found:
         if deepspeed:
             return
-        raise CheckpointError(f"--load {load_dir} holds a DeepSpeed checkpoint (its 'latest' "
-                              "file names the tag), which the built-in engine does not read: "
-                              "add --deepspeed (with the --zero-stage and --deepspeed_config "
-                              "it was saved with) to resume it")
+        raise CheckpointError(f"--load {load_dir} holds a DeepSpeed checkpoint (its "
+                              f"'{DEEPSPEED.tracker}' file names the tag), which the built-in "
+                              "engine does not read: add --deepspeed (with the --zero-stage "
+                              "and --deepspeed_config it was saved with) to resume it")
     name = os.path.basename(os.path.normpath(load_dir))
     has_ranks = any(MP_RANK_RE.fullmatch(n) for n in os.listdir(load_dir))
     if has_ranks or MEGATRON.iteration_of(name) is not None or name == MEGATRON.release:

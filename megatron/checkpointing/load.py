@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple, NoReturn, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -29,7 +29,9 @@ from megatron.checkpointing.errors import (
 )
 from megatron.checkpointing.files import read_torch
 from megatron.checkpointing.folder import (
+    MEGATRON,
     CheckpointFolder,
+    Naming,
     check_load_dir,
     latest_checkpoint,
     list_iterations,
@@ -45,10 +47,9 @@ from megatron.checkpointing.paths import (
 )
 from megatron.checkpointing.ranks import (
     RankLayout,
-    all_true,
     check_same_everywhere,
     current_layout,
-    first_failure,
+    raise_together,
 )
 from megatron.checkpointing.rng import restore_rng_state, rng_state_for
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
@@ -139,8 +140,7 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
         _load_model(files.state, chunks, files.path, strict, _reshard_hint(config))
     except Exception as e:  # noqa: BLE001 - decide together before any collective
         error = e
-    if not all_true(error is None):
-        _raise_first_failure(error)
+    raise_together(error)
     scheduler_loaded, rng_loaded = _restore_training_state(
         files, ckpt, layout, optimizer, opt_param_scheduler, model_only, load_optim)
     state = files.state
@@ -162,19 +162,9 @@ def _agreed_latest(load_dir: str) -> Optional[CheckpointFolder]:
         folder = latest_checkpoint(load_dir)
     except CheckpointError as e:
         error = e
-    if not all_true(error is None):
-        _raise_first_failure(error)
+    raise_together(error)
     check_same_everywhere(-1 if folder is None else folder.iteration, "the latest iteration")
     return folder
-
-
-def _raise_first_failure(error: Optional[Exception]) -> NoReturn:
-    """After a failed vote: this rank's own error, or the lowest failing rank's message, so
-    that rank 0 (which speaks for all) names the real cause."""
-    rank, message = first_failure(error)
-    if error is not None:
-        raise error
-    raise CheckpointError(f"on rank {rank}: {message}")
 
 
 def _read_rank_files(config: Any, folder: CheckpointFolder, layout: RankLayout, optimizer: Any,
@@ -355,8 +345,7 @@ def _load_torch_dist(folder: CheckpointFolder, chunks: list[nn.Module], optimize
         torch_dist.check_stored_config(common, config, f"{iter_dir} (--load {ckpt.load})")
     except Exception as e:  # noqa: BLE001 - decide together before any collective
         error = e
-    if not all_true(error is None):
-        _raise_first_failure(error)
+    raise_together(error)
     logger.info("loading torch_dist checkpoint from %s at iteration %d", ckpt.load,
                 folder.iteration)
     rng_wanted = not model_only and not ckpt.no_load_rng
@@ -391,13 +380,15 @@ def _verify_torch_dist(folder: CheckpointFolder, layout: RankLayout, ckpt: Any) 
     _with_hint(folder, ckpt.load, check)
 
 
-def load_scheduler_state(load_dir: str) -> Optional[tuple[str, dict]]:
-    """The learning-rate schedule stored with the latest checkpoint of ``load_dir``: its
-    folder and state, or None when there is none to resume (no checkpoint, a release one, a
-    format or file that cannot be read ahead: loading reports those). Reads one small entry
-    of a memory-mapped file, so it is cheap enough to check before anything is built."""
+def load_scheduler_state(load_dir: str,
+                         naming: Naming = MEGATRON) -> Optional[tuple[str, dict]]:
+    """The learning-rate schedule stored with the latest checkpoint of ``load_dir`` (``naming``
+    DEEPSPEED: the one our DeepSpeed engine stores in its client state): its folder and state,
+    or None when there is none to resume (no checkpoint, a release one, a format or file that
+    cannot be read ahead: loading reports those). Reads one small entry of a memory-mapped
+    file, so it is cheap enough to check before anything is built."""
     try:
-        folder = latest_checkpoint(load_dir)
+        folder = latest_checkpoint(load_dir, naming)
         if folder is None or folder.release:
             return None
         state = folder.format.common(folder.path)

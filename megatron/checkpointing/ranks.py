@@ -94,6 +94,20 @@ def first_failure(error: Optional[BaseException]) -> tuple[int, str]:
     return next((r, m) for r, m in enumerate(failures) if m is not None)
 
 
+def raise_together(error: Optional[BaseException]) -> None:
+    """After each rank tried something that can fail on it alone (``error``: its own, None
+    when it succeeded), decide together (collective over all ranks): when any failed, every
+    rank raises, its own error where it failed, elsewhere a ``CheckpointError`` "on rank R:
+    ..." with the lowest failing rank's message, so that none waits in a collective for a
+    rank that stopped and rank 0, which speaks for all, names the real cause."""
+    if all_true(error is None):
+        return
+    rank, message = first_failure(error)
+    if error is not None:
+        raise error
+    raise CheckpointError(f"on rank {rank}: {message}")
+
+
 def check_same_everywhere(value: int, what: str) -> None:
     if not dist.is_initialized():
         return

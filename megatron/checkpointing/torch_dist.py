@@ -74,7 +74,7 @@ from megatron.checkpointing.mcore_layout import (
     rng_key,
 )
 from megatron.checkpointing.paths import CHECKPOINT_VERSION
-from megatron.checkpointing.ranks import RankLayout, all_true, first_failure
+from megatron.checkpointing.ranks import RankLayout, all_true, raise_together
 from megatron.checkpointing.save import PublishedSave
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -336,10 +336,7 @@ def prepare_save(iteration: int, model_chunks: ModelChunks, optimizer: Any, sche
                              extra, optimizer_common)
     except Exception as e:  # noqa: BLE001 - every rank must reach the vote
         error = e
-    if not all_true(error is None):
-        rank, message = first_failure(error)
-        raise error or CheckpointError(f"preparing the checkpoint failed on rank {rank}: "
-                                       f"{message}")
+    raise_together(error)
     return PreparedSave(pieces, objects, common)
 
 
@@ -526,10 +523,7 @@ def read_into(iter_dir: str, common: dict, model_chunks: ModelChunks, optimizer:
                                 load_rng)
     except Exception as e:  # noqa: BLE001 - every rank must reach the vote
         error = e
-    if not all_true(error is None):
-        rank, message = first_failure(error)
-        raise error or CheckpointError(f"loading the checkpoint {iter_dir} failed on rank "
-                                       f"{rank}: {message}")
+    raise_together(error)
     pieces, read, object_keys = prepared
     objects = dcp.read_pieces(iter_dir, pieces, object_keys)
     scheduler_loaded = False

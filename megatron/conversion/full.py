@@ -30,8 +30,11 @@ from megatron.checkpointing.folder import (
     CheckpointFolder,
     check_load_dir,
     checkpoint_at,
+    find_checkpoint,
     latest_checkpoint,
     make_tmp_folder,
+    namings_in,
+    no_checkpoint_error,
     publish_checkpoint,
 )
 from megatron.checkpointing.manifest import build_manifest
@@ -116,12 +119,39 @@ def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
     torch_dist folders, Megatron-LM's or ours (``conversion/torch_dist.py``).
     ``optimizer=False`` reads (and checks) the model files only: ``optimizer`` stays None.
     """
-    folder = _iteration_folder(load_dir, iteration)
+    return read_folder(_iteration_folder(load_dir, iteration), verify=verify,
+                       true_vocab_size=true_vocab_size, optimizer=optimizer)
+
+
+def read_checkpoint(load_dir: str, *, verify: bool = True, optimizer: bool = True,
+                    true_vocab_size: Optional[int] = None, flag: str = "--load") -> FullCheckpoint:
+    """The whole model of ``load_dir``'s latest checkpoint of any kind
+    (``checkpointing.folder.find_checkpoint``: ours, Megatron-LM's and Megatron-DeepSpeed's,
+    torch_dist, DeepSpeed's engines), as ``read_folder`` reads it; a folder without one is a
+    ``CheckpointError`` naming ``flag``."""
+    folder = find_checkpoint(load_dir)
+    if folder is None:
+        raise no_checkpoint_error(load_dir, flag)
+    return read_folder(folder, verify=verify, true_vocab_size=true_vocab_size,
+                       optimizer=optimizer)
+
+
+def read_folder(folder: CheckpointFolder, *, verify: bool = True,
+                true_vocab_size: Optional[int] = None, optimizer: bool = True) -> FullCheckpoint:
+    """One checkpoint folder of any format (``folder.format``) as one ``FullCheckpoint``, by
+    that format's reader: torch (here), torch_dist (``conversion/torch_dist.py``), DeepSpeed's
+    engines (``conversion/deepspeed_layout.py``); ``verify``, ``optimizer`` and
+    ``true_vocab_size`` as for ``load_full_checkpoint``."""
     if folder.format.name == "torch_dist":
         from megatron.conversion.torch_dist import load_torch_dist_checkpoint
 
         return load_torch_dist_checkpoint(folder, verify=verify,
                                           true_vocab_size=true_vocab_size, optimizer=optimizer)
+    if folder.format.name == "deepspeed":
+        from megatron.conversion.deepspeed_layout import read_deepspeed_folder
+
+        return read_deepspeed_folder(folder, true_vocab_size, verify=verify,
+                                     optimizer=optimizer)
     iter_dir = folder.path
     if folder.manifest is not None and verify:
         wanted = [f for f in folder.manifest["files"]
@@ -163,15 +193,16 @@ def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
 def _iteration_folder(load_dir: str, iteration: Optional[int]) -> CheckpointFolder:
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load-dir {load_dir} is not a folder")
+    if namings_in(load_dir) == [DEEPSPEED]:
+        raise CheckpointError(f"--load-dir {load_dir} holds no {TRACKER_FILENAME}: it looks like "
+                              "a DeepSpeed checkpoint: use --loader deepspeed")
     check_load_dir(load_dir)
     if iteration is not None:
         return checkpoint_at(load_dir, iteration)
     folder = latest_checkpoint(load_dir)
     if folder is None:
         hint = "pass the folder a training run saved into (its --save)"
-        if os.path.isfile(os.path.join(load_dir, DEEPSPEED.tracker)):
-            hint = "it looks like a DeepSpeed checkpoint: use --loader deepspeed"
-        elif os.path.isfile(os.path.join(load_dir, "config.json")):
+        if os.path.isfile(os.path.join(load_dir, "config.json")):
             hint = "it looks like a Hugging Face model: use --loader hf"
         raise CheckpointError(f"--load-dir {load_dir} holds no {TRACKER_FILENAME}: {hint}")
     return folder
@@ -188,6 +219,14 @@ def is_our_config(saved: Any) -> bool:
     """Whether a stored run configuration is ours (nested slices), not Megatron's flat
     argparse fields."""
     return isinstance(saved, dict) and isinstance(saved.get("model"), dict)
+
+
+def stored_run_config(folder: CheckpointFolder) -> dict:
+    """The run configuration stored with ``folder`` (any format) as ours, Megatron's flags
+    mapped to our model and tokenizer fields at tensor/pipeline size 1; a ``CheckpointError``
+    when it stores none."""
+    saved = folder.config()
+    return config_from_stored(saved, not is_our_config(saved), None, folder.path)
 
 
 def config_from_stored(saved: Optional[dict], theirs: bool, true_vocab_size: Optional[int],

@@ -42,9 +42,6 @@ from megatron.config import OptimizerConfig, RunConfig
 from megatron.config.base import field_default, flag
 from megatron.core import parallel_state
 
-# DeepSpeed's own files: `latest` names the tag (global_stepN) of the last save.
-DEEPSPEED_LATEST_FILE = "latest"  # megatron.checkpointing.folder.DEEPSPEED.tracker
-
 
 class DeepSpeedSetupError(ValueError):
     """The DeepSpeed JSON file or its combination with the flags cannot run."""
@@ -203,15 +200,13 @@ def build_deepspeed_config(cfg: RunConfig) -> dict:
 
 def check_load_folder(cfg: RunConfig) -> None:
     """--deepspeed loads DeepSpeed's checkpoints only: a Megatron checkpoint says so."""
-    from megatron.checkpointing.paths import TRACKER_FILENAME
+    from megatron.checkpointing.folder import DEEPSPEED, MEGATRON, namings_in
 
     load = cfg.checkpoint.load
-    if not load or not os.path.isdir(load):
-        return
-    megatron = os.path.isfile(os.path.join(load, TRACKER_FILENAME))
-    if megatron and not os.path.isfile(os.path.join(load, DEEPSPEED_LATEST_FILE)):
+    found = namings_in(load) if load else []
+    if MEGATRON in found and DEEPSPEED not in found:
         raise DeepSpeedSetupError(
-            f"--load {load} holds a Megatron checkpoint ({TRACKER_FILENAME}), which DeepSpeed's "
+            f"--load {load} holds a Megatron checkpoint ({MEGATRON.tracker}), which DeepSpeed's "
             "engine does not read: drop --deepspeed to resume it with the built-in engine")
 
 
@@ -513,6 +508,7 @@ class DeepSpeedRun:
 
     def load(self, state: Any) -> None:
         """--load: DeepSpeed's latest checkpoint into the engine and our ``state``."""
+        from megatron.checkpointing.folder import DEEPSPEED
         from megatron.checkpointing.rng import restore_rng_state
         from megatron.utils import print_rank_0
 
@@ -522,7 +518,7 @@ class DeepSpeedRun:
         if folder is None:
             # Said once, here: DeepSpeed's own load would warn on every rank first.
             print_rank_0(f"WARNING: --load {ck.load}: no DeepSpeed checkpoint there "
-                         f"('{DEEPSPEED_LATEST_FILE}' file missing); training from scratch")
+                         f"('{DEEPSPEED.tracker}' file missing); training from scratch")
             return
         tag = os.path.basename(folder)
         path, client = self.engine.load_checkpoint(
@@ -533,7 +529,7 @@ class DeepSpeedRun:
             from megatron.checkpointing import CheckpointError
 
             raise CheckpointError(f"--load {ck.load}: DeepSpeed could not load the checkpoint "
-                                  f"'{DEEPSPEED_LATEST_FILE}' names ({tag})")
+                                  f"'{DEEPSPEED.tracker}' names ({tag})")
         reset = []
         if ck.finetune:
             reset.append("iteration, data position, optimizer (--finetune)")
@@ -623,21 +619,6 @@ def _latest_deepspeed_folder(load_dir: str, checksums: bool) -> Optional[str]:
         return None
     _verify_deepspeed_folder(folder.path, checksums)
     return folder.path
-
-
-def scheduler_state(load_dir: str) -> Optional[tuple[str, dict]]:
-    """The learning-rate schedule our engine stored with DeepSpeed's latest checkpoint in
-    ``load_dir`` (client state of its model-parallel rank 0 file): its folder and state, or
-    None when there is none to read (loading reports a missing or damaged checkpoint)."""
-    from megatron.checkpointing.folder import DEEPSPEED, latest_checkpoint
-
-    try:
-        folder = latest_checkpoint(load_dir, DEEPSPEED)
-        state = None if folder is None else folder.format.common(folder.path)
-    except Exception:  # noqa: BLE001 - unreadable here: the load itself says why
-        return None
-    saved = state.get("opt_param_scheduler") if isinstance(state, dict) else None
-    return (folder.path, saved) if isinstance(saved, dict) else None
 
 
 def _verify_deepspeed_folder(folder: str, checksums: bool) -> None:

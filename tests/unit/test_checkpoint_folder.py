@@ -157,3 +157,52 @@ def test_formats_are_told_by_their_files(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="expected a folder name global_stepN"):
         folders.DEEPSPEED.parse_tracker("iter_7", "latest")
     shutil.rmtree(torch_dir)
+
+
+def test_a_roots_kind_is_told_by_its_tracker_else_by_its_folders(two_saves, tmp_path):
+    import torch
+
+    assert folders.namings_in(str(tmp_path)) == [folders.MEGATRON]
+    assert folders.find_checkpoint(str(tmp_path)).iteration == 4
+    (tmp_path / TRACKER).unlink()  # iteration folders alone: ours, the newest complete one
+    assert folders.namings_in(str(tmp_path)) == [folders.MEGATRON]
+    assert folders.find_checkpoint(str(tmp_path)).iteration == 4
+    ds = tmp_path / "ds"
+    (ds / "global_step3").mkdir(parents=True)
+    client = {"config": {"model": {"hidden_size": 8},
+                         "parallel": {"tensor_model_parallel_size": 2,
+                                      "pipeline_model_parallel_size": 2}}}
+    torch.save(client, ds / "global_step3" / "mp_rank_00_model_states.pt")
+    assert folders.namings_in(str(ds)) == [folders.DEEPSPEED]
+    found = folders.find_checkpoint(str(ds))  # no 'latest': the newest folder, if complete
+    assert found is None  # no manifest: not known to be complete
+    (ds / "latest").write_text("global_step3")
+    found = folders.find_checkpoint(str(ds))
+    assert found.naming is folders.DEEPSPEED and found.format.name == "deepspeed"
+    # Without a manifest the layout is the stored configuration's (a pipeline's stages are
+    # not told apart by DeepSpeed's file names).
+    assert found.layout() == (2, 2) and found.config()["model"] == {"hidden_size": 8}
+    assert found.format.common(found.path)["config"] == client["config"]
+    # Both trackers: ours, as --load without --deepspeed reads it.
+    (ds / TRACKER).write_text("4")
+    assert folders.namings_in(str(ds)) == [folders.MEGATRON, folders.DEEPSPEED]
+    assert folders.find_checkpoint(str(tmp_path / "none")) is None
+    assert str(folders.no_checkpoint_error(str(ds), "--load")) == (
+        f"--load {ds} holds no checkpoint (no {TRACKER}, nor DeepSpeed's 'latest' file)")
+    assert str(folders.no_checkpoint_error("x", "--a", namings=(folders.MEGATRON,))) == (
+        f"--a x holds no checkpoint (no {TRACKER})")
+
+
+def test_the_layout_is_the_manifests_when_a_ranks_files_are_gone(tmp_path):
+    from megatron.checkpointing.manifest import read_manifest, write_manifest
+
+    iter_dir = tmp_path / "iter_0000002"
+    (iter_dir / "mp_rank_00").mkdir(parents=True)
+    manifest = {"format": "megatron-gpt-checkpoint", "version": 1, "iteration": 2, "files": {},
+                "parallel_layout": {"tensor_model_parallel_size": 2,
+                                    "pipeline_model_parallel_size": 1}}
+    write_manifest(str(iter_dir), manifest)
+    assert read_manifest(str(iter_dir)) is not None
+    folder = folders.checkpoint_at(str(tmp_path), 2)
+    assert folder.layout() == (2, 1)  # mp_rank_01 is gone; its files tell (1, 1)
+    assert folder.format.layout(folder.path) == (1, 1)
