@@ -1,9 +1,14 @@
 """Real megatron-core (from PyPI) on CPU: writes Megatron-LM torch_dist checkpoints of a small
 GPT and reads ours, for tests/functional/test_torch_dist_megatron_core.py.
 
-Run it in a process where ``megatron`` is megatron-core's package, not this repository's
-(``python -I tests/mcore_driver.py OUT [OUR_ITER_DIR ...]``: no PYTHONPATH, no script folder
-on the path). On two gloo ranks it
+megatron-core is not installed into the environment: its package is also named ``megatron``
+and would shadow this repository's in every process whose path lacks the checkout. The test
+install puts it in a folder of its own, ``.test-deps/megatron-core`` in the checkout (README
+"Run the tests": ``pip install --no-deps --upgrade --target .test-deps/megatron-core
+megatron-core==0.16.1``; ``$MEGATRON_CORE_DIR`` names another folder), which this driver alone
+puts first on its path. Run it isolated (``python -I tests/mcore_driver.py OUT
+[OUR_ITER_DIR ...]``: no PYTHONPATH, no script folder on the path), so that ``megatron`` is
+megatron-core's package, not this repository's. On two gloo ranks it
 
 1. builds megatron-core's ``GPTModel`` (local layer spec) at tensor-parallel size 1 (two
    data-parallel replicas; tied embeddings, Megatron-LM's default fused bias-GeLU = GeLU's
@@ -37,10 +42,17 @@ import torch.nn.functional as F
 
 warnings.filterwarnings("ignore")
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MCORE_DIR = os.environ.get("MEGATRON_CORE_DIR") or os.path.join(REPO, ".test-deps",
+                                                                  "megatron-core")
+sys.path.insert(0, MCORE_DIR)
+
 import megatron.core  # noqa: E402 - megatron-core's, see the module docstring
 
 if not hasattr(megatron.core, "dist_checkpointing"):
-    sys.exit(f"error: 'megatron' is {megatron.__path__}, not megatron-core's package")
+    sys.exit(f"error: 'megatron' is {megatron.__path__}, not megatron-core's package (install "
+             f"it into {MCORE_DIR}: pip install --no-deps --upgrade --target {MCORE_DIR} "
+             "megatron-core==0.16.1)")
 
 from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor  # noqa: E402
