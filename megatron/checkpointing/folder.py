@@ -390,17 +390,17 @@ def read_tracker(root: str, naming: Naming = MEGATRON) -> Optional[Tracker]:
 
 
 def checkpoint_at(root: str, iteration: int, release: bool = False,
-                  naming: Naming = MEGATRON) -> CheckpointFolder:
+                  naming: Naming = MEGATRON, *, warn: bool = True) -> CheckpointFolder:
     """The folder of ``iteration`` (or the release folder), which must exist; after a crash
     in the middle of replacing a checkpoint of the same iteration, the older copy that was
-    being replaced."""
+    being replaced (``warn``: say so)."""
     final = os.path.join(root, naming.folder_name(iteration, release))
     folder = CheckpointFolder(root, final, iteration, release, naming)
     if os.path.isdir(final):
         return folder
     backups = sorted(glob.glob(glob.escape(final) + ".old-*"), key=os.path.getmtime)
     if backups:
-        logger.warning("%s is missing; loading %s (a save of the same iteration was "
+        (logger.warning if warn else logger.debug)("%s is missing; loading %s (a save of the same iteration was "
                        "interrupted)", final, backups[-1])
         return dataclasses.replace(folder, path=backups[-1])
     raise CheckpointError(f"{os.path.join(root, naming.tracker)} names "
@@ -421,10 +421,12 @@ def newest_complete(root: str, naming: Naming = MEGATRON,
     return None
 
 
-def latest_checkpoint(root: str, naming: Naming = MEGATRON) -> Optional[CheckpointFolder]:
+def latest_checkpoint(root: str, naming: Naming = MEGATRON, *,
+                      warn: bool = True) -> Optional[CheckpointFolder]:
     """The checkpoint to resume from in ``root``: the tracker's folder, or (when the tracker
     is missing or empty, or names a folder that is gone or incomplete) the newest complete
-    folder, with a warning that says why. None when ``root`` holds no checkpoint.
+    folder, with a warning that says why (``warn=False``: a look ahead of the load, which
+    warns itself). None when ``root`` holds no checkpoint.
 
     A folder without a manifest (saved before manifests, or by Megatron-LM) is taken when the
     tracker names it: it cannot be checked. When the tracker names an incomplete folder and
@@ -438,36 +440,37 @@ def latest_checkpoint(root: str, naming: Naming = MEGATRON) -> Optional[Checkpoi
     tracker = read_tracker(root, naming)
     if tracker is None:
         why = f"{path} is missing" if not os.path.isfile(path) else f"{path} is empty"
-        return _newest_instead(root, naming, None, why)
+        return _newest_instead(root, naming, None, why, warn)
     try:
-        folder = checkpoint_at(root, tracker.iteration, tracker.release, naming)
+        folder = checkpoint_at(root, tracker.iteration, tracker.release, naming, warn=warn)
     except CheckpointError:
         name = naming.folder_name(tracker.iteration, tracker.release)
         instead = _newest_instead(root, naming, tracker.iteration,
-                                  f"{path} names {name}, which does not exist")
+                                  f"{path} names {name}, which does not exist", warn)
         if instead is None:
             raise
         return instead
     why = folder.incomplete_because(require_manifest=False)
     if why is not None:
         return _newest_instead(root, naming, tracker.iteration,
-                               f"{path} names {folder.path}, which is incomplete ({why})"
-                               ) or folder
+                               f"{path} names {folder.path}, which is incomplete ({why})",
+                               warn) or folder
     return folder
 
 
-def _newest_instead(root: str, naming: Naming, skip: Optional[int],
-                    why: str) -> Optional[CheckpointFolder]:
+def _newest_instead(root: str, naming: Naming, skip: Optional[int], why: str,
+                    warn: bool = True) -> Optional[CheckpointFolder]:
     """The newest complete folder in place of the tracker's (``why``: what is wrong with
     it), with a warning; None when there is none."""
+    say = logger.warning if warn else logger.debug
     folder = newest_complete(root, naming, skip)
     if folder is not None:
-        logger.warning("%s; loading %s instead, the newest complete checkpoint there", why,
+        say("%s; loading %s instead, the newest complete checkpoint there", why,
                        folder.path)
         return folder
     others = [it for it in list_iterations(root, naming) if it != skip]
     if others:
-        logger.warning("%s, and no other folder of %s (%s) is a complete checkpoint (a %s "
+        say("%s, and no other folder of %s (%s) is a complete checkpoint (a %s "
                        "whose files are all there)", why, root,
                        ", ".join(naming.folder_name(it) for it in others[-5:]),
                        MANIFEST_FILENAME)

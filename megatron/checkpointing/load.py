@@ -388,7 +388,7 @@ def load_scheduler_state(load_dir: str,
     cannot be read ahead: loading reports those). Reads one small entry of a memory-mapped
     file, so it is cheap enough to check before anything is built."""
     try:
-        folder = latest_checkpoint(load_dir, naming)
+        folder = latest_checkpoint(load_dir, naming, warn=False)  # the load warns
         if folder is None or folder.release:
             return None
         state = folder.format.common(folder.path)

@@ -206,3 +206,17 @@ def test_the_layout_is_the_manifests_when_a_ranks_files_are_gone(tmp_path):
     folder = folders.checkpoint_at(str(tmp_path), 2)
     assert folder.layout() == (2, 1)  # mp_rank_01 is gone; its files tell (1, 1)
     assert folder.format.layout(folder.path) == (1, 1)
+
+
+def test_the_start_up_schedule_look_ahead_finds_the_loads_folder_quietly(two_saves, tmp_path,
+                                                                        caplog):
+    """The start-up schedule check reads the folder the load will take (the newest complete
+    one here); the fallback's warning is the load's, said once."""
+    config, _ = two_saves
+    (tmp_path / TRACKER).unlink()
+    with caplog.at_level(logging.WARNING, logger="megatron.checkpointing"):
+        folder, schedule = ckpt.load_scheduler_state(str(tmp_path))
+    assert folder == str(tmp_path / "iter_0000004") and "num_steps" in schedule
+    assert caplog.text == ""
+    loaded, _ = _load(config, caplog)
+    assert loaded.iteration == 4 and caplog.text.count("is missing; loading") == 1
