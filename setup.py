@@ -47,7 +47,12 @@ setup(
         "flask>=2.2",  # tools/run_text_generation_server.py (Megatron's REST API)
     ],
     extras_require={
-        "test": ["pytest", "ruff", "datasets", "pyarrow", "wandb"],
+        # psutil: megatron-core needs it. megatron-core itself (tests write real Megatron-LM
+        # torch_dist checkpoints with it) is not an extra: its package is also named
+        # "megatron" and, installed here, would shadow this one wherever the checkout is not
+        # on the path. README's test command puts it in .test-deps/megatron-core, which only
+        # tests/mcore_driver.py imports from.
+        "test": ["pytest", "ruff", "datasets", "pyarrow", "wandb", "psutil"],
         "hf-data": ["datasets", "pyarrow"],  # preprocess_data.py --input of local HF datasets
         "wandb": ["wandb"],  # --wandb-project (offline runs)
         # No "cuda" extra: the index's "apex" is an unrelated package (NVIDIA's apex is built

@@ -2,9 +2,9 @@
 generation (``megatron/text_generation``) and evaluation (``megatron/evaluation``) get a model.
 
 Weights come from a checkpoint of any kind ``--load`` and ``tools/checkpoint/convert.py`` read
-(ours, Megatron-LM's legacy and Megatron-DeepSpeed's, saved at any tensor/pipeline/virtual
-layout; DeepSpeed's plain engine at ZeRO 0-3 and its pipeline engine: see
-``megatron.conversion.checkpoint_kinds``, which tells them apart), from a local Hugging Face
+(ours and Megatron-LM's in the torch and torch_dist formats, Megatron-DeepSpeed's, saved at any
+tensor/pipeline/virtual layout; DeepSpeed's plain engine at ZeRO 0-3 and its pipeline engine:
+``megatron.checkpointing.folder.find_checkpoint`` tells them apart), from a local Hugging Face
 GPT-2 folder, or from a full state dict in our tensor-parallel-1 naming. A checkpoint of ours
 saved at the run's layout is read file by file, as training does; anything else is merged
 into one model by that kind's reader in ``megatron.conversion`` and cut for this rank in
@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 from megatron.model.gpt_model import GPTModel
 
 if TYPE_CHECKING:
-    from megatron.conversion.checkpoint_kinds import CheckpointSummary
+    from megatron.checkpointing.folder import CheckpointFolder
 
 
 class InferenceLoadingError(ValueError):
@@ -66,20 +66,20 @@ _TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_na
                      "vocab_size")
 
 
-def checkpoint_summary(load_dir: str) -> CheckpointSummary:
-    """``megatron.conversion.checkpoint_kinds``'s summary of ``load_dir``'s latest checkpoint
-    (any kind); a folder without one is a ``CheckpointError``."""
-    from megatron.conversion.checkpoint_kinds import missing_checkpoint_error, summarize_checkpoint
+def checkpoint_folder(load_dir: str) -> CheckpointFolder:
+    """``load_dir``'s latest checkpoint of any kind (``checkpointing.folder.find_checkpoint``);
+    a folder without one is a ``CheckpointError``."""
+    from megatron.checkpointing.folder import find_checkpoint, no_checkpoint_error
 
-    summary = summarize_checkpoint(load_dir)
-    if summary is None:
-        raise missing_checkpoint_error(load_dir)
-    return summary
+    folder = find_checkpoint(load_dir)
+    if folder is None:
+        raise no_checkpoint_error(load_dir)
+    return folder
 
 
 def saved_checkpoint_layout(load_dir: str) -> tuple[int, int]:
     """(tensor, pipeline) sizes ``load_dir``'s latest checkpoint was saved with."""
-    return checkpoint_summary(load_dir).layout
+    return checkpoint_folder(load_dir).layout()
 
 
 def launch_layout(saved: tuple[int, int], world_size: int, tp: Optional[int] = None,
@@ -102,11 +102,13 @@ def config_from_checkpoint(load_dir: str, world_size: int = 1, tp: Optional[int]
     """The run configuration to run ``load_dir``'s latest checkpoint on ``world_size``
     processes: its model and tokenizer as saved, the layout of ``launch_layout`` (any, not
     only the saved one), one model chunk per stage, one data-parallel replica."""
-    summary = checkpoint_summary(load_dir)
-    stored = summary.config()
-    tp, pp = launch_layout(summary.layout, world_size, tp, pp)
+    from megatron.conversion.full import stored_run_config
+
+    folder = checkpoint_folder(load_dir)
+    stored, saved = stored_run_config(folder), folder.layout()
+    tp, pp = launch_layout(saved, world_size, tp, pp)
     saved_parallel = dict(stored.get("parallel", {}))
-    if (tp, pp) != summary.layout:  # an uneven stage split was chosen for the saved pp
+    if (tp, pp) != saved:  # an uneven stage split was chosen for the saved pp
         saved_parallel.pop("decoder_first_pipeline_num_layers", None)
         saved_parallel.pop("decoder_last_pipeline_num_layers", None)
     parallel = _slice_from_dict(ParallelConfig, saved_parallel, world_size=world_size,
@@ -235,20 +237,20 @@ def _saved_at_this_layout(cfg: RunConfig) -> bool:
     """Whether --load's latest checkpoint is ours with this run's tensor/pipeline/virtual
     layout (so each rank reads its own file, as training does). A missing checkpoint answers
     True: the native loader names it."""
-    from megatron.checkpointing import read_manifest
-    from megatron.conversion.checkpoint_kinds import MEGATRON, summarize_checkpoint
+    from megatron.checkpointing.folder import find_checkpoint
+    from megatron.conversion.full import is_our_config
 
-    load, p = cfg.checkpoint.load, cfg.parallel
-    summary = summarize_checkpoint(load)
-    if summary is None:
+    p = cfg.parallel
+    folder = find_checkpoint(cfg.checkpoint.load)
+    if folder is None:
         return True
-    if summary.kind != MEGATRON or not summary.ours or summary.layout != (
+    if folder.format.name == "torch_dist":
+        return True  # each rank reads its own pieces at any layout
+    if folder.format.name != "torch" or not is_our_config(folder.config()) or folder.layout() != (
             p.tensor_model_parallel_size, p.pipeline_model_parallel_size):
         return False
-    manifest = read_manifest(summary.folder) or {}
-    chunks = (manifest.get("parallel_layout") or {}).get("num_model_chunks", 1)
-    saved = ((manifest.get("config") or {}).get("parallel") or {})
-    return chunks == (p.virtual_pipeline_model_parallel_size or 1) and all(
+    saved = ((folder.manifest or {}).get("config") or {}).get("parallel") or {}
+    return folder.num_model_chunks() == (p.virtual_pipeline_model_parallel_size or 1) and all(
         saved.get(k) == getattr(p, k) for k in ("decoder_first_pipeline_num_layers",
                                                 "decoder_last_pipeline_num_layers"))
 
@@ -256,7 +258,7 @@ def _saved_at_this_layout(cfg: RunConfig) -> bool:
 def _read_full(cfg: RunConfig, hf_model_dir: Optional[str]):
     """The whole model (tp 1, one stage) of the HF folder or of --load's checkpoint, and
     where it came from (for messages)."""
-    from megatron.conversion.checkpoint_kinds import read_checkpoint
+    from megatron.conversion.full import read_checkpoint
 
     if hf_model_dir is None:
         load = cfg.checkpoint.load
@@ -276,9 +278,8 @@ def _load_resharded(chunks: list[nn.Module], cfg: RunConfig,
     """Read the whole model on every rank and load this rank's part; the ranks agree on
     success before going on (a failed rank would leave the others waiting in a collective).
     Returns the checkpoint's iteration."""
-    from megatron.checkpointing import CheckpointError
     from megatron.checkpointing.model_shape import check_model_shape
-    from megatron.checkpointing.ranks import all_true
+    from megatron.checkpointing.ranks import raise_together
     from megatron.conversion.full import with_layout
 
     p = cfg.parallel
@@ -296,10 +297,7 @@ def _load_resharded(chunks: list[nn.Module], cfg: RunConfig,
         iteration = full.iteration
     except Exception as e:  # noqa: BLE001 - decided together below, raised as it was
         error = e
-    if not all_true(error is None):
-        if error is not None:
-            raise error
-        raise CheckpointError("loading the model failed on another rank (see its error)")
+    raise_together(error)
     return iteration
 
 

@@ -151,7 +151,12 @@ def _named_state_tensors(chunks: Sequence[nn.Module], optimizer: Any):
 
 def first_nonfinite(chunks: Sequence[nn.Module], optimizer: Any) -> Optional[str]:
     """What the first NaN/Inf value of this rank's model or optimizer state is, or None."""
-    named = list(_named_state_tensors(chunks, optimizer))
+    return first_nonfinite_of(list(_named_state_tensors(chunks, optimizer)))
+
+
+def first_nonfinite_of(named: Sequence[tuple[str, torch.Tensor]]) -> Optional[str]:
+    """The description of the first of ``(description, tensor)`` whose tensor holds NaN/Inf
+    (a background save checks its host copy with it), or None."""
     for (what, _), finite in zip(named, _all_finite([t for _, t in named])):
         if not finite:
             return what

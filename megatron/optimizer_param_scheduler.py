@@ -379,12 +379,11 @@ def check_resumed_schedule_or_exit(cfg: Any, ds_config: Optional[dict]) -> None:
             or sc.override_opt_param_scheduler or sc.use_checkpoint_opt_param_scheduler
             or (ds_config is not None and "scheduler" in ds_config)):
         return
-    if ds_config is not None:
-        from megatron.integrations.deepspeed import scheduler_state
+    from megatron.checkpointing.folder import DEEPSPEED, MEGATRON
 
-        found = scheduler_state(ck.load)
-    else:
-        found = checkpointing.load_scheduler_state(ck.load)
+    # --deepspeed resumes DeepSpeed's checkpoints, whose client state holds our schedule.
+    found = checkpointing.load_scheduler_state(
+        ck.load, DEEPSPEED if ds_config is not None else MEGATRON)
     if found is None:
         return
     folder, saved = found

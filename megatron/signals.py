@@ -6,7 +6,10 @@ SIGTERM; a second signal during that save changes nothing.
 
 Without it SIGTERM keeps its default (the process ends), and SIGINT interrupts as Python's own
 handler does (``KeyboardInterrupt``), except while a checkpoint is being written: the save
-finishes first and the interrupt comes right after it. ``pretrain`` turns the interrupt into
+finishes first and the interrupt comes right after it. While a checkpoint is written in the
+background (``--async-save``) both are remembered instead (``while_writing``): the loop stops
+at the end of the iteration, finishes that checkpoint, and the run ends as the signal asks
+(SIGTERM: status 143; SIGINT: the interrupt below). ``pretrain`` turns the interrupt into
 one line on rank 0 and exit status 130 (128 + SIGINT, what a shell reports for Ctrl-C), with
 no traceback; an error another rank meets because an interrupted peer left its collective is
 part of the same interrupt.
@@ -21,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT
+TERMINATED_EXIT_STATUS = 128 + signal.SIGTERM
 
 
 class ShutdownSignals:
@@ -30,7 +34,11 @@ class ShutdownSignals:
         self.exit_signal_handler = exit_signal_handler
         self.received: Optional[str] = None  # with --exit-signal-handler: "SIGTERM"/"SIGINT"
         self.interrupted = False  # without it: SIGINT arrived
+        # Without it: the signal ("SIGTERM"/"SIGINT") that came while a checkpoint was being
+        # written in the background.
+        self.while_writing: Optional[str] = None
         self._saving = False
+        self._writing = False
         self._pending = False
         self._previous: dict[int, Any] = {}
         # Python runs handlers in the main thread only, and only it may install them.
@@ -52,11 +60,18 @@ class ShutdownSignals:
         if self.received is None:
             self.received = signal.Signals(signum).name
 
+    def _on_signal_while_writing(self, signum: int, frame: Any) -> None:
+        if self.while_writing is None:
+            self.while_writing = signal.Signals(signum).name
+
     def _on_sigint(self, signum: int, frame: Any) -> None:
         if self.exit_signal_handler:
             self._on_exit_signal(signum, frame)
             return
         self.interrupted = True
+        if self._writing:
+            self._on_signal_while_writing(signum, frame)
+            return
         if self._saving:
             self._pending = True  # raised when the save is complete
             return
@@ -82,7 +97,30 @@ class ShutdownSignals:
             self._saving = False
         if self._pending:
             self._pending = False
+            if self._writing:  # the rest of the save goes on in the background
+                self.while_writing = self.while_writing or "SIGINT"
+                return
             raise KeyboardInterrupt
+
+    def writing_in_background(self, writing: bool) -> None:
+        """``--async-save``: a checkpoint is being written in the background (from before its
+        writer starts until it is published), or no longer. Meanwhile SIGTERM and SIGINT
+        (without --exit-signal-handler) are remembered in ``while_writing``; afterwards
+        SIGTERM has its default again."""
+        if writing == self._writing:
+            return
+        self._writing = writing
+        if self.exit_signal_handler or threading.current_thread() is not threading.main_thread():
+            return
+        if writing:
+            self._install(signal.SIGTERM, self._on_signal_while_writing)
+        elif signal.SIGTERM in self._previous:
+            signal.signal(signal.SIGTERM, self._previous.pop(signal.SIGTERM))
+
+    def interrupt(self) -> None:
+        """End the run as a Ctrl-C does (every rank, once they agreed that one came)."""
+        self.interrupted = True
+        raise KeyboardInterrupt
 
 
 def _let_pending_handlers_run() -> None:

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import xla
+from megatron.checkpointing.async_save import AsyncSaver
+from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ranks import any_true
 from megatron.config import (
     ConfigError,
@@ -61,7 +63,7 @@ from megatron.optimizer_param_scheduler import (
     build_optimizer_param_scheduler,
     check_resumed_schedule_or_exit,
 )
-from megatron.signals import INTERRUPTED_EXIT_STATUS, ShutdownSignals
+from megatron.signals import INTERRUPTED_EXIT_STATUS, TERMINATED_EXIT_STATUS, ShutdownSignals
 from megatron.timers import Timers, format_across_ranks, gather_across_ranks
 from megatron.training_log import (
     TensorBoard,
@@ -426,6 +428,9 @@ class Trainer:
         self.tensorboard = TensorBoard(self.cfg.logging.tensorboard_dir, is_logger,
                                        self.cfg.logging.tensorboard_queue_size, wandb)
         self.signals = signals
+        # --async-save: checkpoints written in the background (built on every rank: a group).
+        self.saver = AsyncSaver(t.distributed_timeout_minutes) \
+            if self.cfg.checkpoint.async_save else None
         self.guard = NonFiniteGuard(t.max_consecutive_nonfinite_iterations)
         opt = self.cfg.optimizer
         self.overflow_guard = (OverflowGuard(t.max_consecutive_nonfinite_iterations,
@@ -674,6 +679,8 @@ class Trainer:
         s, cfg = self.state, self.cfg
         it = s.iteration
         t, ck = cfg.training, cfg.checkpoint
+        if self.saver is not None and self.saver.poll() is not None:
+            self.signals.writing_in_background(False)
         if t.eval_interval and it % t.eval_interval == 0 and self.has_valid:
             losses = self.run_evaluation(f"validation loss at iteration {it}", self.valid_iter,
                                          t.eval_iters)
@@ -682,15 +689,17 @@ class Trainer:
         if ck.save and ck.save_interval and it % ck.save_interval == 0:
             self.save()
         reason = None
-        if any_true(self.signals.received is not None):
-            reason = "signal"
+        if any_true(self.signals.received is not None or self.signals.while_writing is not None):
+            reason = "signal" if t.exit_signal_handler else "signal-while-writing"
         elif t.exit_duration_in_mins and any_true(
                 (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins):
             reason = "duration"
         elif t.exit_interval and it % t.exit_interval == 0:
             reason = "interval"
-        if reason and ck.save:
+        if reason and ck.save and reason != "signal-while-writing":
             self.save()  # once: a no-op if this iteration is saved already
+        if reason:
+            self.finish_writing()
         return reason
 
     def finish(self) -> None:
@@ -703,6 +712,7 @@ class Trainer:
             self._track_best(losses)
         if self.cfg.checkpoint.save:
             self.save()
+            self.finish_writing()
         self.run_evaluation(f"test loss at the end of training (iteration {s.iteration})",
                             self.test_iter, t.eval_iters, self.has_test)
 
@@ -722,15 +732,26 @@ class Trainer:
             return
         if loss < self.state.best_valid_loss:
             self.state.best_valid_loss = loss
+            if self.state.last_saved != self.state.iteration and self.engine is None:
+                self.save(valid_loss=loss)  # recorded as the best when it is published
+                return
+            self.finish_writing()  # this iteration's folder must exist to be named the best
             if self.save() and (not dist.is_initialized() or dist.get_rank() == 0):
                 from megatron import checkpointing
 
                 checkpointing.update_best_checkpoint(ck.save, self.state.iteration, loss)
 
-    def save(self) -> bool:
-        """Save this iteration once; returns whether it has a checkpoint now. None is saved at
-        an iteration whose step was skipped as non-finite, and none that holds a NaN/Inf
-        (``NonFiniteError`` on every rank instead)."""
+    def finish_writing(self) -> None:
+        """Wait for a checkpoint written in the background (--async-save) and publish it;
+        collective. A failed write raises ``CheckpointError`` on every rank."""
+        if self.saver is not None and self.saver.wait() is not None:
+            self.signals.writing_in_background(False)
+
+    def save(self, valid_loss: Optional[float] = None) -> bool:
+        """Save this iteration once; returns whether it has a checkpoint now (or, with
+        --async-save, is being written). None is saved at an iteration whose step was skipped
+        as non-finite, and none that holds a NaN/Inf (``NonFiniteError`` on every rank
+        instead). ``valid_loss``: recorded as the best checkpoint's (--save-best) if lowest."""
         s = self.state
         from megatron import checkpointing
 
@@ -749,11 +770,15 @@ class Trainer:
             else:
                 # --dp-mode decentralized saves the replicas' mean.
                 self.optimizer.average_replicas()
-                check_finite_for_save(self.chunks, self.optimizer, s.iteration)
+                if self.saver is None:  # a background save checks its host copy, off the
+                    check_finite_for_save(self.chunks, self.optimizer, s.iteration)  # loop
+                else:  # signals wait for the background write, from before its thread starts
+                    self.signals.writing_in_background(True)
                 folder = checkpointing.save_checkpoint(
                     s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
                     consumed_train_samples=s.consumed_train_samples,
-                    consumed_valid_samples=s.consumed_valid_samples)
+                    consumed_valid_samples=s.consumed_valid_samples, valid_loss=valid_loss,
+                    saver=self.saver, refuse_nonfinite=self.saver is not None)
             # checkpointing logs the save ("successfully saved checkpoint ..."); the run
             # summary names the last folder.
             s.last_saved, s.last_checkpoint = s.iteration, folder
@@ -845,6 +870,7 @@ def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals, wall_
     if cfg.training.dry_run:
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
     device = initialize_megatron(cfg)
+    save_lock = _lock_save_folder_or_exit(cfg)
     cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
     # The arguments block shows what this device uses, not what was asked for.
     cfg = cfg.replace(model=cfg.model.replace(
@@ -897,15 +923,24 @@ def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals, wall_
         if reason == "done":
             trainer.finish()
         else:
-            print_rank_0(_exit_message(reason, state, cfg, signals.received))
+            if reason == "signal-while-writing" and any_true(signals.while_writing == "SIGINT"):
+                signals.interrupt()  # Ctrl-C, now that the checkpoint being written is complete
+            print_rank_0(_exit_message(reason, state, cfg,
+                                       signals.received or signals.while_writing))
+        if reason == "signal-while-writing":  # SIGTERM's own status, once the save is done
+            _end_run(trainer, start, loop_seconds)
+            raise SystemExit(TERMINATED_EXIT_STATUS)
     except NonFiniteError as error:
         # Every rank raised it at the same point (its decisions are collective).
+        trainer.finish_writing()  # a checkpoint of a finite iteration being written
         trainer.tensorboard.close()
         _finish()
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     _end_run(trainer, start, loop_seconds)
+    if save_lock is not None:
+        save_lock.release()
     return state
 
 
@@ -976,6 +1011,8 @@ def _end_run(trainer: Trainer, start: _RunStart, loop_seconds: float) -> None:
 
 _EXIT_MESSAGES = {
     "signal": "{signal} received with --exit-signal-handler",
+    "signal-while-writing": "{signal} received while a checkpoint was written in the "
+    "background: it was finished first",
     "duration": "--exit-duration-in-mins reached",
     "interval": "--exit-interval reached",
 }
@@ -1038,6 +1075,30 @@ def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
     except checkpointing.CheckpointError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _lock_save_folder_or_exit(cfg: RunConfig):
+    """Global rank 0 locks --save for this run (megatron/checkpointing/lock.py); a folder
+    another live run saves into ends every rank with ``error: ...`` (rank 0) and status 2,
+    before the model is built. Returns the lock (rank 0), else None."""
+    from megatron.checkpointing.lock import SaveLock
+    from megatron.checkpointing.ranks import broadcast_from_rank0
+
+    if not cfg.checkpoint.save:
+        return None
+    lock, problem = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        lock = SaveLock(cfg.checkpoint.save)
+        try:
+            lock.acquire()
+        except (CheckpointError, OSError) as error:
+            lock, problem = None, str(error)
+    problem = broadcast_from_rank0(problem)
+    if problem is not None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return lock
 
 
 def _warn_slow_precision(cfg: RunConfig, device: torch.device) -> None:

@@ -57,6 +57,9 @@ def unsupported_on_xla(cfg: RunConfig) -> Optional[str]:
         (o.optimizer == "accumadamw", "--optimizer accumadamw"),
         (p.dp_mode != "allreduce", "--dp-mode decentralized"),
         (t.compile, "--compile (an XLA step is compiled by XLA)"),
+        (cfg.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist "
+         "(torch.distributed.checkpoint's collectives do not run over the xla backend; the "
+         "torch format's checkpoints load on any device)"),
         (o.check_for_nan_in_loss_and_grad and not o.use_syncfree_optim,
          "--check-for-nan-in-loss-and-grad without --use-syncfree-optim (skipping a NaN/Inf "
          "step on the device needs the sync-free optimizer; add --use-syncfree-optim, or "

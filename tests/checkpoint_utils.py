@@ -3,8 +3,10 @@ changed: shared by the unit, distributed and functional checkpoint tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+import subprocess
 import zipfile
 import zlib
 
@@ -34,3 +36,25 @@ def folder_state(root) -> dict:
             with open(path, "rb") as f:
                 out[os.path.relpath(path, root)] = zlib.crc32(f.read())
     return out
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder, size_bytes: int):
+    """A tmpfs of ``size_bytes`` mounted on ``folder`` (created) for the block: a disk that
+    fills up for real. Skips the test, saying why, where mounting is not allowed."""
+    import pytest
+
+    os.makedirs(folder, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs",
+                           str(folder)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill up (needs root and CAP_SYS_ADMIN): "
+                    f"{done.stderr.strip()}")
+    try:
+        yield str(folder)
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def resize_tmpfs(folder, size_bytes: int) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size_bytes}", str(folder)], check=True)

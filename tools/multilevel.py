@@ -34,8 +34,8 @@ from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.checkpointing import CheckpointError, read_tracker  # noqa: E402
-from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout  # noqa: E402
+from megatron.checkpointing import CheckpointError, latest_checkpoint  # noqa: E402
+from megatron.checkpointing.folder import MEGATRON, no_checkpoint_error  # noqa: E402
 from megatron.config import ModelConfig, to_dict  # noqa: E402
 from megatron.conversion import (  # noqa: E402
     FullCheckpoint,
@@ -66,9 +66,8 @@ class Operand(NamedTuple):
 def read_operand(load_dir: str, flag: str) -> Operand:
     """The whole model of ``load_dir``'s latest checkpoint, saved at any tensor, pipeline and
     virtual-pipeline layout, with or without the distributed optimizer."""
-    if not os.path.isdir(load_dir) or read_tracker(load_dir) is None:
-        raise CheckpointError(f"{flag} {load_dir} holds no checkpoint (no "
-                              "latest_checkpointed_iteration.txt)")
+    if not os.path.isdir(load_dir) or latest_checkpoint(load_dir) is None:
+        raise no_checkpoint_error(load_dir, flag, namings=(MEGATRON,))
     try:
         full = load_full_checkpoint(load_dir, optimizer=False)  # reset: not even read
     except CheckpointError as error:
@@ -78,7 +77,7 @@ def read_operand(load_dir: str, flag: str) -> Operand:
 
 def saved_parallel_sizes(load_dir: str) -> tuple[int, int]:
     """(tensor, pipeline) sizes the latest checkpoint of ``load_dir`` was saved with."""
-    return saved_layout(resolve_iteration_dir(load_dir, read_tracker(load_dir)))
+    return latest_checkpoint(load_dir).layout()
 
 
 def write_operand(save_dir: str, out: Operand, tp: int, pp: int) -> str:

@@ -16,8 +16,10 @@ dicts), ``parallel_layout``, ``consumed_train_samples``/``consumed_valid_samples
 ``opt_param_scheduler``, ``rng_state`` (one entry per data-parallel rank: python, numpy, torch
 CPU/CUDA generators and the tensor-parallel tracker) and whatever the caller passed as
 ``extra`` (e.g. ``num_floating_point_operations_so_far``) as further top-level keys.
-The distributed optimizer's state is gathered over data parallel into ``distrib_optim.pt``
-(full, unsharded tensors keyed by parameter name), so it loads at any data-parallel size.
+The distributed optimizer's state is in ``distrib_optim.pt`` (full, unsharded tensors keyed by
+parameter name), so it loads at any data-parallel size; data-parallel rank 0 receives it one
+parameter at a time and streams it into the file, so no rank holds more than its own shard
+and one parameter's buffer.
 ``manifest.json`` (see ``manifest.py``) records what an intact folder is; loading checks each
 file it reads against it, and compares the model flags with the config stored there. Folders
 without one (older saves, Megatron-LM's) load with a warning that they were not verified.
@@ -25,20 +27,47 @@ without one (older saves, Megatron-LM's) load with a warning that they were not 
 A save writes everything into ``SAVE/iter_XXXXXXX.tmp-<unique>``; when every rank has
 succeeded, global rank 0 writes the manifest, renames that folder to ``iter_XXXXXXX`` and only
 then replaces the tracker file. A crash at any point leaves the previous checkpoint the one the
-tracker names; the next save removes the temporary folder such a crash left behind.
+tracker names; the next save removes the temporary folder such a crash left behind. Loading
+takes the tracker's folder, or the newest complete one when the tracker is missing, empty or
+names a folder that is gone or incomplete (``folder.latest_checkpoint``). With
+``--async-save`` the files are written by a background thread from a host copy and published
+later (``async_save.AsyncSaver``). A run holds an advisory lock on its ``--save`` folder
+(``lock.py``).
 Files are read with ``torch.load(weights_only=True)``: everything stored is tensors and plain
 Python values.
 
-Modules: ``paths`` (names, tracker files, --save/--load checks), ``files`` (atomic writes,
-checksums, safe reads), ``ranks`` (this rank's place, collectives), ``contents`` (what a file
-holds), ``rng``, ``manifest`` (verification), ``model_shape``, ``save``, ``load``,
-``retention`` (leftovers, pruning, best).
+``--ckpt-format torch_dist`` writes Megatron-LM's distributed format instead (``torch_dist``:
+``metadata.json``, ``common.pt``, ``.metadata``, ``__R_N.distcp`` through
+``torch.distributed.checkpoint``, megatron-core's tensor names), each rank its own shards;
+``--load`` reads it, and Megatron-LM's own, at any tensor/pipeline/data-parallel size. The
+manifest, the temporary folder and the publishing are the same.
+
+Modules: ``folder`` (the one owner of the folder layout of each format: tracker files,
+iteration folders, the latest complete checkpoint, publishing; other formats register
+there), ``paths`` (file names, --save checks), ``files`` (atomic writes, checksums, safe
+reads), ``ranks`` (this rank's place, collectives), ``contents`` (what a file holds), ``rng``,
+``manifest`` (verification), ``model_shape``, ``save``, ``load``, ``retention`` (leftovers,
+pruning, best), ``torch_dist`` (that format; ``mcore_layout``: megatron-core's names and
+layouts, ``dcp``: boxes of global tensors through torch.distributed.checkpoint).
 """
 
 from megatron.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointLayoutError,
+)
+from megatron.checkpointing.folder import (
+    CheckpointFolder,
+    FolderFormat,
+    Tracker,
+    check_load_dir,
+    checkpoint_at,
+    checkpoint_path,
+    iteration_dir_name,
+    latest_checkpoint,
+    list_iterations,
+    read_tracker,
+    register_format,
 )
 from megatron.checkpointing.load import (
     LoadedCheckpoint,
@@ -56,15 +85,9 @@ from megatron.checkpointing.paths import (
     MODEL_FILENAME,
     TRACKER_FILENAME,
     BestCheckpoint,
-    Tracker,
-    check_load_dir,
     check_save_dir,
-    checkpoint_path,
-    iteration_dir_name,
-    list_iterations,
     mp_rank_dir_name,
     read_best,
-    read_tracker,
 )
 from megatron.checkpointing.retention import (
     prune_checkpoints,
@@ -72,6 +95,7 @@ from megatron.checkpointing.retention import (
     update_best_checkpoint,
 )
 from megatron.checkpointing.save import save_checkpoint
+from megatron.checkpointing.torch_dist import TORCH_DIST  # noqa: F401 - registers the format
 
 __all__ = [
     "BEST_FILENAME",
@@ -83,14 +107,18 @@ __all__ = [
     "BestCheckpoint",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointFolder",
     "CheckpointLayoutError",
+    "FolderFormat",
     "LoadReport",
     "LoadedCheckpoint",
     "Tracker",
     "check_load_dir",
     "check_save_dir",
+    "checkpoint_at",
     "checkpoint_path",
     "iteration_dir_name",
+    "latest_checkpoint",
     "list_iterations",
     "load_checkpoint",
     "load_checkpoint_config",
@@ -100,6 +128,7 @@ __all__ = [
     "read_best",
     "read_manifest",
     "read_tracker",
+    "register_format",
     "remove_leftover_folders",
     "save_checkpoint",
     "update_best_checkpoint",

@@ -50,40 +50,62 @@ def config_dict(config: Any) -> dict:
 
 
 def parallel_layout_dict(layout: RankLayout, num_chunks: int) -> dict:
-    return {
-        "tensor_model_parallel_size": layout.tp_size,
-        "pipeline_model_parallel_size": layout.pp_size,
-        "data_parallel_size": layout.dp_size,
-        "num_model_chunks": num_chunks,
+    return layout_dict(layout.tp_size, layout.pp_size, layout.dp_size, num_chunks)
+
+
+def layout_dict(tp: int, pp: int, dp: int, num_chunks: int) -> dict:
+    """The ``parallel_layout`` entry of a rank file and of the manifest."""
+    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+            "data_parallel_size": dp, "num_model_chunks": num_chunks}
+
+
+def rank_file_state(*, iteration: int, config: dict, parallel_layout: dict,
+                    consumed: tuple[int, int], models: Sequence[dict],
+                    optimizer: Optional[dict] = None, distributed_optimizer: bool = False,
+                    scheduler: Optional[dict] = None, rng_states: Optional[list[dict]] = None,
+                    converted_from: Optional[str] = None, extra: Optional[dict] = None) -> dict:
+    """The dict one ``model_optim_rng.pt`` holds, from its parts: ``models`` (one state dict
+    per model chunk), ``optimizer`` (a torch/Megatron optimizer's state dict) or
+    ``distributed_optimizer`` (its state is in ``distrib_optim.pt``), the scheduler's state,
+    the RNG states of every data-parallel rank, ``converted_from`` for a converter's files."""
+    state: dict[str, Any] = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": int(iteration),
+        "config": config,
+        "parallel_layout": parallel_layout,
+        "consumed_train_samples": int(consumed[0]),
+        "consumed_valid_samples": int(consumed[1]),
     }
+    if converted_from is not None:
+        state[CONVERTED_KEY] = converted_from
+    state.update(zip(model_keys(len(models)), models))
+    if distributed_optimizer:
+        state["distributed_optimizer"] = True
+    elif optimizer is not None:
+        state["optimizer"] = optimizer
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler
+    if rng_states is not None:
+        state["rng_state"] = rng_states
+    state.update(extra or {})
+    return state
 
 
 def build_state(iteration: int, chunks: list[nn.Module], optimizer: Any, scheduler: Any,
                 config: Any, layout: RankLayout, rng_states: Optional[list[dict]],
                 consumed: tuple[int, int], extra: Optional[dict]) -> dict:
-    """The dict this rank's ``model_optim_rng.pt`` holds."""
-    ckpt = config.checkpoint
-    state: dict[str, Any] = {
-        "checkpoint_version": CHECKPOINT_VERSION,
-        "iteration": int(iteration),
-        "config": config_dict(config),
-        "parallel_layout": parallel_layout_dict(layout, len(chunks)),
-        "consumed_train_samples": int(consumed[0]),
-        "consumed_valid_samples": int(consumed[1]),
-    }
-    for key, chunk in zip(model_keys(len(chunks)), chunks):
-        state[key] = unwrap_model(chunk).state_dict()
-    if not ckpt.no_save_optim:
-        if isinstance(optimizer, DistributedOptimizer):
-            state["distributed_optimizer"] = True  # its state is in distrib_optim.pt
-        elif optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
-        if scheduler is not None:
-            state["opt_param_scheduler"] = scheduler.state_dict()
-    if rng_states is not None:
-        state["rng_state"] = rng_states
-    state.update(extra or {})
-    return state
+    """The dict this rank's ``model_optim_rng.pt`` holds (its tensors are the live ones)."""
+    save_optim = not config.checkpoint.no_save_optim
+    distributed = save_optim and isinstance(optimizer, DistributedOptimizer)
+    return rank_file_state(
+        iteration=iteration, config=config_dict(config),
+        parallel_layout=parallel_layout_dict(layout, len(chunks)), consumed=consumed,
+        models=[unwrap_model(chunk).state_dict() for chunk in chunks],
+        optimizer=optimizer.state_dict() if save_optim and not distributed
+        and optimizer is not None else None,
+        distributed_optimizer=distributed,
+        scheduler=scheduler.state_dict() if save_optim and scheduler is not None else None,
+        rng_states=rng_states, extra=extra)
 
 
 def check_extra(extra: Optional[dict]) -> None:

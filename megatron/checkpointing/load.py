@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from megatron.checkpointing.contents import (
@@ -26,35 +28,28 @@ from megatron.checkpointing.errors import (
     CheckpointLayoutError,
 )
 from megatron.checkpointing.files import read_torch
-from megatron.checkpointing.manifest import (
-    check_complete,
-    check_listed,
-    manifest_layout,
-    read_manifest,
-    verify_files,
+from megatron.checkpointing.folder import (
+    MEGATRON,
+    CheckpointFolder,
+    Naming,
+    check_load_dir,
+    latest_checkpoint,
+    list_iterations,
 )
+from megatron.checkpointing.manifest import check_complete, check_listed
 from megatron.checkpointing.model_shape import check_model_shape
 from megatron.checkpointing.paths import (
     DISTRIB_OPTIM_FILENAME,
     MANIFEST_FILENAME,
     MODEL_FILENAME,
     TRACKER_FILENAME,
-    Tracker,
-    check_layout,
-    check_load_dir,
-    list_iterations,
-    mp_rank_dir_name,
-    read_tracker,
     reshard_hint,
-    resolve_iteration_dir,
-    saved_layout,
 )
 from megatron.checkpointing.ranks import (
     RankLayout,
-    all_true,
     check_same_everywhere,
     current_layout,
-    gather_to_all,
+    raise_together,
 )
 from megatron.checkpointing.rng import restore_rng_state, rng_state_for
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
@@ -123,33 +118,35 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
     if ckpt.load is None:
         return LoadedCheckpoint()
     check_load_dir(ckpt.load)
-    tracker = read_tracker(ckpt.load)
-    check_same_everywhere(-1 if tracker is None else tracker.iteration, "the latest iteration")
-    if tracker is None:
+    folder = _agreed_latest(ckpt.load)
+    if folder is None:
         if ckpt.exit_on_missing_checkpoint:
             raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint in --load "
                                   f"{ckpt.load} (no {TRACKER_FILENAME} there)")
-        logger.warning("no %s in %s: starting from scratch", TRACKER_FILENAME, ckpt.load)
+        logger.warning("no checkpoint in %s (no %s there): starting from scratch", ckpt.load,
+                       TRACKER_FILENAME)
         return LoadedCheckpoint()
 
     chunks = as_chunks(model_chunks)
     layout = current_layout()
-    model_only = ckpt.finetune or tracker.release
+    model_only = ckpt.finetune or folder.release
     load_optim = not model_only and not ckpt.no_load_optim
+    if folder.format.name == "torch_dist":
+        return _load_torch_dist(folder, chunks, optimizer, opt_param_scheduler, config, layout,
+                                model_only, load_optim)
     error, files = None, None
     try:
-        files = _read_rank_files(config, tracker, layout, optimizer, load_optim)
+        files = _read_rank_files(config, folder, layout, optimizer, load_optim)
         _load_model(files.state, chunks, files.path, strict, _reshard_hint(config))
     except Exception as e:  # noqa: BLE001 - decide together before any collective
         error = e
-    if not all_true(error is None):
-        _raise_first_failure(error)
+    raise_together(error)
     scheduler_loaded, rng_loaded = _restore_training_state(
         files, ckpt, layout, optimizer, opt_param_scheduler, model_only, load_optim)
     state = files.state
     rng_wanted = not model_only and not ckpt.no_load_rng
-    report = LoadReport(os.path.dirname(os.path.dirname(files.path)), tracker.iteration,
-                        tracker.release, load_optim, scheduler_loaded, rng_loaded,
+    report = LoadReport(folder.path, folder.iteration, folder.release, load_optim,
+                        scheduler_loaded, rng_loaded,
                         rng_from_seed=rng_wanted and not rng_loaded)
     if model_only:
         return LoadedCheckpoint(0, 0, 0, extra_entries(state), report)
@@ -157,41 +154,43 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
                             extra=extra_entries(state), report=report)
 
 
-def _raise_first_failure(error: Optional[Exception]) -> None:
-    """After a failed vote: this rank's own error, or the lowest failing rank's message, so
-    that rank 0 (which speaks for all) names the real cause."""
-    if error is not None:
-        gather_to_all(str(error))
-        raise error
-    failures = gather_to_all(None)
-    rank, message = next((r, m) for r, m in enumerate(failures) if m is not None)
-    raise CheckpointError(f"on rank {rank}: {message}")
+def _agreed_latest(load_dir: str) -> Optional[CheckpointFolder]:
+    """``latest_checkpoint(load_dir)``, the same on every rank (an error on any is raised on
+    all, so none waits for the others in a collective)."""
+    error, folder = None, None
+    try:
+        folder = latest_checkpoint(load_dir)
+    except CheckpointError as e:
+        error = e
+    raise_together(error)
+    check_same_everywhere(-1 if folder is None else folder.iteration, "the latest iteration")
+    return folder
 
 
-def _read_rank_files(config: Any, tracker: Tracker, layout: RankLayout, optimizer: Any,
+def _read_rank_files(config: Any, folder: CheckpointFolder, layout: RankLayout, optimizer: Any,
                      load_optim: bool) -> _RankFiles:
-    """Check the tracker's folder against this run and its manifest, then read this rank's
-    files. The model shape is compared before any tensor is read when there is a manifest."""
+    """Check the folder against this run and its manifest, then read this rank's files. The
+    model shape is compared before any tensor is read when there is a manifest."""
     ckpt = config.checkpoint
-    iter_dir = resolve_iteration_dir(ckpt.load, tracker)
-    where = f"{iter_dir} (--load {ckpt.load})"
-    manifest = read_manifest(iter_dir)
-    model_rel = f"{layout.mp_rank_dir}/{MODEL_FILENAME}"
+    where = f"{folder.path} (--load {ckpt.load})"
+    manifest = folder.manifest
     if manifest is not None:
-        if os.path.isfile(os.path.join(iter_dir, layout.mp_rank_dir, MODEL_FILENAME)):
-            _with_hint(check_listed, ckpt.load, iter_dir, manifest, model_rel)
-        _with_hint(check_complete, ckpt.load, iter_dir, manifest)
-    check_layout(iter_dir, layout.tp_size, layout.pp_size, _reshard_hint(config),
-                 manifest_layout(manifest) if manifest is not None else None)
+        # Before the layout: a folder missing a rank's files is incomplete, not another
+        # layout (the manifest records the one it was saved with).
+        if os.path.isfile(folder.rank_file(layout.tp_rank, layout.pp_rank, layout.pp_size)):
+            rel = f"{layout.mp_rank_dir}/{MODEL_FILENAME}"
+            _with_hint(folder, ckpt.load, lambda: check_listed(folder.path, manifest, rel))
+        _with_hint(folder, ckpt.load, lambda: check_complete(folder.path, manifest))
+    _check_layout(folder, layout.tp_size, layout.pp_size, _reshard_hint(config))
     if manifest is not None:
         check_model_shape(manifest.get("config"), config.model, where)
-        _verify(iter_dir, manifest, layout, load_optim, ckpt)
+        _verify(folder, layout, load_optim, ckpt)
     elif layout.rank == 0:
         logger.warning("checkpoint %s has no %s (saved by an older version, or by Megatron-LM "
-                       "/ Megatron-DeepSpeed): its files are not verified", iter_dir,
+                       "/ Megatron-DeepSpeed): its files are not verified", folder.path,
                        MANIFEST_FILENAME)
-    path = os.path.join(iter_dir, layout.mp_rank_dir, MODEL_FILENAME)
-    logger.info("loading checkpoint from %s at iteration %d", ckpt.load, tracker.iteration)
+    path = folder.rank_file(layout.tp_rank, layout.pp_rank, layout.pp_size)
+    logger.info("loading checkpoint from %s at iteration %d", ckpt.load, folder.iteration)
     state = read_torch(path)
     check_version(state, path)
     if manifest is None:
@@ -200,26 +199,38 @@ def _read_rank_files(config: Any, tracker: Tracker, layout: RankLayout, optimize
     return _RankFiles(path, state, distrib_state)
 
 
-def _verify(iter_dir: str, manifest: dict, layout: RankLayout, load_optim: bool,
-            ckpt: Any) -> None:
+def _check_layout(folder: CheckpointFolder, tp_size: int, pp_size: int, reshard: str) -> None:
+    """Raise ``CheckpointLayoutError`` unless ``folder`` was saved at (tp_size, pp_size) (as
+    its manifest records, else as its mp_rank_* folders tell); ``reshard``: the
+    ``reshard_hint`` to give."""
+    saved = folder.layout()
+    now = (tp_size, pp_size)
+    if saved != now:
+        raise CheckpointLayoutError(
+            f"checkpoint {folder.path} was saved with tensor-model-parallel size {saved[0]} and "
+            f"pipeline-model-parallel size {saved[1]} (tp={saved[0]}, pp={saved[1]}); this run "
+            f"has tp={now[0]}, pp={now[1]}. Run with the saved layout, or {reshard}")
+
+
+def _verify(folder: CheckpointFolder, layout: RankLayout, load_optim: bool, ckpt: Any) -> None:
     """Check the files this rank reads against the manifest. Every rank checks sizes; the
     data-parallel rank 0 of each (tensor, pipeline) rank also checksums them, for its
     replicas read the same files (and a failure on any rank fails the load on all)."""
     model = f"{layout.mp_rank_dir}/{MODEL_FILENAME}"
     distrib = f"{layout.mp_rank_dir}/{DISTRIB_OPTIM_FILENAME}"
-    rel_paths = [model] + ([distrib] if load_optim and distrib in manifest["files"] else [])
+    rel_paths = [model] + ([distrib] if load_optim and distrib in folder.manifest["files"]
+                           else [])
     checksums = layout.dp_rank == 0 and not ckpt.no_verify_checkpoint
-    _with_hint(verify_files, ckpt.load, iter_dir, manifest, rel_paths, checksums=checksums)
+    _with_hint(folder, ckpt.load, lambda: folder.verify(rel_paths, checksums=checksums))
 
 
-def _with_hint(check: Any, load_dir: str, iter_dir: str, manifest: dict, *args: Any,
-               **kwargs: Any) -> None:
-    """``check(iter_dir, manifest, ...)``; a damaged or incomplete folder's error says which
-    other checkpoints could be resumed instead."""
+def _with_hint(folder: CheckpointFolder, load_dir: str, check: Callable[[], None]) -> None:
+    """``check()`` of ``folder``; a damaged or incomplete folder's error says which other
+    checkpoints could be resumed instead."""
     try:
-        check(iter_dir, manifest, *args, **kwargs)
+        check()
     except CheckpointCorruptError as error:
-        hint = _earlier_checkpoints_hint(load_dir, manifest.get("iteration"))
+        hint = _earlier_checkpoints_hint(load_dir, folder.iteration)
         raise CheckpointCorruptError(f"{error}. {hint}") from error
 
 
@@ -319,37 +330,77 @@ def _load_optimizer(files: _RankFiles, optimizer: Any, scheduler: Any) -> bool:
     return False
 
 
-def load_scheduler_state(load_dir: str) -> Optional[tuple[str, dict]]:
-    """The learning-rate schedule stored with the latest checkpoint of ``load_dir``: its
-    folder and state, or None when there is none to resume (no checkpoint, a release one, a
-    file that cannot be read: loading reports those). Reads one small entry of a
-    memory-mapped file, so it is cheap enough to check before anything is built."""
+def _load_torch_dist(folder: CheckpointFolder, chunks: list[nn.Module], optimizer: Any,
+                     scheduler: Any, config: Any, layout: RankLayout, model_only: bool,
+                     load_optim: bool) -> LoadedCheckpoint:
+    """``load_checkpoint`` of a torch_dist folder (ours or Megatron-LM's), at any layout."""
+    from megatron.checkpointing import torch_dist
+
+    ckpt = config.checkpoint
+    iter_dir = folder.path
+    error, common = None, None
     try:
-        tracker = read_tracker(load_dir)
-        if tracker is None or tracker.release:
+        _verify_torch_dist(folder, layout, ckpt)
+        common = torch_dist.read_common(iter_dir)
+        torch_dist.check_stored_config(common, config, f"{iter_dir} (--load {ckpt.load})")
+    except Exception as e:  # noqa: BLE001 - decide together before any collective
+        error = e
+    raise_together(error)
+    logger.info("loading torch_dist checkpoint from %s at iteration %d", ckpt.load,
+                folder.iteration)
+    rng_wanted = not model_only and not ckpt.no_load_rng
+    restored = torch_dist.read_into(iter_dir, common, chunks, optimizer, scheduler, config,
+                                    layout, load_optim, rng_wanted)
+    report = LoadReport(iter_dir, folder.iteration, folder.release, restored.optimizer,
+                        restored.scheduler, restored.rng,
+                        rng_from_seed=rng_wanted and not restored.rng)
+    extra = torch_dist.extra_entries(common)
+    if model_only:
+        return LoadedCheckpoint(0, 0, 0, extra, report)
+    return LoadedCheckpoint(*torch_dist.counters(common), extra=extra, report=report)
+
+
+def _verify_torch_dist(folder: CheckpointFolder, layout: RankLayout, ckpt: Any) -> None:
+    """Every rank checks every file's size against the manifest (each reads pieces of
+    many); the checksums are shared out, each file read by one rank."""
+    if folder.manifest is None:
+        if layout.rank == 0:
+            logger.warning("checkpoint %s has no %s (saved by Megatron-LM?): its files are not "
+                           "verified", folder.path, MANIFEST_FILENAME)
+        return
+    names = sorted(folder.manifest["files"])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def check() -> None:
+        check_complete(folder.path, folder.manifest)
+        folder.verify(names, checksums=False)
+        if not ckpt.no_verify_checkpoint:
+            folder.verify(names[layout.rank::world], checksums=True)
+
+    _with_hint(folder, ckpt.load, check)
+
+
+def load_scheduler_state(load_dir: str,
+                         naming: Naming = MEGATRON) -> Optional[tuple[str, dict]]:
+    """The learning-rate schedule stored with the latest checkpoint of ``load_dir`` (``naming``
+    DEEPSPEED: the one our DeepSpeed engine stores in its client state): its folder and state,
+    or None when there is none to resume (no checkpoint, a release one, a format or file that
+    cannot be read ahead: loading reports those). Reads one small entry of a memory-mapped
+    file, so it is cheap enough to check before anything is built."""
+    try:
+        folder = latest_checkpoint(load_dir, naming, warn=False)  # the load warns
+        if folder is None or folder.release:
             return None
-        iter_dir = resolve_iteration_dir(load_dir, tracker)
-        _, pp = saved_layout(iter_dir)
-        state = read_torch(os.path.join(iter_dir, mp_rank_dir_name(0, 0, pp), MODEL_FILENAME),
-                           mmap=True)
+        state = folder.format.common(folder.path)
     except (CheckpointError, OSError):
         return None
     saved = state.get("opt_param_scheduler", state.get("lr_scheduler"))
-    return (iter_dir, saved) if isinstance(saved, dict) else None
+    return (folder.path, saved) if isinstance(saved, dict) else None
 
 
 def load_checkpoint_config(load_dir: str) -> Optional[dict]:
     """The run configuration stored with the latest checkpoint of ``load_dir`` (plain dicts;
     Megatron's checkpoints: their argparse fields), or None if there is no checkpoint or it
     stores none (for ``--use-checkpoint-args``). Read from the manifest when there is one."""
-    tracker = read_tracker(load_dir)
-    if tracker is None:
-        return None
-    iter_dir = resolve_iteration_dir(load_dir, tracker)
-    manifest = read_manifest(iter_dir)
-    if manifest is not None and manifest.get("config") is not None:
-        return manifest["config"]
-    _, pp = saved_layout(iter_dir)
-    return stored_config(read_torch(os.path.join(iter_dir, mp_rank_dir_name(0, 0, pp),
-                                                 MODEL_FILENAME)))
-
+    folder = latest_checkpoint(load_dir)
+    return None if folder is None else folder.config()

@@ -8,7 +8,7 @@ their buffers on the current CUDA device themselves.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,28 @@ def gather_to_all(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value, group=parallel_state.get_control_group())
     return gathered
+
+
+def first_failure(error: Optional[BaseException]) -> tuple[int, str]:
+    """After a vote that failed (every rank calls it): the lowest failing rank and its
+    error's message, so that rank 0, which speaks for all, names the real cause. ``error``:
+    this rank's, None when it did not fail."""
+    failures = gather_to_all(None if error is None else str(error))
+    return next((r, m) for r, m in enumerate(failures) if m is not None)
+
+
+def raise_together(error: Optional[BaseException]) -> None:
+    """After each rank tried something that can fail on it alone (``error``: its own, None
+    when it succeeded), decide together (collective over all ranks): when any failed, every
+    rank raises, its own error where it failed, elsewhere a ``CheckpointError`` "on rank R:
+    ..." with the lowest failing rank's message, so that none waits in a collective for a
+    rank that stopped and rank 0, which speaks for all, names the real cause."""
+    if all_true(error is None):
+        return
+    rank, message = first_failure(error)
+    if error is not None:
+        raise error
+    raise CheckpointError(f"on rank {rank}: {message}")
 
 
 def check_same_everywhere(value: int, what: str) -> None:

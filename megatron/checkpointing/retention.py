@@ -14,13 +14,8 @@ from typing import Optional
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import write_text_atomic
-from megatron.checkpointing.paths import (
-    BEST_FILENAME,
-    iteration_dir_name,
-    list_iterations,
-    read_best,
-    read_tracker,
-)
+from megatron.checkpointing.folder import iteration_dir_name, list_iterations, read_tracker
+from megatron.checkpointing.paths import BEST_FILENAME, read_best
 
 logger = logging.getLogger(__name__)
 

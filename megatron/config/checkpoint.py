@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.config.base import Slice, check_refused, option, optional_positive, require
+from megatron.config.base import Slice, check_refused, one_of, option, optional_positive, require
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,23 @@ class CheckpointConfig(Slice):
     no_verify_checkpoint: bool = option(
         default=False, help="Load without checksumming the files against the checkpoint's "
         "manifest.json (sizes are still checked): for checkpoints too large to read twice.")
+    async_save: bool = option(
+        default=False, help="Write checkpoints in the background: the state is copied to host "
+        "memory, training goes on, and the checkpoint becomes the latest once every rank has "
+        "written it (a save still running is finished before the run ends).")
     ckpt_format: str = option(
-        default="torch", help="Only torch (Megatron's iter_XXXXXXX/mp_rank_XX layout).",
-        refused="only the torch format (the iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt "
-        "layout) is written and read; torch_dist and zarr are not supported")
+        default="torch", choices=("torch", "torch_dist"),
+        help="torch: Megatron's iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt files, one per "
+        "(tensor, pipeline) rank. torch_dist: Megatron-LM's distributed format "
+        "(torch.distributed.checkpoint, megatron-core's names): every rank writes its own "
+        "shards, and it loads at any tensor/pipeline/data-parallel size. --load reads "
+        "either, whatever this flag says.")
 
     def __post_init__(self) -> None:
         check_refused(self)
+        one_of(self, "ckpt_format", ("torch", "torch_dist"))
         optional_positive(self, "save_interval", "keep_last_n_checkpoints")
+        require(not self.async_save or self.save is not None,
+                "--async-save needs --save (the folder the checkpoints are written to)")
         require(self.save is None or self.save_interval is not None,
                 f"--save ({self.save}) needs --save-interval")

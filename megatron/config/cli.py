@@ -186,16 +186,19 @@ def checkpoint_model_settings(load_dir: Optional[str]) -> dict[str, Any]:
     if load_dir is None:
         raise ConfigError("--use-checkpoint-args needs --load (the checkpoint to read)")
     from megatron.checkpointing import CheckpointError
-    from megatron.conversion.checkpoint_kinds import summarize_checkpoint
+    from megatron.checkpointing.folder import find_checkpoint
 
     try:  # any kind: ours, Megatron's, DeepSpeed's
-        summary = summarize_checkpoint(load_dir)
+        folder = find_checkpoint(load_dir)
+        stored = None if folder is None else folder.config()
     except (CheckpointError, OSError) as error:
         raise ConfigError(f"--use-checkpoint-args: cannot read --load {load_dir}: "
                           f"{error}") from None
-    if summary is None:
+    if folder is None:
         raise ConfigError(f"--use-checkpoint-args: --load {load_dir} holds no checkpoint")
-    stored = summary.stored
+    if not isinstance(stored, dict):
+        raise ConfigError(f"--use-checkpoint-args: {folder.path} stores no run configuration "
+                          "(no 'config' or 'args')")
     model = stored.get("model", stored)  # ours: nested slices; Megatron's: flat args
     return {k: model[k] for k in CHECKPOINT_MODEL_FIELDS if model.get(k) is not None}
 

@@ -96,7 +96,9 @@ class RunConfig:
         for on, flag_name in ((self.optimizer.use_distributed_optimizer,
                                "--use-distributed-optimizer"),
                               (self.deepspeed.deepspeed, "--deepspeed"),
-                              (self.optimizer.fp16, "--fp16")):
+                              (self.optimizer.fp16, "--fp16"),
+                              (self.checkpoint.ckpt_format == "torch_dist",
+                               "--ckpt-format torch_dist")):
             require(not on, f"--dp-mode decentralized cannot be combined with {flag_name} "
                     "(use --dp-mode allreduce, or leave the flag out; --bf16 works)")
 
@@ -212,7 +214,11 @@ class RunConfig:
                  "optimizer's gradients; DeepSpeed's engine keeps its own and reports no count"),
                 (self.training.compile, "--compile is not wired into DeepSpeed's engine (its "
                  "ZeRO hooks and pipeline module are not traced); drop it or train without "
-                 "--deepspeed")):
+                 "--deepspeed"),
+                (self.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist: "
+                 "DeepSpeed's engine saves its own checkpoint layout"),
+                (self.checkpoint.async_save, "--async-save: DeepSpeed's engine writes its own "
+                 "checkpoints, synchronously")):
             require(not given, f"{why} (with --deepspeed)")
         require(not (self.deepspeed.no_pipeline_parallel and pp > 1),
                 f"--no-pipeline-parallel runs the plain model in DeepSpeed's engine, which has "

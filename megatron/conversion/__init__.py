@@ -30,7 +30,9 @@ loads any checkpoint at any launch layout with it; ``save_full_checkpoint`` writ
 
 Hugging Face GPT-2 folders: ``hf.load_hf_checkpoint`` / ``hf.save_hf_checkpoint``;
 ``hf.save_keeping_tokenizer`` saves a converted folder with its tokenizer files. DeepSpeed
-engine checkpoints (model only): ``deepspeed_layout.load_deepspeed_checkpoint``.
+engine checkpoints: ``deepspeed_layout.load_deepspeed_checkpoint``. ``read_checkpoint`` reads
+the latest checkpoint of a folder of any kind (``checkpointing.folder.find_checkpoint`` tells:
+torch, torch_dist, DeepSpeed's engines) by that format's reader (``read_folder``).
 The command line is ``tools/checkpoint/convert.py`` (Megatron-LM's interface).
 """
 
@@ -39,6 +41,8 @@ from megatron.conversion.full import (
     FullCheckpoint,
     load_full_checkpoint,
     model_config_from_dict,
+    read_checkpoint,
+    read_folder,
     save_full_checkpoint,
 )
 from megatron.conversion.hf import ConversionError
@@ -49,5 +53,7 @@ __all__ = [
     "FullCheckpoint",
     "load_full_checkpoint",
     "model_config_from_dict",
+    "read_checkpoint",
+    "read_folder",
     "save_full_checkpoint",
 ]

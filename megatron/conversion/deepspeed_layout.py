@@ -41,7 +41,13 @@ from typing import Optional
 from megatron.checkpointing.contents import consumed_samples, stored_config
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import read_torch
-from megatron.checkpointing.manifest import read_manifest, verify_files
+from megatron.checkpointing.folder import (
+    DEEPSPEED,
+    CheckpointFolder,
+    checkpoint_at,
+    deepspeed_model_state_files,
+    latest_checkpoint,
+)
 from megatron.conversion import megatron_deepspeed as mds
 from megatron.conversion.full import (
     FullCheckpoint,
@@ -53,8 +59,6 @@ from megatron.conversion.full import (
 from megatron.conversion.sharding import TIED_COPY, merge_tp
 from megatron.conversion.zero_optim import read_zero_optimizer
 
-LATEST_FILENAME = "latest"
-_MP_FILE_RE = re.compile(r"mp_rank_(\d{2})_model_states\.pt")
 _ZERO3_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt")
 # DeepSpeed names the tensor ("model") rank only when the topology has that axis.
 _LAYER_FILE_RE = re.compile(r"layer_(\d+)(?:-model_(\d{2}))?-model_states\.pt")
@@ -70,10 +74,20 @@ def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
     The files read are checked against the folder's manifest first (our ``--deepspeed``
     saves write one) unless ``verify`` is False. ``optimizer=False`` reads the model only
     (``optimizer`` stays None)."""
-    step_dir = step_folder(load_dir, iteration)
-    mp_files, zero3_files = model_state_files(step_dir)
-    if verify:
-        _verify(step_dir, optimizer or not mp_files)
+    return read_deepspeed_folder(step_folder(load_dir, iteration), true_vocab_size,
+                                 verify=verify, optimizer=optimizer)
+
+
+def read_deepspeed_folder(folder: CheckpointFolder, true_vocab_size: Optional[int] = None, *,
+                          verify: bool = True, optimizer: bool = True) -> FullCheckpoint:
+    """``load_deepspeed_checkpoint`` of one step folder (``checkpointing.folder``'s)."""
+    step_dir = folder.path
+    mp_files, zero3_files = deepspeed_model_state_files(step_dir)
+    if verify and folder.manifest is not None:
+        # ZeRO-3 keeps its weights in the optimizer's partitions.
+        with_optimizer = optimizer or not mp_files
+        folder.verify([f for f in folder.manifest["files"]
+                       if with_optimizer or "optim_states" not in f], checksums=True)
     first_name = mp_files[0] if mp_files else zero3_files[0]
     first = read_torch(os.path.join(step_dir, first_name))
     theirs = not is_our_config(stored_config(first))
@@ -87,7 +101,7 @@ def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
     elif mp_files:
         per_tp = [_module(state, os.path.join(step_dir, n)) for state, n in zip(states, mp_files)]
     else:
-        per_tp = [_zero3_module(load_dir, step_dir, zero3_files)]
+        per_tp = [_zero3_module(folder.root, step_dir, zero3_files)]
     padded = model_config_from_dict(config["model"]).padded_vocab_size
     model = {name: merge_tp(name, [rank[name] for rank in per_tp]) for name in per_tp[0]}
     model = repad_vocab(model, padded)
@@ -107,47 +121,18 @@ def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
         scheduler=None if theirs else first.get("opt_param_scheduler"))
 
 
-def model_state_files(step_dir: str) -> tuple[list[str], list[str]]:
-    """The names of ``step_dir``'s ``mp_rank_XX_model_states.pt`` files and of ZeRO-3's
-    ``zero_pp_rank_N_mp_rank_XX_model_states.pt``, sorted; an error without either."""
-    names = os.listdir(step_dir)
-    mp_files = sorted(n for n in names if _MP_FILE_RE.fullmatch(n))
-    zero3_files = sorted(n for n in names if _ZERO3_FILE_RE.fullmatch(n))
-    if not mp_files and not zero3_files:
-        raise CheckpointError(f"{step_dir} has no mp_rank_XX_model_states.pt (nor ZeRO-3's "
-                              "zero_pp_rank_N_mp_rank_XX_model_states.pt): not a DeepSpeed "
-                              "checkpoint")
-    return mp_files, zero3_files
-
-
-def _verify(step_dir: str, with_optimizer: bool) -> None:
-    """The files of ``step_dir`` that will be read, against its manifest (when it has one):
-    the optimizer's partitions only ``with_optimizer`` (ZeRO-3 keeps its weights there)."""
-    manifest = read_manifest(step_dir)
-    if manifest is None:
-        return
-    wanted = [f for f in manifest["files"] if with_optimizer or "optim_states" not in f]
-    verify_files(step_dir, manifest, wanted, checksums=True)
-
-
-def step_folder(load_dir: str, iteration: Optional[int] = None) -> str:
+def step_folder(load_dir: str, iteration: Optional[int] = None) -> CheckpointFolder:
     """The ``global_stepN`` folder of ``load_dir`` that ``latest`` (or ``iteration``) names."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load-dir {load_dir} is not a folder")
     if iteration is not None:
-        tag = f"global_step{iteration}"
-    else:
-        latest = os.path.join(load_dir, LATEST_FILENAME)
-        if not os.path.isfile(latest):
-            raise CheckpointError(f"--load-dir {load_dir} holds no '{LATEST_FILENAME}' file: "
-                                  "pass the folder DeepSpeed saved into, or --iteration N")
-        with open(latest) as f:
-            tag = f.read().strip()
-    step_dir = os.path.join(load_dir, tag)
-    if not os.path.isdir(step_dir):
-        raise CheckpointError(f"{step_dir} does not exist (named by "
-                              f"{'--iteration' if iteration is not None else LATEST_FILENAME})")
-    return step_dir
+        return checkpoint_at(load_dir, iteration, naming=DEEPSPEED)
+    folder = latest_checkpoint(load_dir, DEEPSPEED)
+    if folder is None:
+        raise CheckpointError(f"--load-dir {load_dir} holds no '{DEEPSPEED.tracker}' file (nor "
+                              "a complete global_stepN folder): pass the folder DeepSpeed "
+                              "saved into, or --iteration N")
+    return folder
 
 
 def _module(state: dict, path: str) -> dict:

@@ -9,7 +9,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import tempfile
 from typing import Any, Optional
 
 import torch
@@ -19,31 +18,32 @@ from megatron.checkpointing.contents import (
     check_version,
     consumed_samples,
     extra_entries,
-    model_keys,
+    layout_dict,
+    rank_file_state,
     stored_config,
 )
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.files import read_torch, write_text_atomic, write_torch
-from megatron.checkpointing.manifest import (
-    build_manifest,
-    read_manifest,
-    verify_files,
-    write_manifest,
+from megatron.checkpointing.files import read_torch, write_torch
+from megatron.checkpointing.folder import (
+    DEEPSPEED,
+    MEGATRON,
+    CheckpointFolder,
+    check_load_dir,
+    checkpoint_at,
+    find_checkpoint,
+    latest_checkpoint,
+    make_tmp_folder,
+    namings_in,
+    no_checkpoint_error,
+    publish_checkpoint,
 )
+from megatron.checkpointing.manifest import build_manifest
 from megatron.checkpointing.paths import (
-    CHECKPOINT_VERSION,
     DISTRIB_OPTIM_FILENAME,
     MODEL_FILENAME,
     TRACKER_FILENAME,
-    Tracker,
-    check_load_dir,
-    iteration_dir_name,
     mp_rank_dir_name,
-    read_tracker,
-    resolve_iteration_dir,
-    saved_layout,
 )
-from megatron.checkpointing.save import publish_folder
 from megatron.config import ConfigError, ModelConfig, ParallelConfig
 from megatron.conversion import megatron_deepspeed as mds
 from megatron.conversion import optim_state
@@ -61,7 +61,6 @@ from megatron.conversion.sharding import (
     split_tp,
     tp_piece,
 )
-from megatron.file_modes import chmod_as_created
 
 logger = logging.getLogger(__name__)
 
@@ -114,63 +113,99 @@ def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
     """Read the checkpoint of ``load_dir`` (the tracker's, or ``iteration``'s) at whatever
     tensor/pipeline/virtual-pipeline layout it was saved with, into one ``FullCheckpoint``.
 
-    Reads our checkpoints (checked against their manifest unless ``verify`` is False) and
+    Reads our checkpoints (checked against their manifest unless ``verify`` is False),
     Megatron-DeepSpeed / Megatron-LM ones (their ``language_model`` layout, model only;
-    ``true_vocab_size`` when their flags do not record the unpadded vocabulary).
+    ``true_vocab_size`` when their flags do not record the unpadded vocabulary), and
+    torch_dist folders, Megatron-LM's or ours (``conversion/torch_dist.py``).
     ``optimizer=False`` reads (and checks) the model files only: ``optimizer`` stays None.
     """
-    iter_dir, tracker = _iteration_folder(load_dir, iteration)
-    manifest = read_manifest(iter_dir)
-    if manifest is not None and verify:
-        wanted = [f for f in manifest["files"]
+    return read_folder(_iteration_folder(load_dir, iteration), verify=verify,
+                       true_vocab_size=true_vocab_size, optimizer=optimizer)
+
+
+def read_checkpoint(load_dir: str, *, verify: bool = True, optimizer: bool = True,
+                    true_vocab_size: Optional[int] = None, flag: str = "--load") -> FullCheckpoint:
+    """The whole model of ``load_dir``'s latest checkpoint of any kind
+    (``checkpointing.folder.find_checkpoint``: ours, Megatron-LM's and Megatron-DeepSpeed's,
+    torch_dist, DeepSpeed's engines), as ``read_folder`` reads it; a folder without one is a
+    ``CheckpointError`` naming ``flag``."""
+    folder = find_checkpoint(load_dir)
+    if folder is None:
+        raise no_checkpoint_error(load_dir, flag)
+    return read_folder(folder, verify=verify, true_vocab_size=true_vocab_size,
+                       optimizer=optimizer)
+
+
+def read_folder(folder: CheckpointFolder, *, verify: bool = True,
+                true_vocab_size: Optional[int] = None, optimizer: bool = True) -> FullCheckpoint:
+    """One checkpoint folder of any format (``folder.format``) as one ``FullCheckpoint``, by
+    that format's reader: torch (here), torch_dist (``conversion/torch_dist.py``), DeepSpeed's
+    engines (``conversion/deepspeed_layout.py``); ``verify``, ``optimizer`` and
+    ``true_vocab_size`` as for ``load_full_checkpoint``."""
+    if folder.format.name == "torch_dist":
+        from megatron.conversion.torch_dist import load_torch_dist_checkpoint
+
+        return load_torch_dist_checkpoint(folder, verify=verify,
+                                          true_vocab_size=true_vocab_size, optimizer=optimizer)
+    if folder.format.name == "deepspeed":
+        from megatron.conversion.deepspeed_layout import read_deepspeed_folder
+
+        return read_deepspeed_folder(folder, true_vocab_size, verify=verify,
+                                     optimizer=optimizer)
+    iter_dir = folder.path
+    if folder.manifest is not None and verify:
+        wanted = [f for f in folder.manifest["files"]
                   if optimizer or os.path.basename(f) != DISTRIB_OPTIM_FILENAME]
-        verify_files(iter_dir, manifest, wanted, checksums=True)
-    tp, pp = saved_layout(iter_dir)
+        folder.verify(wanted, checksums=True)
+    tp, pp = folder.layout()
     states = {}
     for t in range(tp):
         for p in range(pp):
-            path = os.path.join(iter_dir, mp_rank_dir_name(t, p, pp), MODEL_FILENAME)
+            path = folder.rank_file(t, p, pp)
             states[(t, p)] = read_torch(path)
             check_version(states[(t, p)], path)
     first = states[(0, 0)]
     theirs = mds.is_megatron_deepspeed_model(first.get("model", first.get("model0", {})))
     config = source_config(first, theirs, true_vocab_size, iter_dir)
-    chunk_states = {key: _chunk_states(state, theirs, os.path.join(
-        iter_dir, mp_rank_dir_name(*key, pp), MODEL_FILENAME)) for key, state in states.items()}
+    chunk_states = {key: _chunk_states(state, theirs, folder.rank_file(*key, pp))
+                    for key, state in states.items()}
     layout = chunks_from_layer_counts([[layer_count(c) for c in chunk_states[(0, p)]]
                                        for p in range(pp)])
     model_config = model_config_from_dict(config["model"])
     model = _merge_model(chunk_states, layout, tp, pp, model_config)
     optimizer_state, distributed = None, False
-    if not theirs and not tracker.release and optimizer:
+    if not theirs and not folder.release and optimizer:
         optimizer_state, distributed = _merge_optimizer(states, chunk_states, layout, tp, pp,
-                                                        iter_dir, model_config)
+                                                        folder, model_config)
     elif theirs:
         logger.info("%s: Megatron-DeepSpeed checkpoint, converting the model only", iter_dir)
     train, valid = consumed_samples(first)
     return FullCheckpoint(
         config=config, model=model, optimizer=optimizer_state,
-        iteration=0 if tracker.release else int(first["iteration"]),
+        iteration=0 if folder.release else int(first["iteration"]),
         consumed_train_samples=train, consumed_valid_samples=valid,
         scheduler=None if theirs else first.get("opt_param_scheduler"),
         extra={} if theirs else {k: v for k, v in extra_entries(first).items()
                                  if k != CONVERTED_KEY},
-        release=tracker.release, distributed_optimizer=distributed)
+        release=folder.release, distributed_optimizer=distributed)
 
 
-def _iteration_folder(load_dir: str, iteration: Optional[int]) -> tuple[str, Tracker]:
+def _iteration_folder(load_dir: str, iteration: Optional[int]) -> CheckpointFolder:
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load-dir {load_dir} is not a folder")
+    if namings_in(load_dir) == [DEEPSPEED]:
+        raise CheckpointError(f"--load-dir {load_dir} holds no {TRACKER_FILENAME}: it looks like "
+                              "a DeepSpeed checkpoint: use --loader deepspeed")
     check_load_dir(load_dir)
-    tracker = Tracker(iteration, False) if iteration is not None else read_tracker(load_dir)
-    if tracker is None:
+    if iteration is not None:
+        return checkpoint_at(load_dir, iteration)
+    folder = latest_checkpoint(load_dir)
+    if folder is None:
         hint = "pass the folder a training run saved into (its --save)"
-        if os.path.isfile(os.path.join(load_dir, "latest")):
-            hint = "it looks like a DeepSpeed checkpoint: use --loader deepspeed"
-        elif os.path.isfile(os.path.join(load_dir, "config.json")):
+        if os.path.isfile(os.path.join(load_dir, "config.json")):
             hint = "it looks like a Hugging Face model: use --loader hf"
         raise CheckpointError(f"--load-dir {load_dir} holds no {TRACKER_FILENAME}: {hint}")
-    return resolve_iteration_dir(load_dir, tracker), tracker
+    return folder
 
 
 def source_config(state: dict, theirs: bool, true_vocab_size: Optional[int],
@@ -184,6 +219,14 @@ def is_our_config(saved: Any) -> bool:
     """Whether a stored run configuration is ours (nested slices), not Megatron's flat
     argparse fields."""
     return isinstance(saved, dict) and isinstance(saved.get("model"), dict)
+
+
+def stored_run_config(folder: CheckpointFolder) -> dict:
+    """The run configuration stored with ``folder`` (any format) as ours, Megatron's flags
+    mapped to our model and tokenizer fields at tensor/pipeline size 1; a ``CheckpointError``
+    when it stores none."""
+    saved = folder.config()
+    return config_from_stored(saved, not is_our_config(saved), None, folder.path)
 
 
 def config_from_stored(saved: Optional[dict], theirs: bool, true_vocab_size: Optional[int],
@@ -265,7 +308,8 @@ def repad_vocab(tensors: dict, rows: int) -> dict:
 
 
 def _merge_optimizer(states: dict, chunk_states: dict, layout: list[list[Chunk]], tp: int,
-                     pp: int, iter_dir: str, config: ModelConfig) -> tuple[Optional[dict], bool]:
+                     pp: int, folder: CheckpointFolder,
+                     config: ModelConfig) -> tuple[Optional[dict], bool]:
     """The full optimizer state of every rank's file, and whether it was distributed."""
     first = states[(0, 0)]
     distributed = bool(first.get("distributed_optimizer"))
@@ -273,14 +317,13 @@ def _merge_optimizer(states: dict, chunk_states: dict, layout: list[list[Chunk]]
         return None, False
     per_rank, meta = {}, {}
     for (t, p), state in states.items():
-        folder = os.path.join(iter_dir, mp_rank_dir_name(t, p, pp))
         if distributed:
-            saved = read_torch(os.path.join(folder, DISTRIB_OPTIM_FILENAME))
+            saved = read_torch(folder.rank_file(t, p, pp, DISTRIB_OPTIM_FILENAME))
             per_rank[(t, p)] = saved["param_state"]
             meta = {k: saved.get(k) for k in ("param_groups", "step", "grad_scaler")}
         else:
             per_rank[(t, p)], meta = _named_torch_state(state["optimizer"], chunk_states[(t, p)],
-                                                        os.path.join(folder, MODEL_FILENAME))
+                                                        folder.rank_file(t, p, pp))
     per_tp = [_rank_full_names(per_rank, layout, t, pp) for t in range(tp)]
     param_state = {}
     for name, entry in per_tp[0].items():
@@ -351,19 +394,24 @@ def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: i
     for t in range(tp):
         for p in range(pp):
             chunk_models = rank_chunk_models(padded, tied, tp, t, chunks[p])
-            state = _rank_state(full, config, chunk_models, tp, pp, source)
             folder = mp_rank_dir_name(t, p, pp)
+            optimizer, distrib = None, None
             if opt_pieces is not None:
                 rank_opt = {k: {key: v[t] for key, v in e.items()} for k, e in opt_pieces.items()}
                 chunk_opts = [full_to_chunk_names(rank_opt, c, tied) for c in chunks[p]]
                 if distributed:
-                    state["distributed_optimizer"] = True
-                    files[f"{folder}/{DISTRIB_OPTIM_FILENAME}"] = optim_state.gathered_from_named(
-                        chunk_opts, full.optimizer)
+                    distrib = optim_state.gathered_from_named(chunk_opts, full.optimizer)
+                    files[f"{folder}/{DISTRIB_OPTIM_FILENAME}"] = distrib
                 else:
-                    state["optimizer"] = _torch_optimizer(full.optimizer, chunk_models,
-                                                          chunk_opts, _mixed(config))
-            files[f"{folder}/{MODEL_FILENAME}"] = state
+                    optimizer = _torch_optimizer(full.optimizer, chunk_models, chunk_opts,
+                                                 _mixed(config))
+            files[f"{folder}/{MODEL_FILENAME}"] = rank_file_state(
+                iteration=full.iteration, config=config,
+                parallel_layout=layout_dict(tp, pp, 1, len(chunk_models)),
+                consumed=(full.consumed_train_samples, full.consumed_valid_samples),
+                models=chunk_models, optimizer=optimizer,
+                distributed_optimizer=distrib is not None, scheduler=full.scheduler,
+                converted_from=source or "a full checkpoint", extra=full.extra)
     return _write_folder(save_dir, full, config, files, len(chunks[0]))
 
 
@@ -433,55 +481,23 @@ def _torch_optimizer(full_opt: dict, chunk_models: list[dict], chunk_opts: list[
             "fp32_from_fp16_params": mains}
 
 
-def _rank_state(full: FullCheckpoint, config: dict, chunk_models: list[dict], tp: int, pp: int,
-                source: str) -> dict:
-    state: dict[str, Any] = {
-        "checkpoint_version": CHECKPOINT_VERSION,
-        "iteration": full.iteration,
-        "config": config,
-        "parallel_layout": _layout_dict(tp, pp, len(chunk_models)),
-        "consumed_train_samples": full.consumed_train_samples,
-        "consumed_valid_samples": full.consumed_valid_samples,
-        CONVERTED_KEY: source or "a full checkpoint",
-    }
-    for key, chunk in zip(model_keys(len(chunk_models)), chunk_models):
-        state[key] = chunk
-    if full.scheduler is not None:
-        state["opt_param_scheduler"] = full.scheduler
-    state.update(full.extra)
-    return state
-
-
-def _layout_dict(tp: int, pp: int, num_chunks: int) -> dict:
-    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-            "data_parallel_size": 1, "num_model_chunks": num_chunks}
-
-
 def _write_folder(save_dir: str, full: FullCheckpoint, config: dict, files: dict,
                   num_chunks: int) -> str:
-    """Write ``files`` (relative path -> dict) into a temporary folder, add the manifest,
-    rename it into place and point the tracker at it."""
-    name = iteration_dir_name(full.iteration, full.release)
-    os.makedirs(save_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=save_dir)
+    """Write ``files`` (relative path -> dict) into a temporary folder, then publish it with
+    its manifest and point the tracker at it (``megatron.checkpointing.folder``)."""
+    name = MEGATRON.folder_name(full.iteration, full.release)
+    tmp = make_tmp_folder(save_dir, name)
     try:
-        chmod_as_created(tmp)
         digests = {}
         for rel, obj in files.items():
             os.makedirs(os.path.join(tmp, os.path.dirname(rel)), exist_ok=True)
             digests[rel] = write_torch(obj, os.path.join(tmp, rel))
         layout = config["parallel"]
-        write_manifest(tmp, build_manifest(
-            full.iteration, _layout_dict(layout["tensor_model_parallel_size"],
-                                         layout["pipeline_model_parallel_size"], num_chunks),
-            config, digests))
+        manifest = build_manifest(
+            full.iteration, layout_dict(layout["tensor_model_parallel_size"],
+                                        layout["pipeline_model_parallel_size"], 1, num_chunks),
+            config, digests)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    final = os.path.join(save_dir, name)
-    backup = publish_folder(save_dir, tmp, name)
-    write_text_atomic(os.path.join(save_dir, TRACKER_FILENAME),
-                      "release" if full.release else str(full.iteration))
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
-    return final
+    return publish_checkpoint(save_dir, tmp, full.iteration, manifest, release=full.release)

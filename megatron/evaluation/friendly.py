@@ -5,12 +5,13 @@
     python tools/evaluate.py wikitext wiki.test.tokens --hf-model ./gpt2
 
 The command becomes ``tasks/main.py``'s: with ``--load`` (a checkpoint of any kind
-``megatron.conversion.checkpoint_kinds`` tells apart: ours, Megatron-LM's, Megatron-DeepSpeed's,
-DeepSpeed's engines), the model's shape comes from the checkpoint (``--use-checkpoint-args``),
-and so do the tokenizer it was trained with and its tensor/pipeline layout, unless given (a
-launch whose process count the saved layout does not divide runs at tensor and pipeline size
-1, the checkpoint merged in memory); with ``--hf-model``, from the folder. Any other
-pretrain_gpt.py flag is passed on (flags given win).
+``megatron.checkpointing.folder.find_checkpoint`` tells apart: ours, Megatron-LM's,
+Megatron-DeepSpeed's, DeepSpeed's engines), the model's shape comes from the checkpoint
+(``--use-checkpoint-args``), and so do the tokenizer it was trained with and its
+tensor/pipeline layout, unless given (a launch whose process count the saved layout does not
+divide runs at tensor and pipeline size 1, the checkpoint merged in memory); with
+``--hf-model``, from the folder. Any other pretrain_gpt.py flag is passed on (flags given
+win).
 """
 
 from __future__ import annotations
@@ -58,14 +59,16 @@ def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
     """What the checkpoint in ``load_dir`` can tell that ``rest`` does not: model shape,
     tokenizer files, tensor/pipeline layout."""
     from megatron.checkpointing import CheckpointError
-    from megatron.inference_loading import checkpoint_summary
+    from megatron.conversion.full import stored_run_config
+    from megatron.inference_loading import checkpoint_folder
 
     try:
-        summary = checkpoint_summary(load_dir)
+        folder = checkpoint_folder(load_dir)
+        tp, pp = folder.layout()
+        data = stored_run_config(folder).get("data", {})
     except CheckpointError as error:
         raise SystemExit(f"error: {error}") from None
     flags = [] if _given(rest, "--use-checkpoint-args") else ["--use-checkpoint-args"]
-    tp, pp = summary.layout
     world = int(os.environ.get("WORLD_SIZE", "1"))
     chosen = any(_given(rest, f) for f in ("--tensor-model-parallel-size",
                                             "--pipeline-model-parallel-size"))
@@ -77,7 +80,7 @@ def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
               f"{pp}; evaluating it at tensor and pipeline parallel 1 over {world} "
               "process(es), merged in memory", file=sys.stderr, flush=True)
     if not any(_given(rest, f) for f in _TOKENIZER_FLAGS):
-        flags += _tokenizer_flags(summary.config().get("data", {}), load_dir)
+        flags += _tokenizer_flags(data, load_dir)
     return flags
 
 

@@ -42,9 +42,6 @@ from megatron.config import OptimizerConfig, RunConfig
 from megatron.config.base import field_default, flag
 from megatron.core import parallel_state
 
-# DeepSpeed's own files: `latest` names the tag (global_stepN) of the last save.
-DEEPSPEED_LATEST_FILE = "latest"
-
 
 class DeepSpeedSetupError(ValueError):
     """The DeepSpeed JSON file or its combination with the flags cannot run."""
@@ -203,15 +200,13 @@ def build_deepspeed_config(cfg: RunConfig) -> dict:
 
 def check_load_folder(cfg: RunConfig) -> None:
     """--deepspeed loads DeepSpeed's checkpoints only: a Megatron checkpoint says so."""
-    from megatron.checkpointing.paths import TRACKER_FILENAME
+    from megatron.checkpointing.folder import DEEPSPEED, MEGATRON, namings_in
 
     load = cfg.checkpoint.load
-    if not load or not os.path.isdir(load):
-        return
-    megatron = os.path.isfile(os.path.join(load, TRACKER_FILENAME))
-    if megatron and not os.path.isfile(os.path.join(load, DEEPSPEED_LATEST_FILE)):
+    found = namings_in(load) if load else []
+    if MEGATRON in found and DEEPSPEED not in found:
         raise DeepSpeedSetupError(
-            f"--load {load} holds a Megatron checkpoint ({TRACKER_FILENAME}), which DeepSpeed's "
+            f"--load {load} holds a Megatron checkpoint ({MEGATRON.tracker}), which DeepSpeed's "
             "engine does not read: drop --deepspeed to resume it with the built-in engine")
 
 
@@ -497,7 +492,9 @@ class DeepSpeedRun:
                                     if self.scheduler is not None else None),
             "rng_states": rng_states, "config": self.cfg.to_dict(),
         }
-        tag = f"global_step{iteration}"
+        from megatron.checkpointing.folder import DEEPSPEED
+
+        tag = DEEPSPEED.folder_name(iteration)
         # DeepSpeed writes `latest` itself only after its own barrier; ours comes after the
         # manifest, so an interrupted save never leaves `latest` naming a partial folder.
         self.engine.save_checkpoint(save_dir, tag=tag, client_state=client, save_latest=False)
@@ -511,18 +508,19 @@ class DeepSpeedRun:
 
     def load(self, state: Any) -> None:
         """--load: DeepSpeed's latest checkpoint into the engine and our ``state``."""
+        from megatron.checkpointing.folder import DEEPSPEED
         from megatron.checkpointing.rng import restore_rng_state
         from megatron.utils import print_rank_0
 
         ck = self.cfg.checkpoint
-        tag = _latest_tag(ck.load)
-        if tag is None:
+        folder = _on_rank0_for_all(lambda: _latest_deepspeed_folder(
+            ck.load, checksums=not ck.no_verify_checkpoint))
+        if folder is None:
             # Said once, here: DeepSpeed's own load would warn on every rank first.
             print_rank_0(f"WARNING: --load {ck.load}: no DeepSpeed checkpoint there "
-                         f"('{DEEPSPEED_LATEST_FILE}' file missing); training from scratch")
+                         f"('{DEEPSPEED.tracker}' file missing); training from scratch")
             return
-        _on_rank0_for_all(lambda: _verify_deepspeed_folder(
-            os.path.join(ck.load, tag), checksums=not ck.no_verify_checkpoint))
+        tag = os.path.basename(folder)
         path, client = self.engine.load_checkpoint(
             ck.load, tag=tag, load_optimizer_states=not (ck.no_load_optim or ck.finetune),
             load_lr_scheduler_states=not (ck.no_load_lr_state or ck.finetune),
@@ -531,7 +529,7 @@ class DeepSpeedRun:
             from megatron.checkpointing import CheckpointError
 
             raise CheckpointError(f"--load {ck.load}: DeepSpeed could not load the checkpoint "
-                                  f"'{DEEPSPEED_LATEST_FILE}' names ({tag})")
+                                  f"'{DEEPSPEED.tracker}' names ({tag})")
         reset = []
         if ck.finetune:
             reset.append("iteration, data position, optimizer (--finetune)")
@@ -574,43 +572,31 @@ def _refuse_nonfinite_steps(engine) -> None:
     optimizer.step = step_if_finite
 
 
-def _on_rank0_for_all(fn: Callable[[], None]) -> None:
-    """Run ``fn`` on global rank 0; an error there is raised on every rank (so none waits in a
-    collective for a rank that stopped)."""
-    error = None
+def _on_rank0_for_all(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on global rank 0 and give its result to every rank; an error there is
+    raised on every rank (so none waits in a collective for a rank that stopped)."""
+    error, result = None, None
     if dist.get_rank() == 0:
         try:
-            fn()
+            result = fn()
         except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
             error = exc
-    shared = [None if error is None else (type(error).__name__, str(error))]
+    shared = [(result, None if error is None else (type(error).__name__, str(error)))]
     dist.broadcast_object_list(shared, src=0)
     if error is not None:
         raise error
-    if shared[0] is not None:
+    result, failure = shared[0]
+    if failure is not None:
         from megatron.checkpointing import CheckpointError
 
-        raise CheckpointError(f"on rank 0: {shared[0][0]}: {shared[0][1]}")
-
-
-def _folder_digests(folder: str) -> dict:
-    """Every file under ``folder`` (relative path with '/') -> its FileDigest, but the manifest."""
-    from megatron.checkpointing.files import file_digest
-    from megatron.checkpointing.paths import MANIFEST_FILENAME
-
-    digests = {}
-    for root, _, names in os.walk(folder):
-        for name in names:
-            rel = os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
-            if rel != MANIFEST_FILENAME:
-                digests[rel] = file_digest(os.path.join(root, name))
-    return digests
+        raise CheckpointError(f"on rank 0: {failure[0]}: {failure[1]}")
+    return result
 
 
 def _publish_deepspeed_save(save_dir: str, tag: str, iteration: int, cfg: RunConfig) -> None:
     """Rank 0, after every rank saved: ``tag``'s manifest, then the `latest` tag, atomically."""
-    from megatron.checkpointing.files import write_text_atomic
-    from megatron.checkpointing.manifest import build_manifest, write_manifest
+    from megatron.checkpointing.folder import DEEPSPEED, folder_digests, publish_in_place
+    from megatron.checkpointing.manifest import build_manifest
 
     folder = os.path.join(save_dir, tag)
     layout = {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
@@ -618,54 +604,36 @@ def _publish_deepspeed_save(save_dir: str, tag: str, iteration: int, cfg: RunCon
                   parallel_state.get_pipeline_model_parallel_world_size(),
               "data_parallel_size": parallel_state.get_data_parallel_world_size(),
               "engine": "deepspeed"}
-    write_manifest(folder, build_manifest(iteration, layout, cfg.to_dict(),
-                                          _folder_digests(folder)))
-    write_text_atomic(os.path.join(save_dir, DEEPSPEED_LATEST_FILE), tag)
+    publish_in_place(save_dir, folder, iteration, build_manifest(
+        iteration, layout, cfg.to_dict(), folder_digests(folder)), naming=DEEPSPEED)
 
 
-def _latest_tag(load_dir: str) -> Optional[str]:
-    """The tag DeepSpeed's `latest` file names; None without one."""
-    path = os.path.join(load_dir, DEEPSPEED_LATEST_FILE)
-    if not os.path.isfile(path):
+def _latest_deepspeed_folder(load_dir: str, checksums: bool) -> Optional[str]:
+    """The DeepSpeed checkpoint folder to resume from (`latest`'s tag, or the newest complete
+    one when `latest` is missing or names an incomplete folder), checked against its manifest;
+    None when there is none."""
+    from megatron.checkpointing.folder import DEEPSPEED, latest_checkpoint
+
+    folder = latest_checkpoint(load_dir, DEEPSPEED)
+    if folder is None:
         return None
-    with open(path) as f:
-        return f.read().strip()
-
-
-def scheduler_state(load_dir: str) -> Optional[tuple[str, dict]]:
-    """The learning-rate schedule our engine stored with DeepSpeed's latest checkpoint in
-    ``load_dir`` (client state of its model-parallel rank 0 file): its folder and state, or
-    None when there is none to read (loading reports a missing or damaged checkpoint)."""
-    tag = _latest_tag(load_dir)
-    if tag is None:
-        return None
-    folder = os.path.join(load_dir, tag)
-    try:
-        state = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"),
-                           map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - unreadable here: the load itself says why
-        return None
-    saved = state.get("opt_param_scheduler") if isinstance(state, dict) else None
-    return (folder, saved) if isinstance(saved, dict) else None
+    _verify_deepspeed_folder(folder.path, checksums)
+    return folder.path
 
 
 def _verify_deepspeed_folder(folder: str, checksums: bool) -> None:
     """``folder``'s files against its manifest (sizes; ``checksums``: CRC-32 too), naming the
     first that differs; a folder without one (saved by DeepSpeed elsewhere) with a warning."""
-    from megatron.checkpointing.errors import CheckpointError
-    from megatron.checkpointing.manifest import read_manifest, verify_files
+    from megatron.checkpointing.folder import DEEPSPEED, CheckpointFolder
     from megatron.checkpointing.paths import MANIFEST_FILENAME
 
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"DeepSpeed checkpoint folder {folder} (named by "
-                              f"'{DEEPSPEED_LATEST_FILE}') does not exist")
-    manifest = read_manifest(folder)
-    if manifest is None:
+    checkpoint = CheckpointFolder(os.path.dirname(folder), folder, 0, naming=DEEPSPEED)
+    if checkpoint.manifest is None:
         logging.getLogger(__name__).warning(
             "DeepSpeed checkpoint %s has no %s (saved elsewhere, or by an older version): "
             "its files are not verified", folder, MANIFEST_FILENAME)
         return
-    verify_files(folder, manifest, list(manifest["files"]), checksums=checksums)
+    checkpoint.verify(checksums=checksums)
 
 
 def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpeedRun:

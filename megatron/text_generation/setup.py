@@ -1,8 +1,8 @@
 """What the generation tools share: their model and tokenizer flags, and one call that joins
 the process group, builds this rank's stage with its weights and the tokenizer.
 
-A checkpoint (``--load``: any kind ``megatron.conversion.checkpoint_kinds`` tells apart, saved
-at any layout) and a Hugging Face GPT-2 folder
+A checkpoint (``--load``: any kind ``megatron.checkpointing.folder.find_checkpoint`` tells
+apart, saved at any layout) and a Hugging Face GPT-2 folder
 (``--hf-model``, converted in memory) both run at any ``--tensor-model-parallel-size`` x
 ``--pipeline-model-parallel-size`` (``torchrun --nproc_per_node tp*pp``; one process works);
 a checkpoint launched without the flags runs at its saved layout when the process count

@@ -195,6 +195,74 @@ def _distributed_optimizer(rank: int, root: str) -> dict:
             "files": sorted(os.listdir(folder))}
 
 
+def _streamed_and_background(rank: int, root: str) -> dict:
+    """At dp 2 with small buckets (pieces of one parameter on both ranks): the distributed
+    optimizer's file streamed to data-parallel rank 0 equals torch.save of the state gathered
+    on every rank; a background save (AsyncSaver) is unpublished when save_checkpoint returns,
+    training goes on meanwhile, and once waited for its files equal the synchronous save's."""
+    from megatron.checkpointing.async_save import AsyncSaver
+
+    parallel_state.initialize_model_parallel(1, 1)
+    sync_config = run_config(os.path.join(root, "sync"), world_size=2, dropout=0.0,
+                             distributed_optimizer=True)
+    async_config = run_config(os.path.join(root, "async"), world_size=2, dropout=0.0,
+                              distributed_optimizer=True)
+    model_parallel_seed(5)
+    model = DistributedDataParallel(GPTModel(sync_config.model), use_distributed_optimizer=True,
+                                    bucket_size=3000)
+    optimizer = get_megatron_optimizer(sync_config.optimizer, [model])
+    scheduler = build_scheduler(optimizer)
+    for step in range(STEPS_BEFORE):
+        ddp_step(model, optimizer, scheduler, step)
+    gathered = optimizer.gathered_state_dict()
+    if rank == 0:  # a file object: torch.save names the archive after a path's file name
+        with open(os.path.join(root, "gathered.pt"), "wb") as f:
+            torch.save(gathered, f)
+    del gathered
+    ckpt.save_checkpoint(STEPS_BEFORE, [model], optimizer, scheduler, sync_config,
+                         consumed_train_samples=STEPS_BEFORE * GLOBAL_BATCH)
+    saver = AsyncSaver()
+    ckpt.save_checkpoint(STEPS_BEFORE, [model], optimizer, scheduler, async_config,
+                         consumed_train_samples=STEPS_BEFORE * GLOBAL_BATCH, saver=saver)
+    unpublished = (saver.pending, ckpt.read_tracker(os.path.join(root, "async")))
+    losses = [ddp_step(model, optimizer, scheduler, STEPS_BEFORE + i) for i in range(2)]
+    folder = saver.wait()
+    failures = _model_file_failing_on_rank0(rank, root, model, optimizer, scheduler, saver)
+    parallel_state.destroy_model_parallel()
+    return {"unpublished": unpublished, "folder": folder, "after": losses,
+            "pending_after": saver.pending, "failures": failures}
+
+
+def _model_file_failing_on_rank0(rank, root, model, optimizer, scheduler, saver) -> list[str]:
+    """Data-parallel rank 0's model file fails (a full disk) while rank 1 streams it its
+    optimizer pieces: both ranks fail the save, now and in the background, without waiting
+    for each other forever."""
+    from megatron.checkpointing import save as save_module
+
+    config = run_config(os.path.join(root, "failing"), world_size=2, dropout=0.0,
+                        distributed_optimizer=True)
+    real = save_module.write_torch
+
+    def full_disk(obj, path):
+        raise OSError(28, "No space left on device (simulated)")
+
+    if rank == 0:
+        save_module.write_torch = full_disk
+    failures = []
+    try:
+        for background in (None, saver):
+            try:
+                ckpt.save_checkpoint(4, [model], optimizer, scheduler, config,
+                                     consumed_train_samples=16, saver=background)
+                if background is not None:
+                    background.wait()
+            except ckpt.CheckpointError as error:
+                failures.append(str(error))
+    finally:
+        save_module.write_torch = real
+    return failures
+
+
 def _picklable(tensors: dict) -> dict:
     # Tensors sent back from a rank travel as shared-memory handles that die with the rank
     # process (ConnectionResetError in the parent); numpy arrays travel by value.
@@ -203,7 +271,8 @@ def _picklable(tensors: dict) -> dict:
 
 def _world2(rank: int, world_size: int, root: str) -> dict:
     return {"tp": _tensor_parallel(rank, root), "pp": _pipeline_parallel(rank, root),
-            "dp": _distributed_optimizer(rank, root)}
+            "dp": _distributed_optimizer(rank, root),
+            "stream": _streamed_and_background(rank, root)}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -337,6 +406,42 @@ def test_distributed_optimizer_checkpoint_without_its_state(runs):
     optimizer = get_megatron_optimizer(plain.optimizer, [model])
     with pytest.raises(ckpt.CheckpointError, match="saved with --use-distributed-optimizer"):
         ckpt.load_checkpoint(model, optimizer, build_scheduler(optimizer), plain)
+
+
+def test_optimizer_state_streams_to_rank0_and_background_saves_equal_synchronous_ones(runs):
+    root = runs["root"]
+    gathered = open(os.path.join(root, "gathered.pt"), "rb").read()
+    sync = os.path.join(root, "sync", "iter_0000002")
+    background = os.path.join(root, "async", "iter_0000002")
+    data = open(os.path.join(sync, "mp_rank_00", "distrib_optim.pt"), "rb").read()
+    assert data == gathered  # byte for byte: the same file torch.save writes
+    assert open(os.path.join(background, "mp_rank_00", "distrib_optim.pt"), "rb").read() == data
+    written, expected = (torch.load(os.path.join(folder, "mp_rank_00", "model_optim_rng.pt"),
+                                    weights_only=True) for folder in (background, sync))
+    for state in (written, expected):  # the one difference: where each was saved
+        state["config"]["checkpoint"].update(save=None, load=None)
+    assert written.keys() == expected.keys()
+    for key in written:
+        if key == "model":
+            assert_params_equal(written[key], expected[key])
+        elif key != "rng_state":  # generator states: tensors, compared below
+            assert written[key] == expected[key], key
+    for got, want in zip(written["rng_state"], expected["rng_state"]):
+        assert torch.equal(got["torch_rng_state"], want["torch_rng_state"])
+    _assert_manifest_matches_folder(background, ["mp_rank_00/distrib_optim.pt",
+                                                 "mp_rank_00/model_optim_rng.pt"])
+    assert ckpt.read_tracker(os.path.join(root, "async")).iteration == 2
+    for result in (r["stream"] for r in runs["ranks"]):
+        assert result["unpublished"] == (2, None)  # written behind the returned call
+        assert result["folder"] == background and result["pending_after"] is None
+        # the steps taken while it was written are the uninterrupted run's
+        assert result["after"] == runs["ranks"][0]["dp"]["reference"][:2]
+    rank0, rank1 = (r["stream"]["failures"] for r in runs["ranks"])
+    assert len(rank0) == len(rank1) == 2  # the synchronous save, then the background one
+    # Rank 1 (which wrote its pieces fine) names rank 0 and its error, as rank 0 does.
+    assert all("failed on rank 0: [Errno 28] No space left on device" in m
+               for m in rank0 + rank1)
+    assert os.listdir(os.path.join(root, "failing")) == []  # nothing published, nothing left
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "truncated-unverified"])

@@ -246,7 +246,8 @@ def test_run_management_and_compatibility_flags():
     assert (d.training.manual_gc, d.training.manual_gc_eval, d.training.empty_unused_memory_level,
             d.logging.log_loss_scale_to_tensorboard) == (False, True, 0, True)
     assert_names(error_of([*BASE, "--num-experts", "8"]), "--num-experts 8", "not supported")
-    assert_names(error_of([*BASE, "--ckpt-format", "torch_dist"]), "--ckpt-format torch_dist")
+    assert parse("--ckpt-format", "torch_dist").checkpoint.ckpt_format == "torch_dist"
+    assert_names(error_of([*BASE, "--ckpt-format", "zarr"]), "--ckpt-format")
     assert_names(error_of([*BASE, "--empty-unused-memory-level", "3"]),
                  "--empty-unused-memory-level")
     assert_names(error_of([*BASE, "--manual-gc-interval", "-1"]), "--manual-gc-interval")

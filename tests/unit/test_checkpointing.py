@@ -320,14 +320,14 @@ def test_crash_before_tracker_update_keeps_previous(tmp_path, monkeypatch):
     config = run_config(tmp_path)
     saved, _, _, _ = trained_run(config, steps_after=1)
     model, optimizer, scheduler = build(config, seed=31)
-    real_write = ckpt.save.write_text_atomic
+    real_write = ckpt.folder.write_text_atomic
 
     def no_tracker(path, text):
         if path.endswith(ckpt.TRACKER_FILENAME):
             raise KeyboardInterrupt("killed")
         real_write(path, text)
 
-    monkeypatch.setattr(ckpt.save, "write_text_atomic", no_tracker)
+    monkeypatch.setattr(ckpt.folder, "write_text_atomic", no_tracker)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save_checkpoint(4, model, optimizer, scheduler, config, consumed_train_samples=8)
     monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # a kill leaves the tmp

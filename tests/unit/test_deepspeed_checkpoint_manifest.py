@@ -10,8 +10,9 @@ import logging
 import pytest
 
 from megatron.checkpointing.errors import CheckpointCorruptError
+from megatron.checkpointing.folder import folder_digests
 from megatron.checkpointing.manifest import build_manifest, write_manifest
-from megatron.integrations.deepspeed import _folder_digests, _verify_deepspeed_folder
+from megatron.integrations.deepspeed import _verify_deepspeed_folder
 
 FILES = {"mp_rank_00_model_states.pt": b"weights" * 50,
          "zero_pp_rank_1_mp_rank_00_optim_states.pt": b"moments" * 70,
@@ -23,12 +24,12 @@ def folder(tmp_path):
     for rel, data in FILES.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(data)
-    write_manifest(str(tmp_path), build_manifest(3, {}, None, _folder_digests(str(tmp_path))))
+    write_manifest(str(tmp_path), build_manifest(3, {}, None, folder_digests(str(tmp_path))))
     return tmp_path
 
 
 def test_manifest_lists_every_file_and_verifies(folder):
-    digests = _folder_digests(str(folder))
+    digests = folder_digests(str(folder))
     assert {rel: d.size for rel, d in digests.items()} == {
         rel: len(data) for rel, data in FILES.items()}  # the manifest itself is not listed
     _verify_deepspeed_folder(str(folder), checksums=True)

@@ -68,6 +68,7 @@ def test_device_flag_errors_name_the_flags(torch_xla_installed):
     (["--compile"], 1, "--compile"),
     (["--bf16", "--loss-scale", "1024"], 1, "--loss-scale"),
     (["--xla-processes", "2"], 2, "--xla-processes 2"),
+    (["--ckpt-format", "torch_dist"], 1, "--ckpt-format torch_dist"),
 ])
 def test_an_xla_run_refuses_what_it_cannot_do(monkeypatch, torch_xla_installed, flags,
                                               world, named):

@@ -9,7 +9,9 @@
     python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver hf \\
         --load-dir ckpt/gpt2 --save-dir ./gpt2-export [--vocab-file V --merge-file M]
 
-Loaders: ``megatron`` (ours, any tp/pp/virtual layout, with optimizer state),
+Loaders: ``megatron`` (ours, any tp/pp/virtual layout, with optimizer state; also
+Megatron-LM's and our ``--ckpt-format torch_dist`` folders, told by their files; ``core`` is
+Megatron-LM's converter's name for that and does the same),
 ``megatron_deepspeed`` (Megatron-DeepSpeed's ``language_model`` layout, model only), ``hf``
 (a local GPT-2 folder), ``deepspeed`` (DeepSpeed engine checkpoints, ``global_stepN/``: plain
 model at ZeRO 0-2, ZeRO-3 at tp 1, or the pipeline engine's layer files; model, iteration and
@@ -36,7 +38,7 @@ from megatron.conversion.hf import (  # noqa: E402
     save_keeping_tokenizer,
 )
 
-LOADERS = ("megatron", "hf", "megatron_deepspeed", "deepspeed")
+LOADERS = ("megatron", "core", "hf", "megatron_deepspeed", "deepspeed")
 SAVERS = ("megatron", "hf")
 
 

@@ -13,6 +13,10 @@ optimizer state for, only the pieces of parameters inside its slices. A step is:
 
 Checkpoints (what ``megatron/checkpointing/`` calls):
 
+- ``shard_snapshot()``: this rank's pieces and where every rank's pieces go; with
+  ``shard_gather.gather_to_first`` data-parallel rank 0 receives the whole state one
+  parameter at a time (what a checkpoint save uses: no rank holds more than its shard and one
+  parameter's buffer).
 - ``state_dict()`` / ``gathered_state_dict()``: a **collective over the data-parallel group**
   (every dp rank must call it). Returns the same, data-parallel-independent dict on every rank:
   full fp32 main weights and optimizer state per parameter, keyed by chunk index and parameter
@@ -26,7 +30,7 @@ Checkpoints (what ``megatron/checkpointing/`` calls):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,6 +51,7 @@ from megatron.core.optimizer.optimizer import (
     copy_param_attributes,
     default_model_parallel_groups,
 )
+from megatron.core.optimizer.shard_gather import ParamPieces, ShardSnapshot
 
 GATHERED_FORMAT = "megatron-distributed-optimizer/gathered-v1"
 SHARDED_FORMAT = "megatron-distributed-optimizer/sharded-v1"
@@ -54,6 +59,17 @@ SHARDED_FORMAT = "megatron-distributed-optimizer/sharded-v1"
 # Group keys that describe how this run computes, not what it trained: never taken from a
 # checkpoint (a state saved with fused CUDA kernels must load on a CPU run).
 _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+
+def merge_param_groups(saved: Optional[Sequence[dict]], current: Sequence[dict]) -> list[dict]:
+    """torch param groups holding ``current``'s parameters (and implementation switches) with
+    the ``saved`` hyper-parameters (``current``'s own when None)."""
+    if saved is None:
+        return [dict(c) for c in current]
+    return [{**s, **{k: c[k] for k in _IMPLEMENTATION_KEYS if k in c}, "params": c["params"]}
+            for s, c in zip(saved, current)]
+
 
 # Optimizer state tensors that have the shape of the parameter (and are sharded like it).
 _SHARDED_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "accum_grad")
@@ -91,6 +107,20 @@ def _owned_shards(chunk_index: int, chunk: nn.Module, dp_rank: int) -> list[_Sha
                 shards.append(_Shard(p, buffer, chunk_index, names[p], a, b, a - start,
                                      b - start, main))
     return shards
+
+
+def _pieces(buffer: ParamAndGradBuffer, start: int, end: int,
+            dp_size: int) -> tuple[tuple[int, int, int], ...]:
+    """(dp rank, lo, hi) of the parameter at ``[start, end)`` of ``buffer``, in parameter
+    coordinates: the overlap of each rank's shard of each bucket with the parameter."""
+    pieces = []
+    for bucket in buffer.buckets:
+        for rank in range(dp_size):
+            lo, hi = bucket.shard_range(rank, dp_size)
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                pieces.append((rank, a - start, b - start))
+    return tuple(sorted(pieces, key=lambda piece: piece[1]))
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -213,6 +243,36 @@ class DistributedOptimizer(MegatronOptimizer):
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
         }
 
+    def shard_snapshot(self, copy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                       ) -> ShardSnapshot:
+        """This rank's share of the state and where every rank's pieces go, for
+        ``shard_gather.gather_to_first`` (collective over the data-parallel group: which
+        state keys exist, the step). ``copy``: makes each piece's host copy (training may go
+        on while they are written); without it the pieces are the live tensors."""
+        keys = ["param"] + self._present_state_keys()
+        step = self._global_step()
+        params, own = [], {}
+        for chunk_index, chunk in enumerate(self.model_chunks):
+            names = {p: n for n, p in unwrap_model(chunk).named_parameters()}
+            for buffer in chunk.buffers:
+                for p, (start, end) in buffer.param_index.items():
+                    params.append(ParamPieces(chunk_index, names[p], tuple(p.shape),
+                                              _pieces(buffer, start, end, self.dp_size)))
+        for s in self.shards:
+            state = self.optimizer.state.get(s.main, {})
+            piece = {}
+            for key in keys:
+                value = s.main.data if key == "param" else state.get(key)
+                if value is None:  # no state yet: zeros, as gathered_state_dict saves
+                    value = torch.zeros_like(s.main.data)
+                piece[key] = copy(value) if copy is not None else value.detach()
+            own[(s.chunk, s.name)] = piece
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.state_dict()["param_groups"]]
+        return ShardSnapshot(keys, step, groups,
+                             self.grad_scaler.state_dict() if self.grad_scaler else None,
+                             len(self.model_chunks), params, own, self.dp_rank, self.dp_size)
+
     def state_dict(self) -> dict:
         """Same as ``gathered_state_dict()``: a collective over the data-parallel group."""
         return self.gathered_state_dict()
@@ -241,33 +301,52 @@ class DistributedOptimizer(MegatronOptimizer):
         return entry
 
     def _load_gathered(self, state_dict: dict) -> None:
-        current = self.optimizer.state_dict()["param_groups"]
-        saved = state_dict["param_groups"]
-        if len(saved) != len(current):
-            raise ValueError(f"optimizer checkpoint has {len(saved)} param groups, "
-                             f"this model has {len(current)}")
-        state = {}
-        for index, main in enumerate(self._ordered_mains()):
+        pieces = []
+        for main in self._ordered_mains():
             shard = self._shard_of_main[main]
             entry = self._saved_entry(state_dict, shard)
-            piece = {k: v.reshape(-1)[shard.param_lo:shard.param_hi].clone()
-                     for k, v in entry.items()}
+            pieces.append({k: v.reshape(-1)[shard.param_lo:shard.param_hi]
+                           for k, v in entry.items()})
+        self.load_shard_state(pieces, state_dict["param_groups"], state_dict.get("step"),
+                              state_dict.get("grad_scaler"))
+
+    def main_shards(self) -> list[tuple[int, str, int, int]]:
+        """``(chunk index, parameter name, param_lo, param_hi)`` of each main shard of this
+        rank, in the torch optimizer's index order: the flat elements ``[param_lo,
+        param_hi)`` of that model parameter are this rank's."""
+        return self._layout()
+
+    def load_shard_state(self, pieces: Sequence[dict], param_groups: Optional[Sequence[dict]],
+                         step: Optional[float], grad_scaler: Optional[dict]) -> None:
+        """Load this rank's shards: ``pieces[i]`` holds main shard ``i``'s (``main_shards()``
+        order) fp32 main weights under ``param`` and its optimizer state tensors (flat, of the
+        shard's length; none before the first step). ``param_groups``: the saved groups'
+        hyper-parameters (None: keep this run's). Collective over data parallel (the model
+        parameters are re-gathered from the shards)."""
+        current = self.optimizer.state_dict()["param_groups"]
+        if param_groups is not None and len(param_groups) != len(current):
+            raise ValueError(f"optimizer checkpoint has {len(param_groups)} param groups, "
+                             f"this model has {len(current)}")
+        state = {}
+        for index, (main, piece) in enumerate(zip(self._ordered_mains(), pieces)):
+            piece = {k: v.clone() for k, v in piece.items()}
             with torch.no_grad():
                 main.data.copy_(piece.pop("param"))
             if piece:
-                if state_dict.get("step") is not None:
-                    piece["step"] = torch.tensor(float(state_dict["step"]))
+                if step is not None:
+                    piece["step"] = torch.tensor(float(step))
                 state[index] = piece
-        self.optimizer.load_state_dict({
-            "state": state,
-            "param_groups": [
-                {**s, **{k: c[k] for k in _IMPLEMENTATION_KEYS if k in c}, "params": c["params"]}
-                for s, c in zip(saved, current)
-            ],
-        })
-        self._load_scaler(state_dict)
+        self.optimizer.load_state_dict({"state": state,
+                                        "param_groups": merge_param_groups(param_groups, current)})
+        if self.grad_scaler is not None and grad_scaler:
+            self.grad_scaler.load_state_dict(grad_scaler)
         with torch.no_grad():
             self._copy_main_params_to_model_params()
+
+    def global_step(self) -> Optional[float]:
+        """The optimizer's step count (the largest over data-parallel ranks: a rank may own no
+        shard); a collective over data parallel."""
+        return self._global_step()
 
     def _load_scaler(self, state_dict: dict) -> None:
         if self.grad_scaler is not None and state_dict.get("grad_scaler"):

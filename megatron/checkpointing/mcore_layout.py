@@ -1,0 +1,151 @@
+"""Where each of our GPT parameters lives in megatron-core's sharded checkpoint names.
+
+megatron-core's ``GPTModel.sharded_state_dict()`` (what Megatron-LM's ``--ckpt-format
+torch_dist`` saves) names *global* tensors, independent of the parallel layout:
+
+    embedding.word_embeddings.weight                  [V_padded, h]  split over tp (rows)
+    embedding.position_embeddings.weight              [s, h]         (learned positions)
+    decoder.layers.self_attention.linear_qkv.weight   [L, 3h, h]     one row block per layer;
+                                                                     rows split over tp
+    decoder.layers.self_attention.linear_qkv.layer_norm_weight  [L, h]  our input_layernorm
+    decoder.layers.mlp.linear_fc1.layer_norm_weight   [L, h]         our post_attention_layernorm
+    decoder.final_layernorm.weight                    [h]
+    output_layer.weight                               [V_padded, h]  untied embeddings only
+
+Layers are stacked along a leading axis of size ``--num-layers`` (global layer numbers, so a
+pipeline stage holds a slab of it). The layer norms sit in the names of the linear layer they
+feed (Transformer Engine fuses them; megatron-core's local spec maps its own names to these).
+The query/key/value rows are grouped per head (``[n, 3, d]``), as ours are. Tensor-parallel
+cuts are ours (``conversion/sharding.py``'s ``tp_split_dim``). With tied embeddings the last
+stage's copy of the word embeddings is the same global tensor (not written twice), and there
+is no ``output_layer.weight``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+from torch import nn
+
+LAYERS = "decoder.layers."
+# Our per-layer parameter names (after "encoder.layers.{i}.") -> megatron-core's.
+_LAYER_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "self_attention.query_key_value.weight": "self_attention.linear_qkv.weight",
+    "self_attention.query_key_value.bias": "self_attention.linear_qkv.bias",
+    "self_attention.dense.weight": "self_attention.linear_proj.weight",
+    "self_attention.dense.bias": "self_attention.linear_proj.bias",
+    "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "post_attention_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "mlp.dense_h_to_4h.weight": "mlp.linear_fc1.weight",
+    "mlp.dense_h_to_4h.bias": "mlp.linear_fc1.bias",
+    "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
+    "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
+}
+_WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+_OTHER_NAMES = {  # conversion/sharding.py names these (WORD_EMBEDDINGS, TIED_COPY, ...)
+    _WORD_EMBEDDINGS: _WORD_EMBEDDINGS,
+    "word_embeddings.weight": _WORD_EMBEDDINGS,  # the last stage's tied copy
+    "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+    "final_layernorm.weight": "decoder.final_layernorm.weight",
+    "final_layernorm.bias": "decoder.final_layernorm.bias",
+    "output_layer.weight": "output_layer.weight",
+}
+# megatron-core keeps an ``_extra_state`` (Transformer Engine's FP8 metadata; None on its
+# local layers) per linear layer of each transformer layer; its loader asks for them.
+EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv",
+                       "mlp.linear_fc1", "mlp.linear_fc2")
+_OUR_LAYER_RE = re.compile(r"encoder\.layers\.(\d+)\.(.+)")
+# Optimizer state of a parameter is stored under "optimizer.state.<kind>.<its key>".
+OPTIMIZER_PREFIX = "optimizer.state."
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where a local parameter sits: in global tensor ``key`` of ``global_shape``, at
+    ``offset``; ``stacked``: the offset's first axis is the layer (the local tensor has one
+    axis less); ``writer``: this tensor-parallel rank writes it (replicas do not)."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    stacked: bool
+    writer: bool
+
+    def box(self, local_offset: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[tuple, tuple]:
+        """The global (offset, sizes) of the local box at ``local_offset`` with ``sizes``."""
+        lead = self.offset[:1] if self.stacked else ()
+        rest = self.offset[1:] if self.stacked else self.offset
+        offset = tuple(a + b for a, b in zip(rest, local_offset))
+        return lead + offset, ((1,) if self.stacked else ()) + tuple(sizes)
+
+
+def place(name: str, shape: tuple[int, ...], layer: Optional[int], num_layers: int,
+          tp_rank: int, tp_size: int) -> Place:
+    """The place of our parameter ``name`` (chunk name) of local ``shape`` on tensor rank
+    ``tp_rank``; ``layer``: its global layer index (0-based) for a layer's parameter."""
+    # Imported here: megatron.conversion imports this package (checkpointing) at its start.
+    from megatron.conversion.sharding import TIED_COPY, tp_split_dim
+
+    dim = tp_split_dim(name)
+    full = list(shape)
+    offset = [0] * len(shape)
+    if dim is not None:
+        full[dim] *= tp_size
+        offset[dim] = tp_rank * shape[dim]
+    writer = (dim is not None or tp_rank == 0) and name != TIED_COPY
+    m = _OUR_LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return Place(LAYERS + _LAYER_NAMES[m.group(2)], (num_layers, *full), (layer, *offset),
+                     True, writer)
+    if name not in _OTHER_NAMES:
+        raise KeyError(f"no megatron-core name for parameter {name!r}")
+    return Place(_OTHER_NAMES[name], tuple(full), tuple(offset), False, writer)
+
+
+def chunk_places(chunk: nn.Module, num_layers: int, tp_rank: int,
+                 tp_size: int) -> Iterator[tuple[str, nn.Parameter, Place]]:
+    """``(name, parameter, place)`` of every parameter of one model chunk (unwrapped)."""
+    layers = getattr(getattr(chunk, "encoder", None), "layers", [])
+    for name, param in chunk.named_parameters():
+        m = _OUR_LAYER_RE.fullmatch(name)
+        layer = layers[int(m.group(1))].layer_number - 1 if m else None
+        yield name, param, place(name, tuple(param.shape), layer, num_layers, tp_rank, tp_size)
+
+
+def local_layers(chunk: nn.Module) -> list[int]:
+    """The global (0-based) layer numbers a chunk holds."""
+    layers = getattr(getattr(chunk, "encoder", None), "layers", [])
+    return [layer.layer_number - 1 for layer in layers]
+
+
+def full_places(names_and_shapes: dict[str, torch.Size],
+                num_layers: int) -> dict[str, Place]:
+    """Places of a whole model's parameters (tp 1, one stage; full names with global layer
+    numbers, as ``conversion/`` holds them)."""
+    out = {}
+    for name, shape in names_and_shapes.items():
+        m = _OUR_LAYER_RE.fullmatch(name)
+        out[name] = place(name, tuple(shape), int(m.group(1)) if m else None, num_layers, 0, 1)
+    return out
+
+
+def extra_state_key(module: str, layer: int, num_layers: int) -> str:
+    """megatron-core's name of a layer's ``_extra_state`` object (one per layer)."""
+    return f"{LAYERS}{module}._extra_state/shard_{layer}_{num_layers}"
+
+
+def rng_key(pp_rank: int, tp_rank: int, pp_size: int, tp_size: int) -> str:
+    """Megatron-LM's name of the random-generator states of one (pipeline, tensor) rank."""
+    return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp_size}.{tp_size}"
+
+
+def optimizer_key(kind: str, key: str) -> str:
+    """The name of optimizer state ``kind`` (exp_avg, exp_avg_sq, param, fp32_param) of the
+    parameter stored as ``key``."""
+    return f"{OPTIMIZER_PREFIX}{kind}.{key}"

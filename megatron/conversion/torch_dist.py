@@ -1,0 +1,148 @@
+"""A torch_dist checkpoint (Megatron-LM's or ours) read whole in one process, into a
+``FullCheckpoint`` (tools/checkpoint/convert.py's ``--loader megatron`` / ``--loader core``).
+
+The model comes out under our full names (tp 1, one stage), the optimizer state, where the
+checkpoint holds it in model space (ours; Megatron-LM's plain optimizer and its
+``fully_reshardable`` distributed one), in ``optim_state``'s full form. The folder format is
+``megatron/checkpointing/torch_dist.py``'s; this module only asks for whole tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Optional
+
+import torch
+
+from megatron.checkpointing import dcp
+from megatron.checkpointing import torch_dist as fmt
+from megatron.checkpointing import torch_dist_optim as optim
+from megatron.checkpointing.contents import consumed_samples
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.folder import CheckpointFolder
+from megatron.checkpointing.mcore_layout import Place, full_places, optimizer_key
+from megatron.config import ModelConfig
+from megatron.conversion.full import FullCheckpoint, model_config_from_dict, source_config
+
+logger = logging.getLogger(__name__)
+
+
+def _names_and_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    """Every parameter of the whole model (tp 1, one stage) and its shape, without memory."""
+    from megatron.model.gpt_model import GPTModel
+
+    model = GPTModel(config, device="meta")
+    return {name: p.shape for name, p in model.named_parameters()}
+
+
+def _whole(place: Place, shape: torch.Size, dtype: torch.dtype) -> dcp.Piece:
+    tensor = torch.zeros(shape, dtype=dtype)
+    return dcp.Piece(place.key, place.global_shape, place.offset,
+                     tensor.unsqueeze(0) if place.stacked else tensor)
+
+
+def _param_groups(common: dict) -> list[dict]:
+    """The optimizer's param-group hyper-parameters, as ours: saved by us, or Megatron-LM's
+    first group's given to our two groups (weight-decayed, then not; the schedule sets lr and
+    weight decay from its own state anyway)."""
+    opt = common.get("optimizer")
+    if isinstance(common.get("config"), dict) and isinstance(opt, dict):
+        return copy.deepcopy(opt["param_groups"])
+    found = []
+
+    def walk(value) -> None:
+        if isinstance(value, dict):
+            if isinstance(value.get("param_groups"), list):
+                found.extend(g for g in value["param_groups"] if isinstance(g, dict))
+            for v in value.values():
+                walk(v)
+    walk(opt)
+    hyper = {k: v for k, v in (found[0] if found else {}).items()
+             if k not in ("params", "step", "wd_mult", "lr_mult")}
+    return [{**hyper, "wd_mult": 1.0, "lr_mult": 1.0}, {**hyper, "wd_mult": 0.0, "lr_mult": 1.0}]
+
+
+def _distributed(common: dict, config: dict) -> bool:
+    if isinstance(common.get("config"), dict):
+        return bool(config.get("optimizer", {}).get("use_distributed_optimizer"))
+    return bool(getattr(common.get("args"), "use_distributed_optimizer", False))
+
+
+def load_torch_dist_checkpoint(folder: CheckpointFolder, *, verify: bool = True,
+                               true_vocab_size: Optional[int] = None,
+                               optimizer: bool = True) -> FullCheckpoint:
+    """Read the torch_dist checkpoint ``folder`` whole (model, and the optimizer state when
+    ``optimizer`` and the checkpoint holds it in model space)."""
+    iter_dir, release = folder.path, folder.release
+    if verify:
+        folder.verify(checksums=True)
+    common = fmt.read_common(iter_dir)
+    try:
+        config = source_config(common, not isinstance(common.get("config"), dict),
+                               true_vocab_size, iter_dir)
+    except ValueError as error:
+        raise CheckpointError(f"{iter_dir}: {error}") from None
+    model_config = model_config_from_dict(config["model"])
+    shapes = _names_and_shapes(model_config)
+    places = full_places(shapes, model_config.num_layers)
+    metadata = dcp.read_metadata(iter_dir)
+    fmt.check_model_keys(metadata, list(places.values()), model_config, iter_dir)
+    model = {n: _whole(places[n], s, model_config.params_dtype) for n, s in shapes.items()}
+    pieces = list(model.values())
+    param_state = None
+    if optimizer and not release:
+        param_state = _optimizer_requests(metadata, places, shapes)
+        pieces += [p for entry in (param_state or {}).values() for p in entry.values()]
+    dcp.read_pieces(iter_dir, pieces)
+    full_opt = None
+    if param_state:
+        full_opt = {"param_groups": _param_groups(common), "step": optim.saved_step(common),
+                    "param_state": {n: {_kind(k): _unstack(places[n], p)
+                                        for k, p in e.items()} for n, e in param_state.items()},
+                    "grad_scaler": (common.get("optimizer") or {}).get("grad_scaler")}
+    elif optimizer and not release:
+        logger.info("%s holds no optimizer state in model space: converting the model only",
+                    iter_dir)
+    train, valid = consumed_samples(common)
+    return FullCheckpoint(
+        config=config, model={n: _unstack(places[n], p) for n, p in model.items()},
+        optimizer=full_opt, iteration=0 if release else int(common.get("iteration", 0)),
+        consumed_train_samples=train, consumed_valid_samples=valid,
+        scheduler=common.get("opt_param_scheduler"), extra=fmt.extra_entries(common),
+        release=release, distributed_optimizer=_distributed(common, config))
+
+
+def _unstack(place: Place, piece: dcp.Piece) -> torch.Tensor:
+    return piece.tensor[0] if place.stacked else piece.tensor
+
+
+def _kind(kind: str) -> str:
+    return "param" if kind in ("param", "fp32_param") else kind
+
+
+def _optimizer_requests(metadata, places: dict[str, Place],
+                        shapes: dict[str, torch.Size]) -> Optional[dict]:
+    """Per parameter, the whole fp32 tensor of each optimizer state kind stored for it; None
+    when the checkpoint holds none in model space."""
+    out = {}
+    for name, place in places.items():
+        kinds = optim.optimizer_kinds(metadata, place.key)
+        if "param" in kinds and "fp32_param" in kinds:
+            kinds.remove("fp32_param")
+        if kinds:
+            out[name] = {k: _whole(_state_place(place, k), shapes[name], torch.float32)
+                         for k in kinds}
+    if not out:
+        return None
+    missing = sorted(set(places) - set(out))
+    if missing:
+        raise CheckpointError(f"the checkpoint holds optimizer state for some parameters "
+                              f"but not for {', '.join(missing[:5])}")
+    return out
+
+
+def _state_place(place: Place, kind: str) -> Place:
+    """The place of optimizer state ``kind`` of a parameter: its own key, same layout."""
+    return Place(optimizer_key(kind, place.key), place.global_shape, place.offset,
+                 place.stacked, place.writer)

@@ -1,0 +1,187 @@
+"""The pieces of the torch_dist format that need no process group: boxes of flat ranges,
+megatron-core's names and layouts, Megatron-LM's args, common.pt's unknown classes, DCP
+pieces read back clipped, and the errors for folders that do not fit."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import math
+import os
+import random
+import re
+
+import pytest
+import torch
+
+from megatron.checkpointing import CheckpointError, dcp, torch_dist
+from megatron.checkpointing.mcore_layout import place
+from megatron.config import ModelConfig
+from megatron.conversion.megatron_deepspeed import model_fields_from_args
+
+
+def test_flat_ranges_become_boxes_that_are_their_elements_in_order():
+    rng = random.Random(0)
+    for _ in range(500):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
+        n = math.prod(shape)
+        lo = rng.randint(0, n)
+        hi = rng.randint(lo, n)
+        full = torch.arange(n).view(shape)
+        flat = full.reshape(-1)[lo:hi]
+        covered = 0
+        for offset, sizes, first in dcp.flat_boxes(shape, lo, hi):
+            box = full[tuple(slice(o, o + s) for o, s in zip(offset, sizes))]
+            assert torch.equal(box.reshape(-1), flat[first - lo:first - lo + box.numel()])
+            covered += box.numel()
+        assert covered == hi - lo
+        assert len(dcp.flat_boxes(shape, lo, hi)) <= 2 * len(shape) + 1
+
+
+def test_our_parameters_sit_in_megatron_core_global_tensors():
+    qkv = place("encoder.layers.1.self_attention.query_key_value.weight", (48, 32), 5, 8, 1, 2)
+    assert (qkv.key, qkv.global_shape, qkv.offset, qkv.stacked, qkv.writer) == (
+        "decoder.layers.self_attention.linear_qkv.weight", (8, 96, 32), (5, 48, 0), True, True)
+    proj = place("encoder.layers.0.self_attention.dense.weight", (32, 16), 2, 8, 1, 2)
+    assert (proj.key, proj.global_shape, proj.offset) == (
+        "decoder.layers.self_attention.linear_proj.weight", (8, 32, 32), (2, 0, 16))
+    ln = place("encoder.layers.0.post_attention_layernorm.bias", (32,), 3, 8, 1, 2)
+    assert (ln.key, ln.offset, ln.writer) == ("decoder.layers.mlp.linear_fc1.layer_norm_bias",
+                                              (3, 0), False)  # tp rank 0 writes replicas
+    tied = place("word_embeddings.weight", (64, 32), None, 8, 1, 2)
+    assert (tied.key, tied.global_shape, tied.offset, tied.writer) == (
+        "embedding.word_embeddings.weight", (128, 32), (64, 0), False)
+    final = place("final_layernorm.weight", (32,), None, 8, 0, 2)
+    assert (final.key, final.stacked, final.writer) == ("decoder.final_layernorm.weight",
+                                                        False, True)
+    assert qkv.box((3, 4), (2, 5)) == ((5, 51, 4), (1, 2, 5))
+    with pytest.raises(KeyError, match="no megatron-core name"):
+        place("encoder.layers.0.mlp.gate.weight", (4,), 0, 8, 0, 1)
+
+
+@pytest.mark.parametrize("args, activation", [
+    ({}, "gelu"),
+    ({"bias_gelu_fusion": True}, "gelu_tanh"),  # Megatron's default: the fused tanh form
+    ({"bias_gelu_fusion": True, "add_bias_linear": False}, "gelu"),  # no bias, no fusion
+    ({"openai_gelu": True}, "gelu_tanh"),
+])
+def test_megatron_gelu_settings_map_to_our_activation(args, activation):
+    fields = model_fields_from_args({"num_layers": 2, "norm_epsilon": 1e-6, **args})
+    assert fields["activation"] == activation and fields["layernorm_epsilon"] == 1e-6
+
+
+@pytest.mark.parametrize("args, named", [
+    ({"swiglu": True}, "--swiglu"),
+    ({"group_query_attention": True, "num_query_groups": 2, "num_attention_heads": 8},
+     "--group-query-attention"),
+    ({"normalization": "RMSNorm"}, "--normalization RMSNorm"),
+    ({"num_experts": 8}, "--num-experts"),
+])
+def test_megatron_models_we_cannot_compute_are_refused_by_name(args, named):
+    with pytest.raises(ValueError, match=named):
+        model_fields_from_args(args)
+
+
+class _TheirEnum(enum.Enum):  # stands for a megatron-core enum in Megatron-LM's args
+    auto = 5
+
+
+def test_common_pt_reads_unknown_classes_as_opaque_values(tmp_path):
+    args = argparse.Namespace(num_layers=2, attention_backend=_TheirEnum.auto,
+                              params_dtype=torch.bfloat16)
+    torch.save({"args": args, "iteration": 3}, tmp_path / "common.pt")
+    common = torch_dist.read_common(str(tmp_path))
+    assert common["iteration"] == 3 and common["args"].params_dtype == torch.bfloat16
+    assert isinstance(common["args"].attention_backend, torch_dist.OpaqueValue)
+    assert common["args"].attention_backend.args == (5,)
+    (tmp_path / "common.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match="common.pt"):
+        torch_dist.read_common(str(tmp_path))
+
+
+def test_a_folder_is_torch_dist_by_its_metadata_json(tmp_path):
+    assert not torch_dist.is_torch_dist(str(tmp_path))
+    (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    assert torch_dist.is_torch_dist(str(tmp_path))
+    (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
+    with pytest.raises(CheckpointError, match="'zarr' backend; only torch_dist"):
+        torch_dist.is_torch_dist(str(tmp_path))
+
+
+def test_pieces_read_back_clipped_to_the_stored_extent(tmp_path):
+    full = torch.randn(3, 6, 4)
+    pieces = [dcp.Piece("w", (3, 6, 4), off, full[tuple(slice(o, o + s) for o, s in
+                                                        zip(off, sizes))].clone())
+              for off, sizes, _ in dcp.flat_boxes((3, 6, 4), 5, 72)]
+    pieces.append(dcp.Piece("w", (3, 6, 4), (0, 0, 0), full[:1, :1, :1].clone()))
+    rows = torch.arange(10.0).view(5, 2)
+    pieces.append(dcp.Piece("vocab", (5, 2), (0, 0), rows))
+    digests = dcp.write_pieces(str(tmp_path), pieces[:-2] + pieces[-1:], {"obj": b"x"})
+    assert sorted(digests) == sorted(os.listdir(tmp_path))  # every file, as written
+    box = torch.zeros(2, 3, 4)
+    more_rows = torch.full((8, 2), -1.0)  # padded further than the stored vocabulary
+    objects = dcp.read_pieces(str(tmp_path), [dcp.Piece("w", (3, 6, 4), (1, 2, 0), box),
+                                              dcp.Piece("vocab", (8, 2), (0, 0), more_rows)],
+                              ["obj"])
+    assert objects == {"obj": b"x"}
+    assert torch.equal(box[:1], full[1:2, 2:5]) and torch.equal(box[1], full[2, 2:5])
+    assert torch.equal(more_rows[:5], rows) and (more_rows[5:] == -1).all()
+
+
+def test_missing_and_misshapen_tensors_are_named(tmp_path):
+    config = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
+                         vocab_size=30, make_vocab_size_divisible_by=8,
+                         untie_embeddings_and_output_weights=True)
+    dcp.write_pieces(str(tmp_path), [
+        dcp.Piece("embedding.word_embeddings.weight", (24, 8), (0, 0), torch.zeros(24, 8)),
+        dcp.Piece("decoder.final_layernorm.weight", (9,), (0,), torch.zeros(9))], {})
+    metadata = dcp.read_metadata(str(tmp_path))
+    wanted = [place(n, s, None, 2, 0, 1) for n, s in (
+        ("embedding.word_embeddings.weight", (32, 8)), ("final_layernorm.weight", (8,)),
+        ("output_layer.weight", (32, 8)))]
+    with pytest.raises(CheckpointError) as info:
+        torch_dist.check_model_keys(metadata, wanted, config, "CKPT")
+    message = str(info.value)
+    assert "'embedding.word_embeddings.weight' has shape [24, 8], this model needs [>= 30, 8]" \
+        in message
+    assert "'decoder.final_layernorm.weight' has shape [9], this model's is [8]" in message
+    assert "no tensor 'output_layer.weight': it was saved with tied embeddings" in message
+
+
+def test_megatron_lm_dp_reshardable_optimizer_state_asks_for_no_load_optim(tmp_path):
+    from megatron.checkpointing import torch_dist_optim as optim
+    from megatron.checkpointing.mcore_layout import chunk_places
+    from megatron.config import OptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.model.gpt_model import GPTModel
+
+    config = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4,
+                         vocab_size=16, make_vocab_size_divisible_by=8)
+    model = GPTModel(config)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3), [model])
+    places = {(0, n): (p, pl) for n, p, pl in chunk_places(model, 1, 0, 1)}
+    # What Megatron-LM's default distributed-optimizer format stores: flat buckets.
+    bucket = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, " \
+             "torch.float32).bucket_idx_0.exp_avg"
+    dcp.write_pieces(str(tmp_path), [dcp.Piece(bucket, (40,), (0,), torch.zeros(40))], {})
+    common = {"args": argparse.Namespace(), "content_metadata": {
+        "distrib_optim_sharding_type": "dp_reshardable"}}
+    with pytest.raises(CheckpointError, match="dp_reshardable.*--no-load-optim"):
+        optim.optimizer_requests(optimizer, [model], places, dcp.read_metadata(str(tmp_path)),
+                                 common, "CKPT")
+
+
+@pytest.mark.parametrize("extra, world_size, named", [
+    (["--dp-mode", "decentralized"], 2, "--dp-mode decentralized cannot be combined with "
+     "--ckpt-format torch_dist"),
+    (["--deepspeed", "--zero-stage", "1"], 1, "--ckpt-format torch_dist: DeepSpeed's engine"),
+])
+def test_torch_dist_is_refused_where_another_writer_saves(extra, world_size, named):
+    from megatron.config import ConfigError, parse_args
+
+    base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+            "--seq-length", "4", "--micro-batch-size", "1", "--train-iters", "2", "--mock-data",
+            "--lr", "1e-3", "--ckpt-format", "torch_dist"]
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        parse_args(base + extra, world_size=world_size)
