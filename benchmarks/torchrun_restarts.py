@@ -81,6 +81,7 @@ def launch(folder: str, flags: list[str], rdzv: str = "static", nodes: int = 1,
     """torchrun agents (one per node, ``2 // nodes`` processes each), each in a session of
     its own, logging to ``folder/node{N}.log``."""
     port = free_port()
+    os.makedirs(folder, exist_ok=True)
     procs = []
     for node in range(nodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),

@@ -164,7 +164,8 @@ def initialize_megatron(config: RunConfig) -> torch.device:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-            p.virtual_pipeline_model_parallel_size)
+            p.virtual_pipeline_model_parallel_size,
+            distributed_timeout_minutes=t.distributed_timeout_minutes)
     set_random_seeds(t.seed)
     print_rank_0(describe(device, dist.get_backend(), t.use_cpu))
     restarts = rendezvous.restart_count(os.environ)

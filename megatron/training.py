@@ -70,6 +70,7 @@ from megatron.training_log import (
     training_series,
 )
 from megatron.utils import configure_output, print_rank_0
+from megatron.watchdog import Progress, exit_on_communication_timeout, start_hang_watchdog
 
 
 @dataclasses.dataclass
@@ -80,6 +81,8 @@ class RunContext:
     tokenizer: Any = None
     timers: Timers = dataclasses.field(default_factory=Timers)
     device: torch.device = torch.device("cpu")
+    # What this rank is doing now: the hang watchdog and the timeout report name it.
+    progress: Progress = dataclasses.field(default_factory=Progress)
 
 
 @dataclasses.dataclass
@@ -460,6 +463,7 @@ class Trainer:
         seq = self.cfg.model.seq_length
         while s.iteration < self.train_iters and (
                 t.train_tokens is None or s.consumed_train_samples * seq < t.train_tokens):
+            self.ctx.progress.step(s.iteration + 1)
             self.calculator.update(s.consumed_train_samples)
             num_micro = self.calculator.num_microbatches
             gbs = self.calculator.current_global_batch_size
@@ -607,6 +611,7 @@ class Trainer:
         if not has_data or eval_iters == 0:
             return {}
         num_micro = self.cfg.num_microbatches
+        self.ctx.progress.mark(f"the evaluation \"{prefix}\"")
         self._collect_garbage(at_evaluation=True)
         losses = evaluate(self.forward_step, data_iterator, self.chunks, self.ctx, num_micro,
                           eval_iters, self.engine)
@@ -697,6 +702,7 @@ class Trainer:
                 print_rank_0(f"  not saving a checkpoint at iteration {s.iteration}: its step "
                              f"was NaN/Inf and skipped (latest checkpoint: {s.last_saved})")
             return False
+        self.ctx.progress.mark(f"the checkpoint save at iteration {s.iteration}")
         if self.engine is not None:
             folder = self.engine.save(self.cfg.checkpoint.save, s.iteration,
                                       s.consumed_train_samples, s.consumed_valid_samples)
@@ -764,9 +770,28 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
     device = initialize_megatron(cfg)
     cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
+    ctx = RunContext(cfg, tokenizer, device=device)
+    watchdog = start_hang_watchdog(ctx.progress, cfg.training.hang_timeout_minutes)
+    try:
+        with exit_on_communication_timeout(ctx.progress):
+            return _pretrain_initialized(
+                ctx, ds_config,
+                (train_valid_test_datasets_provider, model_provider, forward_step_func),
+                wall_start)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+
+
+def _pretrain_initialized(ctx: RunContext, ds_config,
+                          providers: tuple[Callable, Callable, Callable],
+                          wall_start: float) -> TrainState:
+    """pretrain() once the process groups exist: build, load, train, evaluate, save."""
+    cfg = ctx.config
+    train_valid_test_datasets_provider, model_provider, forward_step_func = providers
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
-    ctx = RunContext(cfg, tokenizer, Timers(timer_level), device)
+    ctx.timers = Timers(timer_level)
     print_config(cfg, print_fn=print_rank_0)
     _warn_slow_precision(cfg, ctx.device)
     if cfg.model.use_flash_attn and not flash_attn_installed():
@@ -877,6 +902,7 @@ def _end_run(trainer: Trainer, start: _RunStart, loop_seconds: float) -> None:
         train_losses=s.history[-1]["losses"] if s.history else {},
         valid_losses=s.last_valid_losses, checkpoint=s.last_checkpoint))
     trainer.tensorboard.close()
+    trainer.ctx.progress.mark("the end of the run")
     _finish()
 
 
