@@ -74,7 +74,7 @@ class TrainingConfig(Slice):
         "fuses the LayerNorms, GeLU, dropout and residual adds around the matmuls); the first "
         "iterations pay for compiling. Generation and evaluation tools stay eager.")
     distributed_timeout_minutes: float = option(
-        default=10, help="Timeout of every process group's collectives and point-to-point "
+        default=10.0, help="Timeout of every process group's collectives and point-to-point "
         "operations (NCCL and gloo): a rank that waits longer exits with one line naming the "
         "group, the operation, the iteration and the ranks that did not arrive. Fractions of "
         "a minute are accepted.")

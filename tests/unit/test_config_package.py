@@ -51,6 +51,7 @@ NEW_FLAGS = {
     "--partition-activations", "--contigious-checkpointing", "--checkpoint-in-cpu",
     "--synchronize-each-layer",
     "--compile",  # torch.compile of the transformer layers (issue 10)
+    "--hang-timeout-minutes",  # stacks of a stalled rank (issue 24)
 }
 
 
