@@ -85,7 +85,7 @@ def _follow(store: dist.Store, rank: int, timeout: datetime.timedelta) -> str:
         if _answered(store, f"{token}/answer/{nonce}"):
             return token
         if time.monotonic() > deadline:
-            raise RuntimeError(f"waited {timeout} for rank 0 of this attempt to answer rank "
+            raise TimeoutError(f"waited {timeout} for rank 0 of this attempt to answer rank "
                                f"{rank} (--distributed-timeout-minutes)")
 
 
@@ -104,5 +104,5 @@ def _wait(store: dist.Store, key: str, timeout: datetime.timedelta, what: str) -
     try:
         store.wait([key], timeout)
     except dist.DistStoreError:
-        raise RuntimeError(f"waited {timeout} for {what} (--distributed-timeout-minutes)"
+        raise TimeoutError(f"waited {timeout} for {what} (--distributed-timeout-minutes)"
                            ) from None

@@ -768,10 +768,13 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     ds_config = deepspeed_config_or_exit(cfg)
     if cfg.training.dry_run:
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
-    device = initialize_megatron(cfg)
+    progress = Progress("start-up (joining the other ranks)")
+    with exit_on_communication_timeout(progress):
+        device = initialize_megatron(cfg)
     cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
-    ctx = RunContext(cfg, tokenizer, device=device)
-    watchdog = start_hang_watchdog(ctx.progress, cfg.training.hang_timeout_minutes)
+    ctx = RunContext(cfg, tokenizer, device=device, progress=progress)
+    progress.mark("start-up (model, checkpoint, data)")
+    watchdog = start_hang_watchdog(progress, cfg.training.hang_timeout_minutes)
     try:
         with exit_on_communication_timeout(ctx.progress):
             return _pretrain_initialized(

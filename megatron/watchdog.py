@@ -26,6 +26,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron.core import parallel_state, timeouts
+from megatron.initialize import distributed_env
 
 EXIT_STATUS = 1
 
@@ -33,8 +34,8 @@ EXIT_STATUS = 1
 class Progress:
     """The last thing this rank started, and when (marks come from the training loop)."""
 
-    def __init__(self) -> None:
-        self.phase = "start-up (model, checkpoint, data)"
+    def __init__(self, phase: str = "start-up") -> None:
+        self.phase = phase
         self.since = time.monotonic()
         self.marks = 0
 
@@ -86,12 +87,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} minutes"
 
 
+def _rank() -> int:
+    """This process's global rank (from its launcher before the process group exists)."""
+    return dist.get_rank() if dist.is_initialized() else distributed_env()["rank"]
+
+
 def start_hang_watchdog(progress: Progress, timeout_minutes: float) -> Optional[HangWatchdog]:
     """The watchdog of this rank, running; None when ``timeout_minutes`` is 0 (off)."""
     if not timeout_minutes:
         return None
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return HangWatchdog(progress, timeout_minutes, rank).start()
+    return HangWatchdog(progress, timeout_minutes, _rank()).start()
 
 
 @contextlib.contextmanager
@@ -105,7 +110,7 @@ def exit_on_communication_timeout(progress: Progress) -> Iterator[None]:
         if not timeouts.is_timeout(error):
             raise
         grace = timeouts.default_grace(parallel_state.group_timeout())
-        line = timeouts.describe_timeout(error, progress.phase, grace)
+        line = timeouts.describe_timeout(error, progress.phase, grace, _rank())
         sys.stdout.flush()
         print(f"error: {line}", file=sys.stderr, flush=True)
         os._exit(EXIT_STATUS)

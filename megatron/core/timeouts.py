@@ -73,7 +73,7 @@ def is_timeout(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it) is a communication timeout."""
     seen = 0
     while error is not None and seen < 8:
-        if isinstance(error, PointToPointTimeout):
+        if isinstance(error, (PointToPointTimeout, TimeoutError, dist.DistStoreError)):
             return True
         if isinstance(error, RuntimeError) and any(sign in str(error)
                                                    for sign in _TIMEOUT_SIGNS):
@@ -168,10 +168,12 @@ def exchange_reports(mine: Report, rank: int, ranks: list[int],
     return result.get("reports")
 
 
-def describe_timeout(error: BaseException, during: str, grace: float = 30.0) -> str:
+def describe_timeout(error: BaseException, during: str, grace: float = 30.0,
+                     rank: Optional[int] = None) -> str:
     """One line: this rank, the operation, its group and members, when, who did not arrive.
     Waits up to ``grace`` seconds for the other ranks' reports."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
     entries = flight_recorder_entries()
     pending = pending_operation(error, entries)
     timeout = parallel_state.group_timeout()

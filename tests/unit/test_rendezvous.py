@@ -78,7 +78,7 @@ def test_a_restarted_attempt_never_takes_the_dead_attempts_token(agent_store):
 
 def test_a_missing_rank_0_ends_in_an_error_naming_the_flag(agent_store):
     short = datetime.timedelta(seconds=1)
-    with pytest.raises(RuntimeError, match="--distributed-timeout-minutes"):
+    with pytest.raises(TimeoutError, match="--distributed-timeout-minutes"):
         rendezvous.agree_on_token(agent_store(), 1, 2, short)
 
 

@@ -96,6 +96,7 @@ def test_timeouts_take_fractions_of_a_minute_and_the_hang_timeout_follows():
     ("DataLoader worker (pid 12) is killed by signal", False),
 ])
 def test_which_errors_are_communication_timeouts(message, expected):
+    assert timeouts.is_timeout(TimeoutError("waited 0:10:00 for rank 0 to start this attempt"))
     assert timeouts.is_timeout(RuntimeError(message)) is expected
     wrapped = ValueError("while saving")
     wrapped.__cause__ = RuntimeError(message)
