@@ -119,10 +119,30 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> Optional[list[int
     except subprocess.TimeoutExpired:
         return None
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        kill_all(procs)
+
+
+def kill_all(agents: list[subprocess.Popen]) -> None:
+    """SIGKILL each agent still running and every process below it: torchrun starts its
+    workers in sessions of their own, so killing the agent's group would leave them behind
+    (a stopped one forever)."""
+    for agent in agents:
+        if agent.poll() is None:
+            for pid in [*_descendants(agent.pid), agent.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            agent.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        children = _children(todo.pop())
+        found += children
+        todo += children
+    return found
 
 
 def histories(folder: str) -> list[list[dict]]:

@@ -78,9 +78,7 @@ def test_a_stopped_rank_is_named_and_the_others_exit_instead_of_hanging(tmp_path
             time.sleep(0.2)
         waited = time.monotonic() - stopped
     finally:
-        for agent in agents:  # the stopped rank would hold torchrun for its 30 s grace
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
+        restarts.kill_all(agents)  # the stopped rank would hold torchrun for its 30 s grace
     log = restarts.read_logs(folder)
     line = ERROR.search(log).group(1)
     assert re.fullmatch(
