@@ -100,8 +100,11 @@ class SlurmCluster:
                              f"{self.logs()}")
 
     def requeue(self, job_id: str) -> None:
-        """``scontrol requeue``, then eligible at once (SLURM holds a requeued job ~2 min)."""
+        """``scontrol requeue``, then eligible (SLURM holds a requeued job about 2 minutes)
+        after 2 s: slurmd refuses a job credential issued in the second its predecessor's
+        was revoked ("Job credential revoked")."""
         self.run("scontrol", "requeue", job_id)
+        time.sleep(2.0)
         self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
     def logs(self) -> str:

@@ -112,7 +112,7 @@ def test_sbatch_preempt_and_requeue_resume_with_the_uninterrupted_losses(cluster
     state = cluster.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300)
     log = _log(preempted)
     assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("COMPLETED", "0:0", "1"), \
-        log[-3000:]
+        f"{state}\n{log[-3000:]}\n{cluster.logs()}"
     assert log.startswith(first)  # --open-mode=append: the requeued run adds to the same log
     assert f"training from iteration {stop} to {ITERS}" in log[len(first):]
     assert _curve(log) == reference

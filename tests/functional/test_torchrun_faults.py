@@ -65,7 +65,7 @@ ERROR = re.compile(r"^error: \[rank 0\] (.*)$", re.M)
 
 def test_a_stopped_rank_is_named_and_the_others_exit_instead_of_hanging(tmp_path):
     folder = str(tmp_path)
-    flags = [*restarts.model_flags(f"{folder}/ckpt", iters=1000),
+    flags = [*restarts.model_flags(f"{folder}/ckpt", iters=1000), "--save-interval", "1000",
              "--distributed-timeout-minutes", "0.1", "--hang-timeout-minutes", "0.05"]
     agents = restarts.launch(folder, flags, max_restarts=0)
     try:
