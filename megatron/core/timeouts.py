@@ -150,16 +150,16 @@ def exchange_reports(mine: Report, rank: int, ranks: list[int],
     def run() -> None:
         store = dist.distributed_c10d._get_default_store()
         store.set(_REPORT_KEY.format(rank=rank), mine.to_json())
+        keys = {r: _REPORT_KEY.format(rank=r) for r in ranks if r != rank}
         deadline = time.monotonic() + grace
-        waiting = {r for r in ranks if r != rank}
-        while waiting and time.monotonic() < deadline:
-            waiting -= {r for r in waiting if store.check([_REPORT_KEY.format(rank=r)])}
-            time.sleep(0.1)
+        # One request per poll, whatever the group's size: every rank of a large job may be
+        # asking at the same moment.
+        while keys and not store.check(list(keys.values())) and time.monotonic() < deadline:
+            time.sleep(0.5)
         reports: dict[int, Optional[Report]] = {rank: mine}
-        for r in ranks:
-            if r != rank:
-                reports[r] = (None if r in waiting else
-                              Report.from_json(store.get(_REPORT_KEY.format(rank=r)).decode()))
+        for r, key in keys.items():
+            reports[r] = (Report.from_json(store.get(key).decode()) if store.check([key])
+                          else None)
         result["reports"] = reports
 
     thread = threading.Thread(target=run, name="megatron-timeout-reports", daemon=True)
@@ -183,7 +183,7 @@ def describe_timeout(error: BaseException, during: str, grace: float = 30.0,
                 f"(--distributed-timeout-minutes) during {during}: {_first_line(error)}")
     members = list(pending.peers) or parallel_state.group_members(pending.group_name) or []
     line = (f"[rank {rank}] {pending.where()}"
-            f"{f' (ranks {members})' if members and not pending.peers else ''} timed out"
+            f"{f' ({format_ranks(members)})' if members and not pending.peers else ''} timed out"
             f"{after} (--distributed-timeout-minutes) during {during}")
     reports = exchange_reports(Report(pending, positions(entries)), rank,
                                sorted({rank, *members}), grace)
@@ -196,11 +196,28 @@ def _absent(pending: Pending, members: list[int], rank: int,
     if reports is None:
         return (f"ranks {others} did not answer through the rendezvous store (it may live in "
                 "a stopped rank)")
-    absent = [f"rank {r} ({_elsewhere(reports.get(r))})" for r in others
-              if not _arrived(pending, reports.get(r))]
-    if not absent:
+    by_reason: dict[str, list[int]] = {}
+    for r in others:
+        if not _arrived(pending, reports.get(r)):
+            by_reason.setdefault(_elsewhere(reports.get(r)), []).append(r)
+    if not by_reason:
         return "every rank of the group arrived: the operation itself stalled"
-    return "did not arrive: " + ", ".join(absent)
+    return "did not arrive: " + ", ".join(f"{format_ranks(ranks)} ({reason})"
+                                          for reason, ranks in by_reason.items())
+
+
+def format_ranks(ranks: list[int], most: int = 16) -> str:
+    """``rank 3``, ``ranks 0-7, 12``; past ``most`` runs, ``... (N ranks)``."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:most])
+    if len(runs) > most:
+        text += f", ... ({len(ranks)} ranks)"
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def _arrived(pending: Pending, report: Optional[Report]) -> bool:

@@ -101,7 +101,7 @@ def lines():
 
 def test_a_silent_rank_is_named_with_the_group_and_the_operation(lines):
     line = lines[0]["silent"]
-    assert line.startswith("[rank 0] all_reduce #2 on TENSOR_MODEL_PARALLEL_GROUP (ranks [0, 1]) "
+    assert line.startswith("[rank 0] all_reduce #2 on TENSOR_MODEL_PARALLEL_GROUP (ranks 0-1) "
                            "timed out after 0.02 min (--distributed-timeout-minutes) during "
                            "the training step of iteration 7; "), line
     assert line.endswith("did not arrive: rank 1 (no report: stopped, dead, or busy outside "

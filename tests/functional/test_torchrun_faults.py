@@ -82,7 +82,7 @@ def test_a_stopped_rank_is_named_and_the_others_exit_instead_of_hanging(tmp_path
     log = restarts.read_logs(folder)
     line = ERROR.search(log).group(1)
     assert re.fullmatch(
-        r"all_reduce #\d+ on TENSOR_MODEL_PARALLEL_GROUP \(ranks \[0, 1\]\) timed out after "
+        r"all_reduce #\d+ on TENSOR_MODEL_PARALLEL_GROUP \(ranks 0-1\) timed out after "
         r"0\.1 min \(--distributed-timeout-minutes\) during the training step of iteration "
         r"\d+; did not arrive: rank 1 \(no report: stopped, dead, or busy outside "
         r"communication\)", line), line

@@ -101,3 +101,10 @@ def test_which_errors_are_communication_timeouts(message, expected):
     wrapped = ValueError("while saving")
     wrapped.__cause__ = RuntimeError(message)
     assert timeouts.is_timeout(wrapped) is expected
+
+
+def test_rank_lists_are_short_in_the_one_line_report():
+    assert timeouts.format_ranks([3]) == "rank 3"
+    assert timeouts.format_ranks([0, 1, 2, 3, 12, 7]) == "ranks 0-3, 7, 12"
+    assert timeouts.format_ranks(list(range(0, 1024, 8)), most=4) == \
+        "ranks 0, 8, 16, 24, ... (128 ranks)"
