@@ -70,7 +70,7 @@ from megatron.training_log import (
     training_series,
 )
 from megatron.utils import configure_output, print_rank_0
-from megatron.watchdog import Progress, exit_on_communication_timeout, start_hang_watchdog
+from megatron.watchdog import Progress, exit_on_communication_timeout
 
 
 @dataclasses.dataclass
@@ -758,43 +758,39 @@ def check_run_inputs(cfg: RunConfig):
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: Callable, *, extra_args_provider: Optional[Callable] = None,
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
-    """Parse flags, initialize, build, train, evaluate and save; returns the final state."""
+    """Parse flags, initialize, build, train, evaluate and save; returns the final state.
+
+    A communication that times out (--distributed-timeout-minutes) ends the process with one
+    line and status 1; a stall prints the stacks (--hang-timeout-minutes; megatron/watchdog.py)."""
     wall_start = time.perf_counter()
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     configure_output(cfg.logging.log_all_ranks)
+    progress = Progress("start-up (joining the other ranks)")
+    try:
+        with exit_on_communication_timeout(progress):
+            return _pretrain(cfg, progress, wall_start, train_valid_test_datasets_provider,
+                             model_provider, forward_step_func)
+    finally:
+        progress.close()
+
+
+def _pretrain(cfg: RunConfig, progress: Progress, wall_start: float,
+              train_valid_test_datasets_provider: Callable, model_provider: Callable,
+              forward_step_func: Callable) -> TrainState:
+    """pretrain() after the flags are parsed."""
     _check_checkpoint_folders_or_exit(cfg)
     _check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
     ds_config = deepspeed_config_or_exit(cfg)
     if cfg.training.dry_run:
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
-    progress = Progress("start-up (joining the other ranks)")
-    with exit_on_communication_timeout(progress):
-        device = initialize_megatron(cfg)
-    cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
-    ctx = RunContext(cfg, tokenizer, device=device, progress=progress)
+    device = initialize_megatron(cfg)
     progress.mark("start-up (model, checkpoint, data)")
-    watchdog = start_hang_watchdog(progress, cfg.training.hang_timeout_minutes)
-    try:
-        with exit_on_communication_timeout(ctx.progress):
-            return _pretrain_initialized(
-                ctx, ds_config,
-                (train_valid_test_datasets_provider, model_provider, forward_step_func),
-                wall_start)
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-
-
-def _pretrain_initialized(ctx: RunContext, ds_config,
-                          providers: tuple[Callable, Callable, Callable],
-                          wall_start: float) -> TrainState:
-    """pretrain() once the process groups exist: build, load, train, evaluate, save."""
-    cfg = ctx.config
-    train_valid_test_datasets_provider, model_provider, forward_step_func = providers
+    progress.watch(cfg.training.hang_timeout_minutes)
+    cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
-    ctx.timers = Timers(timer_level)
+    ctx = RunContext(cfg, tokenizer, Timers(timer_level), device, progress)
     print_config(cfg, print_fn=print_rank_0)
     _warn_slow_precision(cfg, ctx.device)
     if cfg.model.use_flash_attn and not flash_attn_installed():

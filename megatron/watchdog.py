@@ -38,6 +38,7 @@ class Progress:
         self.phase = phase
         self.since = time.monotonic()
         self.marks = 0
+        self._watchdog: Optional[HangWatchdog] = None
 
     def mark(self, phase: str) -> None:
         self.phase, self.since = phase, time.monotonic()
@@ -45,6 +46,17 @@ class Progress:
 
     def step(self, iteration: int) -> None:
         self.mark(f"the training step of iteration {iteration}")
+
+    def watch(self, timeout_minutes: float) -> None:
+        """Print this rank's stacks once per stall of ``timeout_minutes`` (0: never), from
+        now until ``close``."""
+        if timeout_minutes and self._watchdog is None:
+            self._watchdog = HangWatchdog(self, timeout_minutes, _rank()).start()
+
+    def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
 
 
 class HangWatchdog:
@@ -90,13 +102,6 @@ def _duration(seconds: float) -> str:
 def _rank() -> int:
     """This process's global rank (from its launcher before the process group exists)."""
     return dist.get_rank() if dist.is_initialized() else distributed_env()["rank"]
-
-
-def start_hang_watchdog(progress: Progress, timeout_minutes: float) -> Optional[HangWatchdog]:
-    """The watchdog of this rank, running; None when ``timeout_minutes`` is 0 (off)."""
-    if not timeout_minutes:
-        return None
-    return HangWatchdog(progress, timeout_minutes, _rank()).start()
 
 
 @contextlib.contextmanager
