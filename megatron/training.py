@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import watchdog
 from megatron.checkpointing.ranks import any_true
 from megatron.config import (
     ConfigError,
@@ -70,7 +71,6 @@ from megatron.training_log import (
     training_series,
 )
 from megatron.utils import configure_output, print_rank_0
-from megatron.watchdog import Progress, exit_on_communication_timeout
 
 
 @dataclasses.dataclass
@@ -82,7 +82,7 @@ class RunContext:
     timers: Timers = dataclasses.field(default_factory=Timers)
     device: torch.device = torch.device("cpu")
     # What this rank is doing now: the hang watchdog and the timeout report name it.
-    progress: Progress = dataclasses.field(default_factory=Progress)
+    progress: watchdog.Progress = dataclasses.field(default_factory=watchdog.Progress)
 
 
 @dataclasses.dataclass
@@ -696,13 +696,13 @@ class Trainer:
 
         if s.last_saved == s.iteration:
             return True
+        self.ctx.progress.mark(f"the checkpoint save at iteration {s.iteration}")
         if self.guard.in_nonfinite_run:
             if self._refused_save != s.iteration:
                 self._refused_save = s.iteration
                 print_rank_0(f"  not saving a checkpoint at iteration {s.iteration}: its step "
                              f"was NaN/Inf and skipped (latest checkpoint: {s.last_saved})")
             return False
-        self.ctx.progress.mark(f"the checkpoint save at iteration {s.iteration}")
         if self.engine is not None:
             folder = self.engine.save(self.cfg.checkpoint.save, s.iteration,
                                       s.consumed_train_samples, s.consumed_valid_samples)
@@ -765,16 +765,16 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     wall_start = time.perf_counter()
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     configure_output(cfg.logging.log_all_ranks)
-    progress = Progress("start-up (joining the other ranks)")
+    progress = watchdog.Progress("start-up (joining the other ranks)")
     try:
-        with exit_on_communication_timeout(progress):
+        with watchdog.exit_on_communication_timeout(progress):
             return _pretrain(cfg, progress, wall_start, train_valid_test_datasets_provider,
                              model_provider, forward_step_func)
     finally:
         progress.close()
 
 
-def _pretrain(cfg: RunConfig, progress: Progress, wall_start: float,
+def _pretrain(cfg: RunConfig, progress: watchdog.Progress, wall_start: float,
               train_valid_test_datasets_provider: Callable, model_provider: Callable,
               forward_step_func: Callable) -> TrainState:
     """pretrain() after the flags are parsed."""
