@@ -61,6 +61,7 @@ def test_a_worker_killed_by_sigkill_restarts_and_ends_with_the_uninterrupted_los
 
 
 ERROR = re.compile(r"^error: \[rank 0\] (.*)$", re.M)
+EXITED = re.compile(r"failed \(exitcode: 1\) local_rank: 0 ")
 
 
 def test_a_stopped_rank_is_named_and_the_others_exit_instead_of_hanging(tmp_path):
@@ -77,6 +78,9 @@ def test_a_stopped_rank_is_named_and_the_others_exit_instead_of_hanging(tmp_path
             assert time.monotonic() - stopped < 6 + 60, "rank 0 still waits"
             time.sleep(0.2)
         waited = time.monotonic() - stopped
+        while not EXITED.search(restarts.read_logs(folder)):  # torchrun saw it end
+            assert time.monotonic() - stopped < 6 + 90, restarts.read_logs(folder)[-3000:]
+            time.sleep(0.2)
     finally:
         restarts.kill_all(agents)  # the stopped rank would hold torchrun for its 30 s grace
     log = restarts.read_logs(folder)
