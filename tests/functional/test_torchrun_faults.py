@@ -78,9 +78,9 @@ def test_a_stopped_rank_is_named_and_the_others_exit_instead_of_hanging(tmp_path
             assert time.monotonic() - stopped < 6 + 60, "rank 0 still waits"
             time.sleep(0.2)
         waited = time.monotonic() - stopped
-        while not EXITED.search(restarts.read_logs(folder)):  # torchrun saw it end
-            assert time.monotonic() - stopped < 6 + 90, restarts.read_logs(folder)[-3000:]
-            time.sleep(0.2)
+        # torchrun would wait 30 s for the stopped rank to heed its SIGTERM: end it now.
+        os.kill(restarts.worker_pid(agents, 1), signal.SIGKILL)
+        assert restarts.wait_all(agents, 60) == [1]
     finally:
         restarts.kill_all(agents)  # the stopped rank would hold torchrun for its 30 s grace
     log = restarts.read_logs(folder)
@@ -91,9 +91,11 @@ def test_a_stopped_rank_is_named_and_the_others_exit_instead_of_hanging(tmp_path
         r"\d+; did not arrive: rank 1 \(no report: stopped, dead, or busy outside "
         r"communication\)", line), line
     assert 6 <= waited < 66, waited
+    assert EXITED.search(log), log[-3000:]  # rank 0's own exit status, as torchrun saw it
     dump = log.index("[rank 0] no progress for")
     assert dump < log.index("error: [rank 0]")  # the stacks came first
     assert log.count("[rank 0] no progress for") == 1
     stack = log[dump:log.index("error: [rank 0]")]
     assert "(most recent call first)" in stack and "in all_reduce" in stack
-    assert "Traceback" not in log[log.index("error: [rank 0]"):].split("\nW")[0]
+    # No Python traceback through our code (the stack dump's frames read "line N in f").
+    assert not re.search(r'File "[^"]*megatron/[^"]*", line \d+, in ', log), log[-3000:]
