@@ -18,7 +18,7 @@ import time
 from typing import Optional
 
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel",
-            "sinfo")
+            "sinfo", "squeue")
 
 
 class SlurmUnavailable(RuntimeError):
@@ -117,6 +117,13 @@ class SlurmCluster:
         return "\n".join(tails)
 
     def stop(self) -> None:
+        """Cancel what still runs (a failed test's job), then end the daemons."""
+        if self.daemons and self.daemons[-1].poll() is None:
+            self.run("scancel", "--user=root", "--full", check=False)
+            deadline = time.monotonic() + 40
+            while self.run("squeue", "--noheader", check=False).strip() and \
+                    time.monotonic() < deadline:
+                time.sleep(0.5)
         for daemon in reversed(self.daemons):
             if daemon.poll() is None:
                 daemon.terminate()

@@ -11,13 +11,14 @@
 # sizes, the rest of the tasks are data parallel; PRECISION=fp16 (default), bf16 or fp32 picks
 # the number format. Extra flags after DATA_PATH are passed to pretrain_gpt.py.
 #
-# Preemption and time limits. The job saves and exits cleanly on SIGTERM (--exit-signal-handler),
-# however SLURM sends it: `scancel --signal=TERM --full` (every task), `scancel --signal=TERM
-# --batch` or the time limit's `--signal=B:TERM@300` below (this script, which passes it on to
-# srun and so to every task). The job can be requeued (--requeue): `scontrol requeue JOBID`, or
-# SLURM's own preemption with PreemptMode=REQUEUE, runs this script again, which resumes from
-# the checkpoint (--load) and appends to the same log (--open-mode=append). REQUEUE_ON_TERM=1
-# makes the job requeue itself after such a save (to train on across time-limited allocations).
+# Preemption and time limits. Every task saves a checkpoint and exits cleanly on SIGTERM
+# (--exit-signal-handler), sent to the tasks (`scancel --signal=TERM JOBID`) or to this script
+# (`scancel --signal=TERM --batch JOBID`, or the time limit's `--signal=B:TERM@300` below),
+# which passes it on to every task through scancel; not with `scancel --full`, which also
+# signals srun, and srun answers a SIGTERM of its own by killing its tasks. The job can be
+# requeued (--requeue): after `scontrol requeue JOBID` this script runs again, resumes from the
+# checkpoint (--load) and appends to the same log (--open-mode=append). REQUEUE_ON_TERM=1 makes
+# the job requeue itself after such a save, to train on across time-limited allocations.
 #SBATCH --job-name=megatron-gpt
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
