@@ -75,9 +75,9 @@ class TrainingConfig(Slice):
         "iterations pay for compiling. Generation and evaluation tools stay eager.")
     distributed_timeout_minutes: float = option(
         default=10.0, help="Timeout of every process group's collectives and point-to-point "
-        "operations (NCCL and gloo): a rank that waits longer exits with one line naming the "
-        "group, the operation, the iteration and the ranks that did not arrive. Fractions of "
-        "a minute are accepted.")
+        "operations: a rank that waits longer exits (status 1) with one line naming the "
+        "group, the operation, the iteration and the ranks that did not arrive (on NCCL, "
+        "torch's watchdog reports it). Fractions of a minute are accepted.")
     hang_timeout_minutes: Optional[float] = option(
         default=None, help="Print every thread's Python stack once when a rank makes no "
         "progress (no step, evaluation or checkpoint save finishes) for this many minutes; 0 "
