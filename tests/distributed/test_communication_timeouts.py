@@ -20,6 +20,7 @@ from megatron.core import parallel_state, timeouts
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow
 SHORT = 0.02  # minutes: 1.2 s
 GRACE = 2.0  # seconds a timed-out rank waits for the others' reports
 

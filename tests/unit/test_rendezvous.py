@@ -66,6 +66,7 @@ def test_every_rank_of_an_attempt_agrees_on_one_token(agent_store):
     assert len(set(tokens)) == 1
 
 
+@pytest.mark.slow
 def test_a_restarted_attempt_never_takes_the_dead_attempts_token(agent_store):
     """The second attempt's followers start before its rank 0 and read the first attempt's
     token, which nobody answers any more: they read again and meet the new rank 0."""

@@ -33,6 +33,7 @@ class _Log:
         return self.file.read()
 
 
+@pytest.mark.slow
 def test_a_stall_prints_every_threads_stack_once_then_again_after_progress(tmp_path):
     progress, log = Progress(), _Log(tmp_path)
     out = log.file
