@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import xla
+from megatron import rendezvous, xla
 from megatron.config import RunConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_seed
@@ -75,13 +75,15 @@ def rendezvous_env(env: Mapping[str, str]) -> dict[str, str]:
     return chosen
 
 
-def initialize_distributed(backend: str, timeout_minutes: int = 10,
+def initialize_distributed(backend: str, timeout_minutes: float = 10,
                            device: Optional[torch.device] = None) -> None:
     """Join the process group (if not joined yet) on this process's ``device``.
 
     ``backend`` and ``device`` come from ``megatron.device`` (one place decides them). NCCL
     is bound to the device at start-up (``device_id``), so its communicators and barriers use
-    that GPU from the first call.
+    that GPU from the first call. Under torchrun the ranks meet in the agent's store under a
+    key of this attempt's own, so that a restarted attempt never reads a dead one's addresses
+    (``megatron.rendezvous``).
     """
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
@@ -94,9 +96,12 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10,
     if backend == "nccl" and (device is None or device.type != "cuda"):
         raise RuntimeError("--distributed-backend nccl needs a CUDA device")
     os.environ.update(rendezvous_env(os.environ))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     extra = {"device_id": device} if backend == "nccl" else {}
+    if rendezvous.uses_agent_store(os.environ):
+        extra["store"] = rendezvous.attempt_store(info["rank"], info["world_size"], timeout)
     dist.init_process_group(backend, rank=info["rank"], world_size=info["world_size"],
-                            timeout=datetime.timedelta(minutes=timeout_minutes), **extra)
+                            timeout=timeout, **extra)
     atexit.register(_destroy_process_group_at_exit)
 
 
@@ -182,9 +187,15 @@ def initialize_megatron(config: RunConfig) -> torch.device:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-            p.virtual_pipeline_model_parallel_size)
+            p.virtual_pipeline_model_parallel_size,
+            distributed_timeout_minutes=t.distributed_timeout_minutes)
     set_random_seeds(t.seed)
     if device.type == "xla":  # dropout there draws from the device's own generator
         xla.set_rng_state(t.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     print_rank_0(describe(device, dist.get_backend(), t.use_cpu))
+    restarts = rendezvous.restart_count(os.environ)
+    if restarts:
+        print_rank_0(f"> torchrun restarted the workers ({restarts} of --max-restarts "
+                     f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} on this node); this "
+                     "attempt's ranks met under a key of their own")
     return device

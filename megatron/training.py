@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import xla
+from megatron import watchdog, xla
 from megatron.checkpointing.async_save import AsyncSaver
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ranks import any_true
@@ -89,6 +89,8 @@ class RunContext:
     tokenizer: Any = None
     timers: Timers = dataclasses.field(default_factory=Timers)
     device: torch.device = torch.device("cpu")
+    # What this rank is doing now: the hang watchdog and the timeout report name it.
+    progress: watchdog.Progress = dataclasses.field(default_factory=watchdog.Progress)
 
 
 @dataclasses.dataclass
@@ -487,6 +489,7 @@ class Trainer:
         seq = self.cfg.model.seq_length
         while s.iteration < self.train_iters and (
                 t.train_tokens is None or s.consumed_train_samples * seq < t.train_tokens):
+            self.ctx.progress.step(s.iteration + 1)
             self.calculator.update(s.consumed_train_samples)
             num_micro = self.calculator.num_microbatches
             gbs = self.calculator.current_global_batch_size
@@ -657,6 +660,7 @@ class Trainer:
         if not has_data or eval_iters == 0:
             return {}
         num_micro = self.cfg.num_microbatches
+        self.ctx.progress.mark(f"the evaluation \"{prefix}\"")
         self._collect_garbage(at_evaluation=True)
         losses = evaluate(self.forward_step, data_iterator, self.chunks, self.ctx, num_micro,
                           eval_iters, self.engine)
@@ -757,6 +761,7 @@ class Trainer:
 
         if s.last_saved == s.iteration:
             return True
+        self.ctx.progress.mark(f"the checkpoint save at iteration {s.iteration}")
         if self.guard.in_nonfinite_run:
             if self._refused_save != s.iteration:
                 self._refused_save = s.iteration
@@ -827,7 +832,9 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     """Parse flags, initialize, build, train, evaluate and save; returns the final state.
 
     Ctrl-C (SIGINT) ends it with one line on rank 0 and ``SystemExit(130)``, or, with
-    --exit-signal-handler, as SIGTERM does (see megatron/signals.py)."""
+    --exit-signal-handler, as SIGTERM does (see megatron/signals.py). A communication that
+    times out (--distributed-timeout-minutes) ends the process with one line and status 1; a
+    stall prints the stacks (--hang-timeout-minutes; megatron/watchdog.py)."""
     wall_start = time.perf_counter()
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     configure_output(cfg.logging.log_all_ranks)
@@ -844,9 +851,12 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     _check_device_support_or_exit(cfg, replica=True)
     signals = ShutdownSignals(cfg.training.exit_signal_handler)
     state = TrainState()
+    progress = watchdog.Progress("start-up (joining the other ranks)")
     try:
-        return _pretrain(cfg, state, signals, wall_start, train_valid_test_datasets_provider,
-                         model_provider, forward_step_func)
+        with watchdog.exit_on_communication_timeout(progress):
+            return _pretrain(cfg, state, signals, progress, wall_start,
+                             train_valid_test_datasets_provider, model_provider,
+                             forward_step_func)
     except BaseException as error:
         # An interrupted peer leaves its collectives: the errors that follow are the interrupt.
         if not signals.was_interrupted() or (isinstance(error, SystemExit) and error.code == 0):
@@ -855,10 +865,12 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             print(_interrupted_message(state, cfg), file=sys.stderr, flush=True)
         raise SystemExit(INTERRUPTED_EXIT_STATUS) from None
     finally:
+        progress.close()
         signals.restore()
 
 
-def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals, wall_start: float,
+def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals,
+              progress: watchdog.Progress, wall_start: float,
               train_valid_test_datasets_provider: Callable, model_provider: Callable,
               forward_step_func: Callable) -> TrainState:
     """pretrain() after the flags are parsed; fills ``state`` as it goes."""
@@ -871,13 +883,15 @@ def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals, wall_
         return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
     device = initialize_megatron(cfg)
     save_lock = _lock_save_folder_or_exit(cfg)
+    progress.mark("start-up (model, checkpoint, data)")
+    progress.watch(cfg.training.hang_timeout_minutes)
     cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
     # The arguments block shows what this device uses, not what was asked for.
     cfg = cfg.replace(model=cfg.model.replace(
         apex_layernorm=apex_layer_norm_used(cfg.model, device)))
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
-    ctx = RunContext(cfg, tokenizer, Timers(timer_level), device)
+    ctx = RunContext(cfg, tokenizer, Timers(timer_level), device, progress)
     print_config(cfg, print_fn=print_rank_0)
     _warn_slow_precision(cfg, ctx.device)
     if cfg.model.use_flash_attn and not flash_attn_installed():
@@ -1006,6 +1020,7 @@ def _end_run(trainer: Trainer, start: _RunStart, loop_seconds: float) -> None:
 
         print_rank_0(training_xla.compilation_report())
     trainer.tensorboard.close()
+    trainer.ctx.progress.mark("the end of the run")
     _finish()
 
 

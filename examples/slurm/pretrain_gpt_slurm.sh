@@ -10,6 +10,15 @@
 # Adjust the #SBATCH lines to your cluster; TP and PP set the tensor and pipeline parallel
 # sizes, the rest of the tasks are data parallel; PRECISION=fp16 (default), bf16 or fp32 picks
 # the number format. Extra flags after DATA_PATH are passed to pretrain_gpt.py.
+#
+# Preemption and time limits. Every task saves a checkpoint and exits cleanly on SIGTERM
+# (--exit-signal-handler), sent to the tasks (`scancel --signal=TERM JOBID`) or to this script
+# (`scancel --signal=TERM --batch JOBID`, or the time limit's `--signal=B:TERM@300` below),
+# which passes it on to every task through scancel; not with `scancel --full`, which also
+# signals srun, and srun answers a SIGTERM of its own by killing its tasks. The job can be
+# requeued (--requeue): after `scontrol requeue JOBID` this script runs again, resumes from the
+# checkpoint (--load) and appends to the same log (--open-mode=append). REQUEUE_ON_TERM=1 makes
+# the job requeue itself after such a save, to train on across time-limited allocations.
 #SBATCH --job-name=megatron-gpt
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
@@ -17,6 +26,9 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --time=24:00:00
 #SBATCH --exclusive
+#SBATCH --signal=B:TERM@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 set -euo pipefail
 
 if [ $# -lt 4 ]; then
@@ -64,5 +76,25 @@ OUTPUT_ARGS=(
     --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --exit-signal-handler
 )
 
+# srun runs in the background so that this shell can pass SIGTERM on while it waits.
 srun --kill-on-bad-exit=1 python "$REPO/pretrain_gpt.py" \
-    "${GPT_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
+    "${GPT_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@" &
+SRUN_PID=$!
+TERM_RECEIVED=0
+forward_term() {
+    TERM_RECEIVED=1
+    echo "SIGTERM: every task saves a checkpoint and stops" >&2
+    # Through SLURM, to every task: srun turns a SIGTERM of its own into SIGKILL of its tasks.
+    scancel --signal=TERM "$SLURM_JOB_ID" || true
+}
+trap forward_term TERM
+status=0
+wait "$SRUN_PID" || status=$?
+while [ "$status" -gt 128 ] && kill -0 "$SRUN_PID" 2>/dev/null; do
+    status=0  # the signal interrupted wait, not srun: wait for srun's own status
+    wait "$SRUN_PID" || status=$?
+done
+if [ "$status" -eq 0 ] && [ "$TERM_RECEIVED" = 1 ] && [ "${REQUEUE_ON_TERM:-0}" = 1 ]; then
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"

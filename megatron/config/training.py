@@ -85,8 +85,16 @@ class TrainingConfig(Slice):
         default=False, help="torch.compile each transformer layer for training (inductor "
         "fuses the LayerNorms, GeLU, dropout and residual adds around the matmuls); the first "
         "iterations pay for compiling. Generation and evaluation tools stay eager.")
-    distributed_timeout_minutes: int = option(
-        default=10, help="Timeout of collectives (NCCL and gloo) before a hung rank fails.")
+    distributed_timeout_minutes: float = option(
+        default=10.0, help="Timeout of every process group's collectives and point-to-point "
+        "operations: a rank that waits longer exits (status 1) with one line naming the "
+        "group, the operation, the iteration and the ranks that did not arrive (on NCCL, "
+        "torch's watchdog reports it). Fractions of a minute are accepted.")
+    hang_timeout_minutes: Optional[float] = option(
+        default=None, help="Print every thread's Python stack once when a rank makes no "
+        "progress (no step, evaluation or checkpoint save finishes) for this many minutes; 0 "
+        "turns it off. Unset: half of --distributed-timeout-minutes, so that the stacks come "
+        "before the collectives time out.")
     empty_unused_memory_level: int = option(
         default=0, choices=(0, 1, 2), help="1: empty the CUDA allocator's cache after each "
         "step and evaluation; 2: also before the optimizer step (no effect on the CPU).")
@@ -102,7 +110,9 @@ class TrainingConfig(Slice):
     def __post_init__(self) -> None:
         as_tuples(self, "rampup_batch_size")
         one_of(self, "empty_unused_memory_level", (0, 1, 2))
-        non_negative(self, "manual_gc_interval", "eval_iters")
+        non_negative(self, "manual_gc_interval", "eval_iters", "hang_timeout_minutes")
+        if self.hang_timeout_minutes is None:
+            set_field(self, "hang_timeout_minutes", self.distributed_timeout_minutes / 2)
         positive(self, "micro_batch_size", "eval_interval", "distributed_timeout_minutes",
                  "max_consecutive_nonfinite_iterations")
         optional_positive(self, "global_batch_size", "train_iters", "train_samples",

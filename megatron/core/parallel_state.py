@@ -9,6 +9,8 @@ the one place that holds process-group state.
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -77,27 +79,47 @@ class _State:
         self.data_ranks: list[int] = []
         self.virtual_pipeline_world_size: Optional[int] = None
         self.virtual_pipeline_rank: Optional[int] = None
+        self.timeout: Optional[datetime.timedelta] = None  # of every group made here
+        self.members: dict[str, list[int]] = {}  # torch's group name -> global ranks
 
 
 _state = _State()
 
+# The name each kind of group carries in torch's errors, watchdog lines and flight recorder
+# (Megatron-LM's names).
+GROUP_DESCRIPTIONS = {
+    "tensor": "TENSOR_MODEL_PARALLEL_GROUP",
+    "data": "DATA_PARALLEL_GROUP",
+    "pipeline": "PIPELINE_MODEL_PARALLEL_GROUP",
+    "model": "MODEL_PARALLEL_GROUP",
+    "embedding": "EMBEDDING_GROUP",
+    "position_embedding": "POSITION_EMBEDDING_GROUP",
+}
+
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> None:
-    """Create all process groups. Every rank must call this with the same sizes."""
+                              virtual_pipeline_model_parallel_size: Optional[int] = None,
+                              *, distributed_timeout_minutes: float = 30) -> None:
+    """Create all process groups. Every rank must call this with the same sizes.
+
+    Each group gets ``distributed_timeout_minutes`` (``--distributed-timeout-minutes``): a
+    collective or point-to-point operation that waits longer fails instead of hanging; as in
+    Megatron-LM, 30 minutes (torch's default) when not given.
+    """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before model parallel groups")
     if model_parallel_is_initialized():
         raise RuntimeError("model parallel groups are already initialized")
     world_size, rank = dist.get_world_size(), dist.get_rank()
     groups = build_rank_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
+    _state.timeout = datetime.timedelta(minutes=distributed_timeout_minutes)
 
     def make(kind: str):
         # new_group is collective: every rank creates every group, in the same order.
         mine = None
         for ranks in getattr(groups, kind):
-            group = dist.new_group(ranks)
+            group = new_group(ranks, GROUP_DESCRIPTIONS[kind])
             if rank in ranks:
                 mine = group
         return mine
@@ -116,6 +138,30 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     if virtual_pipeline_model_parallel_size is not None:
         _state.virtual_pipeline_world_size = virtual_pipeline_model_parallel_size
         _state.virtual_pipeline_rank = 0
+
+
+def new_group(ranks: Sequence[int], description: str):
+    """A process group of ``ranks`` (collective: every rank calls it, in the same order) with
+    the groups' timeout and ``description`` (the name torch's errors give it)."""
+    group = dist.new_group(list(ranks), timeout=_state.timeout, group_desc=description)
+    if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        _state.members[group.group_name] = list(ranks)
+    return group
+
+
+def group_members(group_name: str) -> Optional[list[int]]:
+    """The global ranks of a group made here (or of the default group), by torch's name for
+    it; None for a group made elsewhere."""
+    if group_name in _state.members:
+        return list(_state.members[group_name])
+    if dist.is_initialized() and group_name == dist.group.WORLD.group_name:
+        return list(range(dist.get_world_size()))
+    return None
+
+
+def group_timeout() -> Optional[datetime.timedelta]:
+    """The timeout the groups were made with (None before ``initialize_model_parallel``)."""
+    return _state.timeout
 
 
 def model_parallel_is_initialized() -> bool:

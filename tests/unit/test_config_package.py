@@ -64,6 +64,7 @@ NEW_FLAGS = {
     "--xla-processes",
     "--mp-start-method",
     "--use-syncfree-optim",
+    "--hang-timeout-minutes",  # stacks of a stalled rank (issue 24)
 }
 
 

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron.core import parallel_state
+
 TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
 Round = list[list[int]]  # a partition of the data-parallel ranks into groups
 
@@ -124,7 +126,7 @@ class ParameterGossip:
                 for dp_group in dp_groups:  # same order on every rank
                     ranks = tuple(dp_group[i] for i in members)
                     if len(ranks) > 1 and ranks not in made:
-                        made[ranks] = dist.new_group(list(ranks))
+                        made[ranks] = parallel_state.new_group(ranks, "DATA_PARALLEL_GOSSIP_GROUP")
                     if rank in ranks:
                         here = (made.get(ranks), len(ranks))
             mine.append(here)

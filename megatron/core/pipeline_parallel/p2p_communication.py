@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, timeouts
 
 FORWARD_TAG = 1  # activations: stage i -> i + 1
 BACKWARD_TAG = 2  # gradients: stage i + 1 -> i
@@ -156,11 +156,27 @@ class P2PCommunicator:
             # Even stages send first, odd stages receive first: each blocking pair of a naive
             # backend then meets a partner posted in the opposite order.
             sends_first = self.stage % 2 == 0
-            ordered = sorted(ops, key=lambda o: (o[0] is dist.isend) != sends_first)
+            ops = sorted(ops, key=lambda o: (o[0] is dist.isend) != sends_first)
             requests = [op(tensor, peer, group=self.group, tag=tag)
-                        for op, tensor, peer, tag in ordered]
-        for request in requests:
-            request.wait()
+                        for op, tensor, peer, tag in ops]
+        for i, request in enumerate(requests):
+            try:
+                request.wait()
+            except RuntimeError as error:
+                if not timeouts.is_timeout(error):
+                    raise
+                # NCCL may hand back one request for the whole batch.
+                waited = [ops[i]] if len(requests) == len(ops) else ops
+                raise timeouts.PointToPointTimeout(self._pending(waited), error) from error
+
+    def _pending(self, ops: list) -> timeouts.Pending:
+        """The transfers ``ops`` as a timed-out operation, for the one-line report."""
+        words = [f"{'send' if op is dist.isend else 'recv'} of "
+                 f"{'activations' if tag == FORWARD_TAG else 'gradients'} "
+                 f"{'to' if op is dist.isend else 'from'} rank {peer}"
+                 for op, _, peer, tag in ops]
+        return timeouts.Pending(self.group.group_name, self.group.group_desc, " and ".join(words),
+                                -1, tuple(sorted({peer for _, _, peer, _ in ops})))
 
     def _empty(self) -> torch.Tensor:
         device = torch.device("cpu") if self.via_host else self.device
