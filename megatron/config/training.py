@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Optional
 
@@ -75,6 +76,13 @@ class TrainingConfig(Slice):
         default=None, help="On an XLA device: start this many replicas through "
         "torch_xla.launch (xmp.spawn), one process per device of this host; 0: one per "
         "device PJRT shows (what run_pretrain_xla.py passes). Not needed under torchrun.")
+    xla_spmd: Optional[bool] = option(
+        "--xla-spmd", default=None, action=argparse.BooleanOptionalAction,
+        help="On an XLA device: train over every device of this process with torch_xla's "
+        "SPMD (the model replicated, each micro-batch split over the devices along its batch "
+        "dimension; each device counts as a data-parallel rank). On by default where the "
+        "process drives several devices (TPU v2/v3, PJRT_DEVICE=CPU with CPU_NUM_DEVICES > 1, "
+        "GPUs under PJRT); --no-xla-spmd trains on the first device only.")
     mp_start_method: str = option(
         default="spawn", choices=("spawn", "fork", "forkserver"), help="With --xla-processes: "
         "how torch_xla.launch starts the processes (Python multiprocessing's start method).")
