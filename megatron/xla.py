@@ -87,11 +87,11 @@ def devices_of_a_process(env: Optional[Mapping[str, str]] = None) -> int:
         given = env.get("GPU_NUM_DEVICES")
         return int(given) if given else max(torch.cuda.device_count(), 1)
     if platform == "TPU":
-        from torch_xla._internal import tpu
-
         try:
+            from torch_xla._internal import tpu
+
             return max(tpu.num_available_devices(), 1)
-        except Exception:  # noqa: BLE001 - no metadata server or an unknown type
+        except Exception:  # noqa: BLE001 - no torch_xla, metadata server or known type
             return 1
     return 1
 
@@ -111,17 +111,17 @@ def host_runs_a_thread_per_device(env: Optional[Mapping[str, str]] = None) -> bo
     platform = env.get(PJRT_ENV, "").upper()
     if platform in ("CPU", "CUDA", "GPU"):
         return True
-    return platform == "TPU" and _tpu_version(env) < 4
+    return platform == "TPU" and _tpu_version() < 4
 
 
-def _tpu_version(env: Mapping[str, str]) -> int:
+def _tpu_version() -> int:
     """The TPU generation (from TPU_ACCELERATOR_TYPE or the VM's metadata, as torch_xla
     reads it); 4 where it cannot be told (a process per chip, torch_xla's default)."""
-    from torch_xla._internal import tpu
-
     try:
+        from torch_xla._internal import tpu
+
         return tpu.version()
-    except Exception:  # noqa: BLE001 - no metadata server or an unknown type: not v2/v3
+    except Exception:  # noqa: BLE001 - no torch_xla, metadata server or known type
         return 4
 
 

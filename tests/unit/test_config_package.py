@@ -56,6 +56,7 @@ NEW_FLAGS = {
     "--xla-processes",
     "--mp-start-method",
     "--use-syncfree-optim",
+    "--xla-spmd", "--no-xla-spmd",  # SPMD over the XLA devices of a process (issue 26)
 }
 
 
