@@ -75,7 +75,9 @@ class TrainingConfig(Slice):
     xla_processes: Optional[int] = option(
         default=None, help="On an XLA device: start this many replicas through "
         "torch_xla.launch (xmp.spawn), one process per device of this host; 0: one per "
-        "device PJRT shows (what run_pretrain_xla.py passes). Not needed under torchrun.")
+        "device PJRT shows (what run_pretrain_xla.py passes), or, where torch_xla runs the "
+        "devices as threads of one process (TPU v2/v3, GPUs and the CPU under PJRT), all of "
+        "them in this process with SPMD (--xla-spmd). Not needed under torchrun.")
     xla_spmd: Optional[bool] = option(
         "--xla-spmd", default=None, action=argparse.BooleanOptionalAction,
         help="On an XLA device: train over every device of this process with torch_xla's "
