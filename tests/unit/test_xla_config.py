@@ -114,12 +114,13 @@ def test_replica_environment():
     assert "WORLD_SIZE" not in every and "TPU_NUM_DEVICES" not in every  # the runtime's
 
 
-def test_devices_of_a_process_before_the_runtime_starts():
+def test_devices_of_a_process_before_the_runtime_starts(monkeypatch):
     cpu = {"PJRT_DEVICE": "CPU"}
     assert xla.host_runs_a_thread_per_device(cpu)
     assert xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "CUDA"})
-    # A TPU whose generation cannot be told (no metadata here): a process per chip.
-    assert not xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "TPU"})
+    for generation, threads in ((3, True), (4, False)):  # a v3-8: 2 cores per chip
+        monkeypatch.setattr(xla, "_tpu_version", lambda: generation)
+        assert xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "TPU"}) == threads
     assert xla.devices_of_a_process(cpu) == 1
     assert xla.devices_of_a_process({**cpu, "CPU_NUM_DEVICES": "4"}) == 4
     assert xla.devices_of_a_process({"PJRT_DEVICE": "CUDA", "GPU_NUM_DEVICES": "2"}) == 2
@@ -150,7 +151,8 @@ def test_spmd_is_the_default_where_one_process_drives_several_devices(monkeypatc
         _xla_run(monkeypatch, ["--xla-processes", "0", "--no-xla-spmd"]))
     assert training_xla.launches_replicas(_xla_run(monkeypatch, ["--xla-processes", "1"]))
     assert not training_xla.launches_replicas(_xla_run(monkeypatch))
-    monkeypatch.setenv("PJRT_DEVICE", "TPU")  # (generation unknown here: a process per chip)
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    monkeypatch.setattr(xla, "_tpu_version", lambda: 4)  # a process per chip
     tpu = parse_args(TINY + ["--device", "xla", "--xla-processes", "0"])
     assert training_xla.launches_replicas(tpu)
     assert not training_xla.launches_replicas(
