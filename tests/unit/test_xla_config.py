@@ -119,7 +119,7 @@ def test_devices_of_a_process_before_the_runtime_starts(monkeypatch):
     assert xla.host_runs_a_thread_per_device(cpu)
     assert xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "CUDA"})
     for generation, threads in ((3, True), (4, False)):  # a v3-8: 2 cores per chip
-        monkeypatch.setattr(xla, "_tpu_version", lambda: generation)
+        monkeypatch.setattr(xla, "_tpu_version", lambda g=generation: g)
         assert xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "TPU"}) == threads
     assert xla.devices_of_a_process(cpu) == 1
     assert xla.devices_of_a_process({**cpu, "CPU_NUM_DEVICES": "4"}) == 4
