@@ -107,11 +107,6 @@ class ParallelConfig(Slice):
         return self.xla_spmd_devices or 1
 
     @property
-    def num_devices(self) -> int:
-        """Devices of the whole run (what per-GPU/per-device rates divide by)."""
-        return self.world_size * self.devices_per_process
-
-    @property
     def data_parallel_size(self) -> int:
         """Model replicas: processes per replica come from tensor and pipeline parallelism;
         under XLA SPMD each device of a process is one replica."""
