@@ -5,14 +5,15 @@ A run computes on an XLA device when ``--device xla`` asks for it, or when ``PJR
 set and torch_xla is importable (``megatron.device`` decides). Data parallelism over XLA
 devices takes one of two forms:
 
-- A process per device (TPU v4 and later): ``torchrun`` with PJRT starts them, or
+- A process per device (TPU v4 and later, GPUs through torch_xla's CUDA plugin): ``torchrun``
+  with PJRT starts them, or
   ``--xla-processes N``, which starts them through ``torch_xla.launch`` (xmp.spawn). The
   default and model-parallel groups (data parallel among them) are torch.distributed groups
   of the ``xla`` backend, so the data-parallel code is the one every device uses; host
   values meet in a gloo group (``parallel_state.get_control_group``).
 - One process for every device of the host, where torch_xla would otherwise run a thread
-  per device (TPU v2/v3, GPUs and the CPU under PJRT: ``PJRT_DEVICE=CPU`` with
-  ``CPU_NUM_DEVICES`` > 1), which torch.distributed, one rank per process, cannot make
+  per device (TPU v2/v3, ``PJRT_DEVICE=CPU`` with ``CPU_NUM_DEVICES`` > 1, GPUs without
+  the plugin), which torch.distributed, one rank per process, cannot make
   ranks of: torch_xla's SPMD (``--xla-spmd``, the default there). The model is replicated,
   each micro-batch is split along its batch dimension over a 1-D mesh of the devices
   (``DATA_AXIS``), and XLA's partitioner inserts the gradient all-reduce; the process is the
@@ -97,20 +98,23 @@ def devices_of_a_process(env: Optional[Mapping[str, str]] = None) -> int:
 
 
 THREADS_REFUSED = (
-    "torch_xla runs the XLA devices of this host as threads of one process (TPU v2/v3, GPUs "
-    "and the CPU under PJRT, e.g. PJRT_DEVICE=CPU with CPU_NUM_DEVICES > 1), and "
+    "torch_xla runs the XLA devices of this host as threads of one process (TPU v2/v3, "
+    "PJRT_DEVICE=CPU with CPU_NUM_DEVICES > 1, GPUs without its device plugin), and "
     "torch.distributed keeps one rank per process: train them in one process with SPMD "
     "instead (--xla-spmd, the default there: leave out --xla-processes, or give 0)")
 
 
 def host_runs_a_thread_per_device(env: Optional[Mapping[str, str]] = None) -> bool:
     """Before any runtime exists: whether ``torch_xla.launch`` would run this host's devices
-    as threads of one process (the CPU and GPUs under PJRT without a device plugin, TPU
-    v2/v3) rather than a process each."""
+    as threads of one process (the CPU; TPU v2/v3; GPUs only where torch_xla's device
+    plugins are off, ``XLA_REGISTER_INSTALLED_PLUGINS=0``: its CUDA plugin gives each GPU a
+    process) rather than a process each."""
     env = os.environ if env is None else env
     platform = env.get(PJRT_ENV, "").upper()
-    if platform in ("CPU", "CUDA", "GPU"):
+    if platform == "CPU":
         return True
+    if platform in ("CUDA", "GPU"):
+        return env.get("XLA_REGISTER_INSTALLED_PLUGINS", "1") != "1"
     return platform == "TPU" and _tpu_version() < 4
 
 

@@ -117,7 +117,10 @@ def test_replica_environment():
 def test_devices_of_a_process_before_the_runtime_starts(monkeypatch):
     cpu = {"PJRT_DEVICE": "CPU"}
     assert xla.host_runs_a_thread_per_device(cpu)
-    assert xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "CUDA"})
+    # GPUs: a process each through torch_xla's CUDA plugin, threads without it.
+    assert not xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "CUDA"})
+    assert xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "CUDA",
+                                              "XLA_REGISTER_INSTALLED_PLUGINS": "0"})
     for generation, threads in ((3, True), (4, False)):  # a v3-8: 2 cores per chip
         monkeypatch.setattr(xla, "_tpu_version", lambda g=generation: g)
         assert xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "TPU"}) == threads
