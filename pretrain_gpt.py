@@ -25,8 +25,7 @@ def model_provider(ctx: RunContext, pre_process: bool = True, post_process: bool
 def get_batch(ctx: RunContext, data_iterator):
     """tokens/labels ``[b, s]``, loss mask, attention mask (None = causal), position ids."""
     data = ctx.config.data
-    # Pinned by the DataLoader on a GPU run, so the copy need not wait for the host.
-    sample = next(data_iterator)["text"].to(ctx.device, non_blocking=True).long()  # [b, s + 1]
+    sample = ctx.batch_to_device(next(data_iterator)["text"]).long()  # [b, s + 1]
     tokens, labels = sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
     eod = ctx.tokenizer.eod if ctx.tokenizer is not None else None
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
@@ -34,10 +33,16 @@ def get_batch(ctx: RunContext, data_iterator):
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean of the per-token losses where the loss mask is one."""
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, ranks: int = 1):
+    """Mean of the per-token losses where the loss mask is one, of each data-parallel rank's
+    micro-batch; averaged over ``ranks`` where the batch holds several ranks' micro-batches
+    one after another (XLA SPMD), as data parallelism averages its ranks' gradients."""
     losses = output_tensor.float()  # [b, s]
-    loss = torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    if ranks == 1:
+        loss = torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    else:
+        losses, mask = losses.view(ranks, -1), loss_mask.view(ranks, -1)  # [ranks, b/ranks*s]
+        loss = (torch.sum(losses * mask, dim=1) / mask.sum(dim=1)).mean()
     return loss, {"lm loss": loss.detach()}
 
 
@@ -49,7 +54,8 @@ def forward_step(ctx: RunContext, data_iterator, model, stage: StageInfo):
     else:
         tokens = labels = loss_mask = attention_mask = position_ids = None
     output = model(tokens, position_ids, attention_mask, labels=labels)
-    return output, lambda out: loss_func(loss_mask, out)
+    ranks = ctx.config.parallel.devices_per_process  # one micro-batch per device
+    return output, lambda out: loss_func(loss_mask, out, ranks)
 
 
 def train_valid_test_datasets_provider(ctx: RunContext, num_samples: list[int]):

@@ -4,10 +4,12 @@
         --bf16 <Megatron flags>
     PJRT_DEVICE=CUDA GPU_NUM_DEVICES=2 python run_pretrain_xla.py --use-syncfree-optim ...
 
-The same as ``python pretrain_gpt.py --device xla --xla-processes 0 ...``: one replica per
-device that PJRT shows (torch_xla.launch), data parallel over them through the ``xla``
-backend. ``--xla-processes N`` given here takes N devices instead; under torchrun (one
-process per device already) it trains in each process as pretrain_gpt.py does.
+The same as ``python pretrain_gpt.py --device xla --xla-processes 0 ...``: every XLA device
+of this host, data parallel over them: a replica process per device (torch_xla.launch, the
+``xla`` backend) where torch_xla gives each device a process (TPU v4 and later, GPUs through
+its CUDA plugin), else SPMD in this process (TPU v2/v3, the CPU; ``--xla-spmd``, see
+megatron/xla.py). ``--xla-processes N`` given here takes N devices instead; under torchrun
+(one process per device already) it trains in each process as pretrain_gpt.py does.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 import torch
 
@@ -92,8 +93,15 @@ def resolve_backend(requested: str, use_cpu: bool, device: str = "auto",
     return requested
 
 
-def describe(device: torch.device, backend: str, use_cpu: bool) -> str:
+def describe(device: torch.device, backend: str, use_cpu: bool,
+             xla_spmd_devices: Optional[int] = None) -> str:
     """The log line that says where the run computes, and why where it may surprise."""
+    if xla_spmd_devices is not None:
+        return (f"> compute device: {device}, XLA SPMD over {xla_spmd_devices} device(s) "
+                f"({xla.PJRT_ENV}={os.environ.get(xla.PJRT_ENV, 'unset')}; each micro-batch "
+                "split along its batch dimension, one data-parallel rank per device), "
+                "collectives: XLA's (the gradient all-reduce inserted by its partitioner; "
+                "host values over gloo)")
     line = f"> compute device: {device}, collectives: {backend}"
     if use_cpu:
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0

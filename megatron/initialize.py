@@ -76,7 +76,8 @@ def rendezvous_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def initialize_distributed(backend: str, timeout_minutes: float = 10,
-                           device: Optional[torch.device] = None) -> None:
+                           device: Optional[torch.device] = None, xla_spmd: bool = False
+                           ) -> None:
     """Join the process group (if not joined yet) on this process's ``device``.
 
     ``backend`` and ``device`` come from ``megatron.device`` (one place decides them). NCCL
@@ -84,13 +85,15 @@ def initialize_distributed(backend: str, timeout_minutes: float = 10,
     that GPU from the first call. Under torchrun the ranks meet in the agent's store under a
     key of this attempt's own, so that a restarted attempt never reads a dead one's addresses
     (``megatron.rendezvous``).
+    ``xla_spmd``: this process trains its XLA devices with SPMD (``megatron.xla``), the run's
+    one rank.
     """
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return
     if backend == "xla":
-        _initialize_xla_distributed(timeout_minutes)
+        _initialize_xla_distributed(timeout_minutes, xla_spmd)
         return
     info = distributed_env()
     if backend == "nccl" and (device is None or device.type != "cuda"):
@@ -105,9 +108,10 @@ def initialize_distributed(backend: str, timeout_minutes: float = 10,
     atexit.register(_destroy_process_group_at_exit)
 
 
-def _initialize_xla_distributed(timeout_minutes: int) -> None:
-    """The XLA replicas' group (``megatron.xla``): ranks and world from torch_xla's runtime,
-    the rendezvous at MASTER_ADDR/MASTER_PORT (a free port for a world of one)."""
+def _initialize_xla_distributed(timeout_minutes: float, spmd: bool) -> None:
+    """The XLA replicas' group (``megatron.xla``): ranks and world from torch_xla's runtime
+    (under SPMD one rank), the rendezvous at MASTER_ADDR/MASTER_PORT (a free port for a
+    world of one)."""
     rank, world_size = xla.world()
     env = {"MASTER_ADDR": os.environ.get("MASTER_ADDR") or "127.0.0.1"}
     if os.environ.get("MASTER_PORT"):
@@ -119,7 +123,7 @@ def _initialize_xla_distributed(timeout_minutes: int) -> None:
     if world_size > 1 and xla.runs_a_thread_per_device():
         raise RuntimeError(xla.THREADS_REFUSED)
     os.environ.update(env)
-    parallel_state.set_control_group(xla.init_process_group(timeout_minutes))
+    parallel_state.set_control_group(xla.init_process_group(timeout_minutes, spmd))
     atexit.register(_destroy_process_group_at_exit)
 
 
@@ -175,7 +179,9 @@ def initialize_megatron(config: RunConfig) -> torch.device:
     device = compute_device(t.use_cpu, distributed_env()["local_rank"], t.device)
     _set_cuda_max_connections(config, device)
     _set_deterministic(config)
-    initialize_distributed(t.distributed_backend, t.distributed_timeout_minutes, device)
+    spmd_devices = config.parallel.xla_spmd_devices
+    initialize_distributed(t.distributed_backend, t.distributed_timeout_minutes, device,
+                           xla_spmd=spmd_devices is not None)
     _check_existing_group(device)
     world = dist.get_world_size()
     if world != config.parallel.world_size:
@@ -192,7 +198,7 @@ def initialize_megatron(config: RunConfig) -> torch.device:
     set_random_seeds(t.seed)
     if device.type == "xla":  # dropout there draws from the device's own generator
         xla.set_rng_state(t.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
-    print_rank_0(describe(device, dist.get_backend(), t.use_cpu))
+    print_rank_0(describe(device, dist.get_backend(), t.use_cpu, spmd_devices))
     restarts = rendezvous.restart_count(os.environ)
     if restarts:
         print_rank_0(f"> torchrun restarted the workers ({restarts} of --max-restarts "

@@ -87,7 +87,7 @@ def nonfinite_loss_key(losses: Sequence[dict[str, torch.Tensor]],
         bad = ~_finite_per_micro_batch(losses, device)
         first = torch.argmax(bad.to(torch.int64)).reshape(1)  # the first True
         key = torch.where(bad.any(), _rank() * _MICRO_BATCHES + first, key)
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_world_size(group) > 1:  # (XLA SPMD: gloo, one rank)
         dist.all_reduce(key, op=dist.ReduceOp.MIN, group=group)
     return key
 

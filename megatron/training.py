@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import watchdog, xla
+from megatron import training_xla, watchdog, xla
 from megatron.checkpointing.async_save import AsyncSaver
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ranks import any_true
@@ -35,6 +35,7 @@ from megatron.config import (
     ConfigError,
     RunConfig,
     layer_range,
+    parse_args,
     parse_args_or_exit,
     print_config,
 )
@@ -91,6 +92,16 @@ class RunContext:
     device: torch.device = torch.device("cpu")
     # What this rank is doing now: the hang watchdog and the timeout report name it.
     progress: watchdog.Progress = dataclasses.field(default_factory=watchdog.Progress)
+    # Under XLA SPMD: the devices' mesh, along which each micro-batch is split.
+    spmd_mesh: Any = None
+
+    def batch_to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        """A micro-batch ``[b, ...]`` from the data loader on the run's device (pinned by the
+        loader on a GPU, so the copy need not wait for the host); under XLA SPMD split along
+        ``b`` over the devices, each holding one data-parallel rank's rows."""
+        if self.spmd_mesh is not None:
+            return xla.to_device_split(batch, self.spmd_mesh)
+        return batch.to(self.device, non_blocking=True)
 
 
 @dataclasses.dataclass
@@ -203,6 +214,19 @@ def setup_model_and_optimizer(model_provider: Callable, ctx: RunContext):
     return chunks, optimizer, scheduler
 
 
+def data_parallel_size(cfg: RunConfig) -> int:
+    """The run's data-parallel ranks: this process's data-parallel group's, times the XLA
+    devices each process splits its micro-batches over (SPMD; else one)."""
+    return parallel_state.get_data_parallel_world_size() * cfg.parallel.devices_per_process
+
+
+def run_devices(cfg: RunConfig) -> int:
+    """The devices of the run (what tokens and FLOP/s per GPU divide by): its processes,
+    times the XLA devices of each under SPMD."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return world * cfg.parallel.devices_per_process
+
+
 def num_parameters(chunks: Sequence[nn.Module]) -> int:
     # ZeRO-3 leaves each rank a shard; ds_numel is the whole parameter's size.
     return sum(getattr(p, "ds_numel", p.numel()) for chunk in chunks for p in chunk.parameters())
@@ -231,8 +255,10 @@ def build_data_iterators(provider: Callable, ctx: RunContext, state: TrainState)
     if not needs_data:
         return None, None, None
     datasets = provider(ctx, train_valid_test_num_samples(cfg))
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
+    # Under XLA SPMD a process's micro-batch is its devices' (data-parallel ranks') ones.
+    per_process = cfg.parallel.devices_per_process
+    dp_rank = parallel_state.get_data_parallel_rank() * per_process
+    dp_size = data_parallel_size(cfg)
     consumed = [state.consumed_train_samples, state.consumed_valid_samples, 0]
     iterators = []
     # Starting a DataLoader iterator draws a seed from torch's global generator, the one
@@ -243,7 +269,8 @@ def build_data_iterators(provider: Callable, ctx: RunContext, state: TrainState)
             loader = build_pretraining_data_loader(
                 dataset, start, cfg.training.micro_batch_size, dp_rank, dp_size,
                 num_workers=cfg.data.num_workers, dataloader_type=cfg.data.dataloader_type,
-                seed=cfg.training.seed, pin_memory=ctx.device.type == "cuda")
+                seed=cfg.training.seed, pin_memory=ctx.device.type == "cuda",
+                ranks_per_batch=per_process)
             iterators.append(iter(loader) if loader is not None else None)
     return tuple(iterators)
 
@@ -270,11 +297,14 @@ def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
                                      for d in losses]).mean()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         values.zero_()
-    if dist.is_initialized():
-        values /= parallel_state.get_data_parallel_world_size()
+    # Groups of one are skipped: under XLA SPMD the one rank's group is gloo, which carries
+    # no XLA tensor (its devices' losses are averaged inside the graph).
+    dp_size = parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1
+    if dp_size > 1:
+        values /= dp_size
         dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+    if dist.is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
     if device.type == "xla":  # run the traced evaluation step before reading it
         xla.mark_step()
     return dict(zip(names, values.tolist()))
@@ -336,21 +366,19 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
             nonfinite = describe_nonfinite_grad_norm(grad_norm, chunks)
     if updated:
         scheduler.step(increment=num_microbatches * cfg.training.micro_batch_size
-                       * parallel_state.get_data_parallel_world_size())
+                       * data_parallel_size(cfg))
     return StepResult(_reduce_losses(losses), not updated, grad_norm, num_zeros, nonfinite)
 
 
 def _xla_train_step(forward_step: Callable, data_iterator, chunks, optimizer, scheduler,
                     ctx: RunContext, num_microbatches: int) -> StepResult:
     """``train_step`` on an XLA device: one traced graph per iteration (training_xla)."""
-    from megatron import training_xla
-
     cfg = ctx.config
     step = training_xla.train_step(forward_step, data_iterator, chunks, optimizer, cfg,
                                    num_microbatches, ctx.timers)
     if step.updated:
         scheduler.step(increment=num_microbatches * cfg.training.micro_batch_size
-                       * parallel_state.get_data_parallel_world_size())
+                       * data_parallel_size(cfg))
     return StepResult(step.losses, not step.updated, step.grad_norm, None, step.nonfinite)
 
 
@@ -422,8 +450,8 @@ class Trainer:
         self.state = state
         t = self.cfg.training
         self.calculator = NumMicroBatchesCalculator(
-            t.global_batch_size, t.micro_batch_size,
-            parallel_state.get_data_parallel_world_size(), t.rampup_batch_size)
+            t.global_batch_size, t.micro_batch_size, data_parallel_size(self.cfg),
+            t.rampup_batch_size)
         is_logger = not dist.is_initialized() or dist.get_rank() == 0
         wandb = WandbOffline(self.cfg.logging, self.cfg.checkpoint.save, self.cfg.to_dict(),
                              is_logger)
@@ -457,7 +485,7 @@ class Trainer:
         """Iterations needed to consume ``samples`` under the batch-size ramp-up."""
         calc = NumMicroBatchesCalculator(
             self.calculator.global_batch_size, self.cfg.training.micro_batch_size,
-            parallel_state.get_data_parallel_world_size(), self.cfg.training.rampup_batch_size)
+            data_parallel_size(self.cfg), self.cfg.training.rampup_batch_size)
         consumed = iterations = 0
         while consumed < samples:
             calc.update(consumed)
@@ -525,8 +553,6 @@ class Trainer:
                               skipped=result.skipped, nonfinite=result.nonfinite is not None,
                               loss_scale=float(scale) if scale is not None else None))
         if self.ctx.device.type == "xla":
-            from megatron import training_xla
-
             training_xla.record_compilations(s.history[-1])
         self._interval_iters += 1
         self._interval_tokens += gbs * self.cfg.model.seq_length
@@ -572,11 +598,11 @@ class Trainer:
             print_rank_0(warning)
 
     def _current_readings(self) -> tuple[float, Optional[float], int]:
-        """The learning rate, the loss scale (fp16 only, else None) and the world size now."""
+        """The learning rate, the loss scale (fp16 only, else None) and the world size now
+        (in devices: what per-GPU rates divide by)."""
         scale = self.optimizer.get_loss_scale()
         scale = float(scale) if (self.cfg.optimizer.fp16 and scale is not None) else None
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        return self.optimizer.param_groups[0]["lr"], scale, world
+        return self.optimizer.param_groups[0]["lr"], scale, run_devices(self.cfg)
 
     def _write_tensorboard(self, losses, gbs, grad_norm, num_zeros, params_norm,
                            iteration_seconds: float) -> None:
@@ -839,7 +865,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     configure_output(cfg.logging.log_all_ranks)
     _check_device_support_or_exit(cfg)
-    if cfg.training.xla_processes and not xla.inside_replica():
+    if training_xla.launches_replicas(cfg):
         from megatron.initialize import free_port
 
         xla.launch_replicas(
@@ -848,6 +874,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                               args_defaults=args_defaults, argv=argv),
             cfg.training.xla_processes, cfg.training.mp_start_method, free_port())
         return TrainState()
+    cfg = _with_xla_spmd_or_exit(cfg, argv, extra_args_provider, args_defaults)
     _check_device_support_or_exit(cfg, replica=True)
     signals = ShutdownSignals(cfg.training.exit_signal_handler)
     state = TrainState()
@@ -891,7 +918,9 @@ def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals,
         apex_layernorm=apex_layer_norm_used(cfg.model, device)))
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
-    ctx = RunContext(cfg, tokenizer, Timers(timer_level), device, progress)
+    spmd = cfg.parallel.xla_spmd_devices
+    ctx = RunContext(cfg, tokenizer, Timers(timer_level), device, progress=progress,
+                     spmd_mesh=xla.build_data_mesh(spmd) if spmd is not None else None)
     print_config(cfg, print_fn=print_rank_0)
     _warn_slow_precision(cfg, ctx.device)
     if cfg.model.use_flash_attn and not flash_attn_installed():
@@ -1011,13 +1040,10 @@ def _end_run(trainer: Trainer, start: _RunStart, loop_seconds: float) -> None:
         iterations=s.iteration - start.iteration,
         tokens=(s.consumed_train_samples - start.consumed_train_samples) * cfg.model.seq_length,
         wall_seconds=time.perf_counter() - start.wall_time, train_seconds=loop_seconds,
-        world_size=dist.get_world_size() if dist.is_initialized() else 1,
-        flops_per_token=flops_per_token(cfg.model),
+        world_size=run_devices(cfg), flops_per_token=flops_per_token(cfg.model),
         train_losses=s.history[-1]["losses"] if s.history else {},
         valid_losses=s.last_valid_losses, checkpoint=s.last_checkpoint))
     if trainer.ctx.device.type == "xla":
-        from megatron import training_xla
-
         print_rank_0(training_xla.compilation_report())
     trainer.tensorboard.close()
     trainer.ctx.progress.mark("the end of the run")
@@ -1060,12 +1086,32 @@ def _interrupted_message(state: TrainState, cfg: RunConfig) -> str:
             "resume with --load, or add --exit-signal-handler to save when interrupted")
 
 
+def _with_xla_spmd_or_exit(cfg: RunConfig, argv: Optional[list[str]],
+                           extra_args_provider: Optional[Callable],
+                           args_defaults: Optional[dict]) -> RunConfig:
+    """``cfg``, or where this process trains several XLA devices with SPMD
+    (``training_xla.spmd_devices``) the flags read again with each device a data-parallel
+    rank, so that the batch sizes are Megatron's (--micro-batch-size per device, a
+    --global-batch-size left out defaulting to it times the devices). Batch sizes the
+    devices cannot split end the run with ``error: ...`` naming the flags."""
+    devices = training_xla.spmd_devices(cfg)
+    if devices is None:
+        return cfg
+    try:
+        return parse_args(argv, extra_args_provider, defaults=args_defaults,
+                          xla_spmd_devices=devices, announce=False)
+    except ConfigError as error:
+        print(f"error: XLA SPMD over {devices} devices (--xla-spmd; each device is a "
+              f"data-parallel rank): {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def _check_device_support_or_exit(cfg: RunConfig, replica: bool = False) -> None:
     """Flags an XLA device cannot honour, XLA-only flags without one and (``replica``) an XLA
     world PJRT cannot make end the run with ``error: ...`` naming the flag (exit 2) before
     any process group or model exists (``megatron.training_xla``)."""
-    from megatron import training_xla
-
+    if replica and cfg.parallel.xla_spmd_devices:
+        return  # one process, every device its own (training_xla.spmd_devices)
     if replica:
         problem = training_xla.unsupported_replica(cfg)
     elif cfg.training.distributed_backend == "xla":

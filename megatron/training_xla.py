@@ -72,11 +72,47 @@ def unsupported_on_xla(cfg: RunConfig) -> Optional[str]:
 
 
 def unsupported_launch(cfg: RunConfig) -> Optional[str]:
-    """Why ``--xla-processes`` cannot start this run's replicas on this host, or None."""
-    processes = cfg.training.xla_processes
-    if processes and xla.threads_would_stand_for_ranks(processes):
+    """Why ``--xla-processes``/``--xla-spmd`` cannot start this run on this host, or None."""
+    t = cfg.training
+    processes = t.xla_processes
+    if t.xla_spmd and processes:
+        return (f"--xla-spmd trains every device of this host in one process: it cannot be "
+                f"combined with --xla-processes {processes} (give 0, or leave it out)")
+    if t.xla_spmd and cfg.parallel.world_size > 1:
+        return (f"--xla-spmd with {cfg.parallel.world_size} processes (WORLD_SIZE): SPMD over "
+                "several processes or hosts is not supported; run one process (the devices "
+                "of one host), or one process per device without --xla-spmd")
+    if processes and processes > 1 and xla.host_runs_a_thread_per_device():
         return f"--xla-processes {processes}: {xla.THREADS_REFUSED}"
     return None
+
+
+def launches_replicas(cfg: RunConfig) -> bool:
+    """Whether this process starts the run's replicas through ``torch_xla.launch``: for
+    ``--xla-processes``, unless every device of the host trains here with SPMD instead
+    (``--xla-processes 0`` where the devices would be threads of one process, or with
+    ``--xla-spmd``), and unless this process is a replica already."""
+    t = cfg.training
+    if t.xla_processes is None or xla.inside_replica():
+        return False
+    if t.xla_processes == 0 and (t.xla_spmd or (t.xla_spmd is None
+                                                and xla.host_runs_a_thread_per_device())):
+        return False
+    return True
+
+
+def spmd_devices(cfg: RunConfig) -> Optional[int]:
+    """The devices this process trains over with SPMD, SPMD turned on; or None (no SPMD).
+    With ``--xla-spmd`` unset, SPMD is on where this process is the run's only one and
+    addresses several devices (which otherwise would idle). Starts torch_xla's runtime (in
+    SPMD mode) when SPMD is on."""
+    t = cfg.training
+    if t.distributed_backend != "xla" or t.xla_spmd is False:
+        return None
+    if not t.xla_spmd and (cfg.parallel.world_size > 1 or t.xla_processes
+                           or xla.devices_of_a_process() < 2):
+        return None
+    return xla.use_spmd()
 
 
 def unsupported_replica(cfg: RunConfig) -> Optional[str]:
@@ -101,9 +137,12 @@ def unsupported_off_xla(cfg: RunConfig) -> Optional[str]:
     if cfg.optimizer.use_syncfree_optim:
         return ("--use-syncfree-optim is torch_xla's optimizer: it needs an XLA device "
                 "(--device xla, or PJRT_DEVICE with torch_xla installed)")
-    if cfg.training.xla_processes:
+    if cfg.training.xla_processes is not None:
         return ("--xla-processes starts XLA replicas: it needs an XLA device (--device xla, or "
                 "PJRT_DEVICE with torch_xla installed)")
+    if cfg.training.xla_spmd:
+        return ("--xla-spmd splits the batch over XLA devices: it needs an XLA device (--device "
+                "xla, or PJRT_DEVICE with torch_xla installed)")
     return None
 
 
@@ -178,4 +217,5 @@ def record_compilations(entry: dict) -> None:
 def compilation_report() -> str:
     """The end-of-run line: how many graphs were compiled and run."""
     return (f"> XLA: {xla.compilations()} graph compilations and {xla.executions()} graph "
-            "executions in this run (torch_xla metrics CompileTime, ExecuteTime)")
+            "executions in this run (torch_xla metrics CompileTime, ExecuteTime or "
+            "ExecuteReplicatedTime)")

@@ -2,15 +2,23 @@
 imports torch_xla.
 
 A run computes on an XLA device when ``--device xla`` asks for it, or when ``PJRT_DEVICE`` is
-set and torch_xla is importable (``megatron.device`` decides). Each replica is a process with
-one device: ``torchrun`` with PJRT starts them, or ``--xla-processes N``, which starts them
-through ``torch_xla.launch`` (xmp.spawn). The default and model-parallel groups (data
-parallel among them) are torch.distributed groups of the ``xla`` backend, so the
-data-parallel code is the one every device uses; host values meet in a gloo group
-(``parallel_state.get_control_group``). Where one process drives several devices, a
-thread each (TPU v2/v3, ``PJRT_DEVICE=CPU`` with ``CPU_NUM_DEVICES`` > 1), the threads would
-have to be torch.distributed ranks, which it does not support: such a data-parallel run is
-refused (``THREADS_REFUSED``).
+set and torch_xla is importable (``megatron.device`` decides). Data parallelism over XLA
+devices takes one of two forms:
+
+- A process per device (TPU v4 and later, GPUs through torch_xla's CUDA plugin): ``torchrun``
+  with PJRT starts them, or
+  ``--xla-processes N``, which starts them through ``torch_xla.launch`` (xmp.spawn). The
+  default and model-parallel groups (data parallel among them) are torch.distributed groups
+  of the ``xla`` backend, so the data-parallel code is the one every device uses; host
+  values meet in a gloo group (``parallel_state.get_control_group``).
+- One process for every device of the host, where torch_xla would otherwise run a thread
+  per device (TPU v2/v3, ``PJRT_DEVICE=CPU`` with ``CPU_NUM_DEVICES`` > 1, GPUs without
+  the plugin), which torch.distributed, one rank per process, cannot make
+  ranks of: torch_xla's SPMD (``--xla-spmd``, the default there). The model is replicated,
+  each micro-batch is split along its batch dimension over a 1-D mesh of the devices
+  (``DATA_AXIS``), and XLA's partitioner inserts the gradient all-reduce; the process is the
+  run's only torch.distributed rank (gloo, host values only: torch_xla's backend refuses
+  SPMD). A thread per device as a torch.distributed rank is refused (``THREADS_REFUSED``).
 
 An XLA step is traced, not run: nothing reads a device value while it is traced, the step is
 cut into one graph by ``mark_step`` once per iteration, and what the log needs reaches the
@@ -67,37 +75,114 @@ def runs_a_thread_per_device() -> bool:
     return xr.addressable_device_count() > 1
 
 
-THREADS_REFUSED = (
-    "data parallelism over the XLA devices of one process (a thread per device: TPU v2/v3, "
-    "PJRT_DEVICE=CPU with CPU_NUM_DEVICES > 1) is not supported: torch.distributed keeps one "
-    "rank per process. Run one process per device (TPU v4 and later, GPUs under PJRT, with "
-    "--xla-processes or torchrun), or a single device")
-
-
-def threads_would_stand_for_ranks(processes: int, env: Optional[Mapping[str, str]] = None
-                                  ) -> bool:
-    """Before any runtime exists: whether ``--xla-processes processes`` (0: every device)
-    would put several replicas in one process (the CPU client drives all its devices from
-    one process)."""
+def devices_of_a_process(env: Optional[Mapping[str, str]] = None) -> int:
+    """Before any runtime exists (SPMD must be chosen before it starts): the XLA devices a
+    process of this host addresses when torch_xla.launch did not start it, as PJRT counts
+    them: CPU_NUM_DEVICES; GPU_NUM_DEVICES, else the visible GPUs; the host's TPU cores; 1
+    where it cannot be told."""
     env = os.environ if env is None else env
-    if env.get(PJRT_ENV, "").upper() != "CPU":
-        return False
-    return processes > 1 or (processes == 0 and int(env.get("CPU_NUM_DEVICES") or 1) > 1)
+    platform = env.get(PJRT_ENV, "").upper()
+    if platform == "CPU":
+        return int(env.get("CPU_NUM_DEVICES") or 1)
+    if platform in ("CUDA", "GPU"):
+        given = env.get("GPU_NUM_DEVICES")
+        return int(given) if given else max(torch.cuda.device_count(), 1)
+    if platform == "TPU":
+        try:
+            from torch_xla._internal import tpu
+
+            return max(tpu.num_available_devices(), 1)
+        except Exception:  # noqa: BLE001 - no torch_xla, metadata server or known type
+            return 1
+    return 1
 
 
-def init_process_group(timeout_minutes: int) -> Any:
-    """Join the run's process groups at torch_xla's rendezvous; returns the host group.
+THREADS_REFUSED = (
+    "torch_xla runs the XLA devices of this host as threads of one process (TPU v2/v3, "
+    "PJRT_DEVICE=CPU with CPU_NUM_DEVICES > 1, GPUs without its device plugin), and "
+    "torch.distributed keeps one rank per process: train them in one process with SPMD "
+    "instead (--xla-spmd, the default there: leave out --xla-processes, or give 0)")
+
+
+def host_runs_a_thread_per_device(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Before any runtime exists: whether ``torch_xla.launch`` would run this host's devices
+    as threads of one process (the CPU; TPU v2/v3; GPUs only where torch_xla's device
+    plugins are off, ``XLA_REGISTER_INSTALLED_PLUGINS=0``: its CUDA plugin gives each GPU a
+    process) rather than a process each."""
+    env = os.environ if env is None else env
+    platform = env.get(PJRT_ENV, "").upper()
+    if platform == "CPU":
+        return True
+    if platform in ("CUDA", "GPU"):
+        return env.get("XLA_REGISTER_INSTALLED_PLUGINS", "1") != "1"
+    return platform == "TPU" and _tpu_version() < 4
+
+
+def _tpu_version() -> int:
+    """The TPU generation (from TPU_ACCELERATOR_TYPE or the VM's metadata, as torch_xla
+    reads it); 4 where it cannot be told (a process per chip, torch_xla's default)."""
+    try:
+        from torch_xla._internal import tpu
+
+        return tpu.version()
+    except Exception:  # noqa: BLE001 - no torch_xla, metadata server or known type
+        return 4
+
+
+def use_spmd() -> int:
+    """Turn on torch_xla's SPMD for this process; returns the devices the run's mesh spans.
+    Only before the runtime starts: turned on later, torch_xla moves the device under
+    tensors that exist, which crashed here (segmentation fault)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if torch_xla._XLAC._xla_runtime_is_initialized():
+        raise RuntimeError("XLA SPMD must be turned on before torch_xla's runtime starts")
+    xr.use_spmd()
+    return xr.global_runtime_device_count()
+
+
+DATA_AXIS = "data"
+
+
+def build_data_mesh(devices: int) -> Any:
+    """The SPMD devices in a line named ``DATA_AXIS``: micro-batches are split along it,
+    everything else (parameters, optimizer state) is replicated."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    return xs.Mesh(np.arange(devices), (devices,), (DATA_AXIS,))
+
+
+def to_device_split(batch: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """A host micro-batch ``[b, ...]`` on the SPMD device, split along its batch dimension:
+    of n devices, device i holds rows ``[i * b / n, (i + 1) * b / n)`` (data-parallel rank
+    i's micro-batch). Each device receives its rows only (not the whole batch, then cut)."""
+    import torch_xla.distributed.spmd as xs
+
+    spec = xs.ShardingSpec(mesh, (DATA_AXIS,) + (None,) * (batch.dim() - 1))
+    return _xm().send_cpu_data_to_device([batch], device(), input_sharding=spec)[0]
+
+
+def init_process_group(timeout_minutes: int, spmd: bool = False) -> Any:
+    """Join the run's process groups; returns the host group (None: the default group).
 
     The default group is torch_xla's ``xla`` backend (its model-parallel subgroups must be
     made from one), which carries XLA tensors only; host values (flags, pickled objects,
     barriers) travel in a gloo group of every rank, returned here for
     ``parallel_state.set_control_group``. (torch_xla's backend is a whole process group, not
-    one device's part of a ``cpu:gloo,xla:xla`` group: CPU tensors sent there fail.)"""
+    one device's part of a ``cpu:gloo,xla:xla`` group: CPU tensors sent there fail.) Under
+    SPMD the process is the only rank and its default group gloo: the device collectives
+    are XLA's (the partitioner's), and torch_xla's backend refuses SPMD."""
     import torch.distributed as dist
+
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if spmd:
+        dist.init_process_group("gloo", rank=0, world_size=1, timeout=timeout)
+        return None
     import torch_xla.distributed.xla_backend  # noqa: F401 - registers the backend
 
     rank, world_size = world()
-    timeout = datetime.timedelta(minutes=timeout_minutes)
     dist.init_process_group("xla", init_method="xla://", rank=rank, world_size=world_size,
                             timeout=timeout)
     return dist.new_group(backend="gloo", timeout=timeout)
@@ -124,14 +209,14 @@ def compilations() -> int:
 
 
 def executions() -> int:
-    """Graphs run by this process so far (ExecuteTime), once the device is idle: the metric
-    is recorded by the thread that ran the graph, a moment after its results are ready."""
+    """Graphs run by this process so far (ExecuteTime, or ExecuteReplicatedTime under SPMD),
+    once the device is idle: the metric is recorded by the thread that ran the graph, a
+    moment after its results are ready."""
     import torch_xla.debug.metrics as met
 
     _xm().wait_device_ops()
-
-    data = met.metric_data("ExecuteTime")
-    return int(data[0]) if data else 0
+    counts = [met.metric_data(name) for name in ("ExecuteTime", "ExecuteReplicatedTime")]
+    return sum(int(data[0]) for data in counts if data)
 
 
 def syncfree_optimizer(name: str, groups: list[dict], **kwargs: Any) -> torch.optim.Optimizer:

@@ -133,6 +133,8 @@ def parse_args(
     *,
     defaults: Optional[Mapping[str, Any]] = None,
     require_training: bool = True,
+    xla_spmd_devices: Optional[int] = None,
+    announce: bool = True,
 ) -> RunConfig:
     """Parse Megatron flags (and ``--config FILE``) into a validated RunConfig.
 
@@ -142,7 +144,9 @@ def parse_args(
     world_size: default the WORLD_SIZE environment variable, else 1. defaults: field -> value
     used when neither the command line nor the file gives it (Megatron's ``defaults``).
     require_training=False drops the requirements that only training has (a schedule length,
-    a data source, tokenizer files).
+    a data source, tokenizer files). xla_spmd_devices: the XLA devices each process trains
+    over with SPMD (each a data-parallel rank; megatron.training_xla decides). announce=False
+    keeps the no-op flags' notices for a second reading of the same flags.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -164,8 +168,10 @@ def parse_args(
         raise ConfigError(_unknown_flags_message(parser, unknown))
     _check_required(ns, require_training)
     compat.translate(ns)
-    compat.announce_no_ops(ns)
-    config = _build_run_config(ns, _resolve_world_size(world_size), extra_dests)
+    if announce:
+        compat.announce_no_ops(ns)
+    config = _build_run_config(ns, _resolve_world_size(world_size), extra_dests,
+                               xla_spmd_devices)
     if ns.dump_config is not None and _rank() == 0:
         dump_config(config, ns.dump_config)
     return config
@@ -279,9 +285,10 @@ def _fill(cls: type, ns: argparse.Namespace, **internal: Any) -> Any:
     return cls(**kwargs, **internal)
 
 
-def _build_run_config(ns: argparse.Namespace, world_size: int,
-                      extra_dests: set[str]) -> RunConfig:
-    slices = {name: _fill(cls, ns, **({"world_size": world_size} if name == "parallel" else {}))
+def _build_run_config(ns: argparse.Namespace, world_size: int, extra_dests: set[str],
+                      xla_spmd_devices: Optional[int] = None) -> RunConfig:
+    parallel = {"world_size": world_size, "xla_spmd_devices": xla_spmd_devices}
+    slices = {name: _fill(cls, ns, **(parallel if name == "parallel" else {}))
               for name, cls in SLICE_CLASSES.items()}
     return RunConfig(**slices, extra={dest: getattr(ns, dest) for dest in sorted(extra_dests)})
 

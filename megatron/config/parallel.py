@@ -29,9 +29,13 @@ DP_TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
 
 @dataclass(frozen=True)
 class ParallelConfig(Slice):
-    """Parallel degrees. The data-parallel size is what the world size leaves."""
+    """Parallel degrees. The data-parallel size is what the world size leaves (times the
+    devices of each process under XLA SPMD)."""
 
     world_size: int = internal("the launcher: WORLD_SIZE, else SLURM_NTASKS, else 1", 1)
+    # Under torch_xla's SPMD (--xla-spmd) each process drives this many devices, each of them
+    # a data-parallel rank; None: one device per process.
+    xla_spmd_devices: Optional[int] = internal("the XLA runtime, under --xla-spmd", None)
     tensor_model_parallel_size: int = option(
         default=1, help="Ranks that split each layer's weights (Megatron's tensor parallelism).")
     pipeline_model_parallel_size: int = option(
@@ -70,7 +74,7 @@ class ParallelConfig(Slice):
 
     def __post_init__(self) -> None:
         positive(self, "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
-        optional_positive(self, "num_layers_per_virtual_pipeline_stage",
+        optional_positive(self, "xla_spmd_devices", "num_layers_per_virtual_pipeline_stage",
                           "virtual_pipeline_model_parallel_size",
                           "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
@@ -98,9 +102,17 @@ class ParallelConfig(Slice):
                 f"--dp-topology exp needs a power-of-2 data-parallel size, got {dp}")
 
     @property
+    def devices_per_process(self) -> int:
+        """Devices each process computes on: several under XLA SPMD, else one."""
+        return self.xla_spmd_devices or 1
+
+    @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_model_parallel_size
-                                   * self.pipeline_model_parallel_size)
+        """Model replicas: processes per replica come from tensor and pipeline parallelism;
+        under XLA SPMD each device of a process is one replica."""
+        return (self.world_size // (self.tensor_model_parallel_size
+                                    * self.pipeline_model_parallel_size)
+                * self.devices_per_process)
 
     def stage_num_layers(self, num_layers: int) -> tuple[int, ...]:
         """Transformer layers held by each pipeline stage (all its virtual chunks together)."""

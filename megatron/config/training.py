@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Optional
 
@@ -74,7 +75,17 @@ class TrainingConfig(Slice):
     xla_processes: Optional[int] = option(
         default=None, help="On an XLA device: start this many replicas through "
         "torch_xla.launch (xmp.spawn), one process per device of this host; 0: one per "
-        "device PJRT shows (what run_pretrain_xla.py passes). Not needed under torchrun.")
+        "device PJRT shows (what run_pretrain_xla.py passes), or, where torch_xla runs the "
+        "devices as threads of one process (TPU v2/v3, the CPU under PJRT), all of "
+        "them in this process with SPMD (--xla-spmd). Not needed under torchrun.")
+    xla_spmd: Optional[bool] = option(
+        "--xla-spmd", default=None, action=argparse.BooleanOptionalAction,
+        help="On an XLA device: train over every device of this process with torch_xla's "
+        "SPMD (the model replicated, each micro-batch split over the devices along its batch "
+        "dimension; each device counts as a data-parallel rank). On by default where the "
+        "process drives several devices and no launcher started it (TPU v2/v3, "
+        "PJRT_DEVICE=CPU with CPU_NUM_DEVICES > 1); --no-xla-spmd trains on the first device "
+        "only.")
     mp_start_method: str = option(
         default="spawn", choices=("spawn", "fork", "forkserver"), help="With --xla-processes: "
         "how torch_xla.launch starts the processes (Python multiprocessing's start method).")

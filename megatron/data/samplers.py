@@ -176,11 +176,27 @@ def shutdown_signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+class ConsecutiveRanksSampler:
+    """The micro-batches of consecutive data-parallel ranks, one after another in one batch
+    (an XLA SPMD process feeds its devices, each a rank, one batch split along its rows)."""
+
+    def __init__(self, samplers: list[Any]) -> None:
+        self.samplers = samplers
+
+    def __len__(self) -> int:
+        return len(self.samplers[0])
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for parts in zip(*self.samplers):
+            yield [index for part in parts for index in part]
+
+
 def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_batch_size: int,
                                   data_parallel_rank: int, data_parallel_size: int,
                                   num_workers: int = 2, dataloader_type: str = "single",
                                   drop_last: bool = True, data_sharding: bool = True,
-                                  seed: int = 0, pin_memory: bool = False
+                                  seed: int = 0, pin_memory: bool = False,
+                                  ranks_per_batch: int = 1
                                   ) -> Optional[torch.utils.data.DataLoader]:
     """A DataLoader yielding this data-parallel rank's micro-batches, or None for no dataset.
 
@@ -188,21 +204,33 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
     shuffled dataset) or 'cyclic' (re-permuted every epoch).
     ``pin_memory``: page-locked batches, which a GPU run copies to the device without
     blocking (the training loop asks for them on CUDA).
+    ``ranks_per_batch``: each batch holds the micro-batches of this many consecutive
+    data-parallel ranks from ``data_parallel_rank`` on, in rank order (XLA SPMD).
     """
     if dataset is None:
         return None
-    if dataloader_type == "single":
-        batch_sampler: Any = MegatronPretrainingSampler(
-            len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
-            data_parallel_size, drop_last=drop_last)
-    elif dataloader_type == "cyclic":
-        batch_sampler = MegatronPretrainingRandomSampler(
-            dataset, len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
-            data_parallel_size, data_sharding=data_sharding, seed=seed)
-    else:
+    if dataloader_type not in ("single", "cyclic"):
         raise DataConfigError(f"--dataloader-type {dataloader_type!r}: expected 'single' or "
                               "'cyclic'")
+    samplers = [_rank_sampler(dataset, consumed_samples, micro_batch_size, rank,
+                              data_parallel_size, dataloader_type, drop_last, data_sharding,
+                              seed)
+                for rank in range(data_parallel_rank, data_parallel_rank + ranks_per_batch)]
+    batch_sampler = samplers[0] if ranks_per_batch == 1 else ConsecutiveRanksSampler(samplers)
     return torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
                                        num_workers=num_workers, pin_memory=pin_memory,
                                        persistent_workers=num_workers > 0,
                                        worker_init_fn=ignore_shutdown_signals)
+
+
+def _rank_sampler(dataset: Any, consumed_samples: int, micro_batch_size: int,
+                  data_parallel_rank: int, data_parallel_size: int, dataloader_type: str,
+                  drop_last: bool, data_sharding: bool, seed: int) -> Any:
+    """One data-parallel rank's batch sampler for ``--dataloader-type``."""
+    if dataloader_type == "single":
+        return MegatronPretrainingSampler(
+            len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
+            data_parallel_size, drop_last=drop_last)
+    return MegatronPretrainingRandomSampler(
+        dataset, len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
+        data_parallel_size, data_sharding=data_sharding, seed=seed)

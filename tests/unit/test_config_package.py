@@ -65,6 +65,7 @@ NEW_FLAGS = {
     "--mp-start-method",
     "--use-syncfree-optim",
     "--hang-timeout-minutes",  # stacks of a stalled rank (issue 24)
+    "--xla-spmd", "--no-xla-spmd",  # SPMD over the XLA devices of a process (issue 26)
 }
 
 

@@ -27,6 +27,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 from megatron.core.tensor_parallel import model_parallel_seed
 from megatron.model.gpt_model import GPTModel
+from megatron.training import RunContext
 
 HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu",
               "numpy"}
@@ -61,7 +62,7 @@ def _step_setup(precision: list[str], device: torch.device = CPU):
         GPTModel(cfg.model, device=device), accumulate_allreduce_grads_in_fp32=True,
         gradient_accumulation_fusion=cfg.optimizer.gradient_accumulation_fusion)
     optimizer = get_megatron_optimizer(cfg.optimizer, [model])
-    ctx = SimpleNamespace(config=cfg, tokenizer=SimpleNamespace(eod=0), device=device)
+    ctx = RunContext(cfg, tokenizer=SimpleNamespace(eod=0), device=device)
     return cfg, model, optimizer, ctx
 
 

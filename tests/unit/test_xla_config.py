@@ -13,7 +13,8 @@ from megatron import training_xla, xla
 from megatron.config import ConfigError, parse_args
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32, grad_norm_on_device
-from megatron.training import pretrain
+from megatron.training import pretrain, run_devices
+from pretrain_gpt import loss_func
 from run_pretrain_xla import xla_argv
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -90,7 +91,8 @@ def test_the_nan_check_on_xla_needs_the_syncfree_optimizer(torch_xla_installed):
     assert training_xla.unsupported_on_xla(unchecked) is None
 
 
-@pytest.mark.parametrize("flag", [["--use-syncfree-optim"], ["--xla-processes", "2"]])
+@pytest.mark.parametrize("flag", [["--use-syncfree-optim"], ["--xla-processes", "2"],
+                                  ["--xla-spmd"]])
 def test_xla_only_flags_without_an_xla_device_stop_the_run(monkeypatch, capsys, flag):
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     with pytest.raises(SystemExit) as stop:
@@ -111,10 +113,106 @@ def test_replica_environment():
         {"TORCHELASTIC_RUN_ID": "x"}) and not xla.inside_replica({})
     every = xla.replica_environment(0, {"PJRT_DEVICE": "TPU"}, free_port=7)
     assert "WORLD_SIZE" not in every and "TPU_NUM_DEVICES" not in every  # the runtime's
-    assert xla.threads_would_stand_for_ranks(0, {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"})
-    assert xla.threads_would_stand_for_ranks(2, {"PJRT_DEVICE": "CPU"})
-    assert not xla.threads_would_stand_for_ranks(1, {"PJRT_DEVICE": "CPU"})
-    assert not xla.threads_would_stand_for_ranks(4, {"PJRT_DEVICE": "TPU"})
+
+
+def test_devices_of_a_process_before_the_runtime_starts(monkeypatch):
+    cpu = {"PJRT_DEVICE": "CPU"}
+    assert xla.host_runs_a_thread_per_device(cpu)
+    # GPUs: a process each through torch_xla's CUDA plugin, threads without it.
+    assert not xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "CUDA"})
+    assert xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "CUDA",
+                                              "XLA_REGISTER_INSTALLED_PLUGINS": "0"})
+    for generation, threads in ((3, True), (4, False)):  # a v3-8: 2 cores per chip
+        monkeypatch.setattr(xla, "_tpu_version", lambda g=generation: g)
+        assert xla.host_runs_a_thread_per_device({"PJRT_DEVICE": "TPU"}) == threads
+    assert xla.devices_of_a_process(cpu) == 1
+    assert xla.devices_of_a_process({**cpu, "CPU_NUM_DEVICES": "4"}) == 4
+    assert xla.devices_of_a_process({"PJRT_DEVICE": "CUDA", "GPU_NUM_DEVICES": "2"}) == 2
+
+
+def _xla_run(monkeypatch, flags=(), world=1, devices="2"):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", devices)
+    for name in (xla.REPLICA_ENV, "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    return parse_args(TINY + ["--device", "xla", "--use-syncfree-optim", *flags],
+                      world_size=world)
+
+
+def test_spmd_is_the_default_where_one_process_drives_several_devices(monkeypatch,
+                                                                      torch_xla_installed):
+    torch_xla_installed(True)
+    monkeypatch.setattr(xla, "use_spmd", lambda: 2)  # torch_xla's; the runs are in tests/xla
+    assert training_xla.spmd_devices(_xla_run(monkeypatch)) == 2
+    assert training_xla.spmd_devices(_xla_run(monkeypatch, ["--xla-processes", "0"])) == 2
+    assert training_xla.spmd_devices(_xla_run(monkeypatch, ["--xla-spmd"], devices="1")) == 2
+    for flags, world, devices in ((["--no-xla-spmd"], 1, "2"), ([], 1, "1"), ([], 2, "2"),
+                                  (["--xla-processes", "1"], 1, "2")):
+        assert training_xla.spmd_devices(_xla_run(monkeypatch, flags, world, devices)) is None
+    # --xla-processes 0 starts no replicas where they would be threads: SPMD trains here.
+    assert not training_xla.launches_replicas(_xla_run(monkeypatch, ["--xla-processes", "0"]))
+    assert training_xla.launches_replicas(
+        _xla_run(monkeypatch, ["--xla-processes", "0", "--no-xla-spmd"]))
+    assert training_xla.launches_replicas(_xla_run(monkeypatch, ["--xla-processes", "1"]))
+    assert not training_xla.launches_replicas(_xla_run(monkeypatch))
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    monkeypatch.setattr(xla, "_tpu_version", lambda: 4)  # a process per chip
+    tpu = parse_args(TINY + ["--device", "xla", "--xla-processes", "0"])
+    assert training_xla.launches_replicas(tpu)
+    assert not training_xla.launches_replicas(
+        parse_args(TINY + ["--device", "xla", "--xla-processes", "0", "--xla-spmd"]))
+
+
+@pytest.mark.parametrize("flags,world,named", [
+    (["--xla-spmd", "--xla-processes", "1"], 1, "--xla-spmd trains every device"),
+    (["--xla-spmd"], 2, "--xla-spmd with 2 processes"),
+    (["--xla-processes", "2"], 1, "--xla-processes 2: torch_xla runs the XLA devices"),
+])
+def test_spmd_refuses_what_it_does_not_do(monkeypatch, torch_xla_installed, flags, world,
+                                          named):
+    torch_xla_installed(True)
+    problem = training_xla.unsupported_on_xla(_xla_run(monkeypatch, flags, world))
+    assert problem is not None and named in problem
+
+
+def test_spmd_batch_arithmetic_is_megatrons_with_a_rank_per_device():
+    cfg = parse_args(TINY + ["--micro-batch-size", "2"], xla_spmd_devices=4)
+    assert cfg.data_parallel_size == 4 and cfg.training.global_batch_size == 8
+    assert cfg.num_microbatches == 1 and run_devices(cfg) == 4
+    cfg = parse_args(TINY + ["--global-batch-size", "16"], world_size=2, xla_spmd_devices=2)
+    assert cfg.data_parallel_size == 4 and cfg.num_microbatches == 4
+    with pytest.raises(ConfigError, match=r"data-parallel size \(2\)"):
+        parse_args(TINY + ["--global-batch-size", "3"], xla_spmd_devices=2)
+
+
+def test_spmd_batch_sizes_the_devices_cannot_split_stop_the_run(monkeypatch, capsys,
+                                                                torch_xla_installed):
+    torch_xla_installed(True)
+    monkeypatch.setattr(training_xla, "spmd_devices", lambda cfg: 2)
+    with pytest.raises(SystemExit) as stop:
+        pretrain(None, None, None, argv=TINY + ["--device", "xla", "--use-syncfree-optim",
+                                                "--global-batch-size", "3"])
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: XLA SPMD over 2 devices") and "--global-batch-size (3)" \
+        in last, last
+
+
+def test_the_loss_of_several_ranks_micro_batches_is_the_mean_of_their_losses():
+    """Each rank's loss is over its own unmasked tokens, as on separate ranks."""
+    out = torch.arange(24, dtype=torch.float).view(4, 6)  # [b, s]: ranks 0 and 1, 2 rows each
+    mask = torch.ones(4, 6)
+    mask[0, :5] = 0  # rank 0 counts 7 tokens, rank 1 all 12
+    together, reported = loss_func(mask, out, ranks=2)
+    apart = [loss_func(mask[r * 2:(r + 1) * 2], out[r * 2:(r + 1) * 2])[0] for r in (0, 1)]
+    assert torch.allclose(together, (apart[0] + apart[1]) / 2)
+    assert not torch.allclose(together, loss_func(mask, out)[0])  # the masks differ
+    assert torch.equal(reported["lm loss"], together)
+
+
+def test_the_compute_line_says_spmd():
+    line = device_mod.describe(torch.device("cpu"), "gloo", False, xla_spmd_devices=2)
+    assert "XLA SPMD over 2 device(s)" in line
 
 
 def test_run_pretrain_xla_asks_for_every_xla_device_unless_told():

@@ -145,3 +145,21 @@ def test_a_crash_with_live_workers_still_exits():
     done = subprocess.run([sys.executable, "-c", CRASH_WITH_WORKERS], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 1 and "RuntimeError: boom" in done.stderr
+
+
+@pytest.mark.parametrize("dataloader_type", ["single", "cyclic"])
+def test_a_batch_of_consecutive_ranks_is_their_micro_batches_in_rank_order(dataloader_type):
+    """An XLA SPMD process feeds 2 of 4 data-parallel ranks (its devices) one batch: ranks 2
+    and 3's micro-batches, one after the other, resumed from the same consumed samples."""
+    dataset = torch.arange(60)
+
+    def loader(rank, ranks_per_batch=1):
+        return list(build_pretraining_data_loader(
+            dataset, 16, 2, rank, 4, num_workers=0, dataloader_type=dataloader_type, seed=3,
+            ranks_per_batch=ranks_per_batch))
+
+    together = loader(2, ranks_per_batch=2)
+    apart = list(zip(loader(2), loader(3)))
+    assert len(together) == len(apart) > 1
+    for batch, (mine, next_rank) in zip(together, apart):
+        assert batch.tolist() == mine.tolist() + next_rank.tolist()
