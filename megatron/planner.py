@@ -41,7 +41,9 @@ from typing import Optional
 
 import torch
 
-from megatron.config import RunConfig, layer_range
+from megatron.assembly.build import build_gpt_chunk
+from megatron.assembly.placement import stage_chunks
+from megatron.config import RunConfig
 from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
 from megatron.model.gpt_model import GPTModel
 from megatron.training_log import flops_per_token
@@ -101,20 +103,10 @@ class Plan:
 
 def build_rank_on_meta(config: RunConfig, tp_rank: int, pp_rank: int) -> list[GPTModel]:
     """The model chunks rank (``tp_rank``, ``pp_rank``) builds, on the meta device."""
-    p = config.parallel
-    vp = p.virtual_pipeline_model_parallel_size or 1
-    last = p.pipeline_model_parallel_size - 1
     model_config = config.model.replace(perform_initialization=False)
-    chunks = []
-    with assume_tensor_parallel_rank(p.tensor_model_parallel_size, tp_rank):
-        for v in range(vp):
-            first_layer, num_layers = layer_range(config.pipeline_stage_num_layers, pp_rank,
-                                                  vp, v)
-            chunks.append(GPTModel(model_config, pre_process=pp_rank == 0 and v == 0,
-                                   post_process=pp_rank == last and v == vp - 1,
-                                   first_layer=first_layer, num_layers=num_layers,
-                                   device="meta"))
-    return chunks
+    with assume_tensor_parallel_rank(config.parallel.tensor_model_parallel_size, tp_rank):
+        return [build_gpt_chunk(model_config, chunk, torch.device("meta"))
+                for chunk in stage_chunks(config, pp_rank)]
 
 
 def _unique_count(chunks: list[GPTModel], tp_rank: int, pipeline_parallel: bool) -> int:

@@ -17,35 +17,38 @@ import dataclasses
 import functools
 import gc
 import math
-import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from megatron.assembly.build import (
+    RunContext,
+    build_run_tokenizer,
+    check_dp_topology_or_exit,
+    num_parameters,
+    run_vocab_size,
+    setup_model_and_optimizer,
+)
 from megatron.checkpointing.ranks import any_true
 from megatron.config import (
-    ConfigError,
     RunConfig,
-    layer_range,
     parse_args_or_exit,
     print_config,
 )
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import bubble
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.dataset_utils import train_valid_test_num_samples as data_sample_counts
 from megatron.initialize import initialize_megatron
 from megatron.integrations.deepspeed import deepspeed_config_or_exit
 from megatron.microbatches import NumMicroBatchesCalculator
-from megatron.model.transformer import compile_transformer_layers, flash_attn_installed
+from megatron.model.transformer import flash_attn_installed
 from megatron.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,
@@ -54,7 +57,6 @@ from megatron.nonfinite import (
     describe_nonfinite_loss,
     locate_nonfinite_loss,
 )
-from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
 from megatron.timers import Timers, format_across_ranks, gather_across_ranks
 from megatron.training_log import (
     TensorBoard,
@@ -73,16 +75,6 @@ from megatron.utils import configure_output, print_rank_0
 
 
 @dataclasses.dataclass
-class RunContext:
-    """What the callbacks may need: the resolved config, the tokenizer, the timers."""
-
-    config: RunConfig
-    tokenizer: Any = None
-    timers: Timers = dataclasses.field(default_factory=Timers)
-    device: torch.device = torch.device("cpu")
-
-
-@dataclasses.dataclass
 class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
@@ -94,107 +86,6 @@ class TrainState:
     history: list = dataclasses.field(default_factory=list)
     last_checkpoint: Optional[str] = None  # folder of the last checkpoint saved or resumed
     last_valid_losses: dict = dataclasses.field(default_factory=dict)
-
-
-# Model, optimizer, scheduler ---------------------------------------------------------------
-
-
-def build_model_chunks(model_provider: Callable, ctx: RunContext) -> list[nn.Module]:
-    """This rank's model chunks (one per virtual pipeline stage), each built for its layers."""
-    cfg = ctx.config
-    vp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    last_rank = cfg.parallel.pipeline_model_parallel_size - 1
-    chunks = []
-    for v in range(vp):
-        first_layer, num_layers = layer_range(cfg.pipeline_stage_num_layers, pp_rank, vp, v)
-        chunks.append(model_provider(
-            ctx, pre_process=pp_rank == 0 and v == 0,
-            post_process=pp_rank == last_rank and v == vp - 1,
-            first_layer=first_layer, num_layers=num_layers))
-    if cfg.training.compile:
-        compiled = sum(compile_transformer_layers(chunk) for chunk in chunks)
-        print_rank_0(f"> --compile: {compiled} transformer layers on this rank go through "
-                     "torch.compile (compiled on first use)")
-    return chunks
-
-
-def wrap_data_parallel(chunks: Sequence[nn.Module], cfg: RunConfig) -> list[nn.Module]:
-    opt = cfg.optimizer
-    return [
-        DistributedDataParallel(
-            chunk, accumulate_allreduce_grads_in_fp32=opt.accumulate_allreduce_grads_in_fp32
-            or not (opt.fp16 or opt.bf16),
-            overlap_grad_reduce=opt.overlap_grad_reduce,
-            use_distributed_optimizer=opt.use_distributed_optimizer,
-            bucket_size=opt.ddp_bucket_size,
-            average_gradients=cfg.parallel.dp_mode == "allreduce",
-            gradient_accumulation_fusion=opt.gradient_accumulation_fusion)
-        for chunk in chunks
-    ]
-
-
-def dp_ranks_per_node(cfg: RunConfig) -> int:
-    """Data-parallel ranks of one node for --dp-topology alternating-exp-ring. Ranks go tensor
-    fastest, then data, then pipeline: a node's LOCAL_WORLD_SIZE consecutive ranks hold
-    LOCAL_WORLD_SIZE / tp consecutive data-parallel ranks of one stage."""
-    p = cfg.parallel
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // p.tensor_model_parallel_size
-    return min(max(per_node, 1), p.data_parallel_size)
-
-
-def _check_dp_topology_or_exit(cfg: RunConfig) -> None:
-    """A --dp-topology this run's sizes cannot build ends the run before any process group."""
-    from megatron.core.distributed.gossip import TopologyError, topology_rounds
-
-    p = cfg.parallel
-    if p.dp_mode != "decentralized":
-        return
-    try:
-        topology_rounds(p.dp_topology, p.data_parallel_size, dp_ranks_per_node(cfg))
-    except TopologyError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-
-
-def wrap_decentralized(optimizer, cfg: RunConfig):
-    """--dp-mode decentralized: the optimizer that averages with --dp-topology neighbours."""
-    from megatron.core.distributed.gossip import ParameterGossip, TopologyError
-    from megatron.core.optimizer.decentralized import DecentralizedOptimizer
-
-    p = cfg.parallel
-    groups = parallel_state.build_rank_groups(
-        dist.get_world_size() if dist.is_initialized() else 1,
-        p.tensor_model_parallel_size, p.pipeline_model_parallel_size).data
-    try:
-        gossip = ParameterGossip(p.dp_topology, groups, dp_ranks_per_node(cfg),
-                                 full_group=parallel_state.get_data_parallel_group())
-    except TopologyError as error:
-        raise ConfigError(str(error)) from None
-    when = ("while it computes its gradient (--dp-overlap)" if p.dp_overlap
-            else "after each step")
-    print_rank_0(f"> --dp-mode decentralized: gradients are not all-reduced; {when} "
-                 f"every replica averages its parameters over its --dp-topology {p.dp_topology} "
-                 f"group ({gossip.num_rounds()} round(s), data-parallel size {gossip.dp_size})")
-    return DecentralizedOptimizer(optimizer, gossip, overlap=p.dp_overlap)
-
-
-def setup_model_and_optimizer(model_provider: Callable, ctx: RunContext):
-    cfg = ctx.config
-    chunks = wrap_data_parallel(build_model_chunks(model_provider, ctx), cfg)
-    optimizer = get_megatron_optimizer(cfg.optimizer, chunks)
-    if cfg.parallel.dp_mode == "decentralized":
-        optimizer = wrap_decentralized(optimizer, cfg)
-    scheduler = build_optimizer_param_scheduler(
-        cfg.scheduler, cfg.optimizer, optimizer,
-        global_batch_size=cfg.training.global_batch_size,
-        train_iters=cfg.training.train_iters, train_samples=cfg.training.train_samples)
-    return chunks, optimizer, scheduler
-
-
-def num_parameters(chunks: Sequence[nn.Module]) -> int:
-    # ZeRO-3 leaves each rank a shard; ds_numel is the whole parameter's size.
-    return sum(getattr(p, "ds_numel", p.numel()) for chunk in chunks for p in chunk.parameters())
 
 
 # Data ------------------------------------------------------------------------------------
@@ -717,19 +608,6 @@ class Trainer:
 # Entry -----------------------------------------------------------------------------------
 
 
-def build_run_tokenizer(cfg: RunConfig):
-    """The tokenizer named by the data flags; with --mock-data and no files, none (the
-    vocabulary size then comes from --vocab-size or GPT-2's 50257)."""
-    from megatron.tokenizer import build_tokenizer
-
-    d = cfg.data
-    has_files = d.vocab_file or d.tokenizer_name_or_path
-    if d.mock_data and d.tokenizer_type != "NullTokenizer" and not has_files:
-        return None
-    return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file,
-                           d.tokenizer_name_or_path, d.vocab_size)
-
-
 def check_run_inputs(cfg: RunConfig):
     """The run's tokenizer, built and checked with the data files before any process group or
     model exists: bad input ends the run with ``error: ...`` naming the flag or file, and
@@ -758,13 +636,13 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     configure_output(cfg.logging.log_all_ranks)
     _check_checkpoint_folders_or_exit(cfg)
-    _check_dp_topology_or_exit(cfg)
+    check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
     ds_config = deepspeed_config_or_exit(cfg)
     if cfg.training.dry_run:
-        return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
+        return _dry_run(cfg.with_vocab_size(run_vocab_size(cfg, tokenizer)))
     device = initialize_megatron(cfg)
-    cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
+    cfg = cfg.with_vocab_size(run_vocab_size(cfg, tokenizer))
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
     ctx = RunContext(cfg, tokenizer, Timers(timer_level), device)
@@ -818,10 +696,6 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         raise SystemExit(1) from None
     _end_run(trainer, start, loop_seconds)
     return state
-
-
-def _vocab_size(cfg: RunConfig, tokenizer) -> int:
-    return tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)
 
 
 def _dry_run(cfg: RunConfig) -> TrainState:

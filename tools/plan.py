@@ -55,8 +55,8 @@ def _vocab_size(config: RunConfig) -> int:
     there are tokenizer files or a NullTokenizer; else --vocab-size, else GPT-2's 50257."""
     d = config.data
     if d.vocab_file or d.tokenizer_name_or_path or d.tokenizer_type == "NullTokenizer":
+        from megatron.assembly.build import build_run_tokenizer
         from megatron.tokenizer import TokenizerConfigError
-        from megatron.training import build_run_tokenizer
 
         try:
             return build_run_tokenizer(config).vocab_size
