@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from megatron.assembly.build import build_gpt_chunk
+from megatron.assembly.build import build_gpt_chunk, gradients_in_fp32
 from megatron.assembly.placement import stage_chunks
 from megatron.config import RunConfig
 from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
@@ -165,18 +165,22 @@ def closed_form_parameters(config: RunConfig) -> tuple[int, str]:
 # ----------------------------------------------------------------------------- memory
 
 
-def _bytes(dtype: torch.dtype) -> int:
+def bytes_of(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
+
+
+def grad_bytes(config: RunConfig) -> int:
+    """Bytes per element of the data-parallel gradient buffers."""
+    return 4 if gradients_in_fp32(config.optimizer) else bytes_of(config.model.params_dtype)
 
 
 def _state_memory(config: RunConfig, params: int, zero_stage: int) -> tuple[int, int, int, int]:
     """(weights, gradients, optimizer, step) bytes for ``params`` parameters on one rank."""
     m, o = config.model, config.optimizer
     dp = config.data_parallel_size
-    param_bytes = _bytes(m.params_dtype)
+    param_bytes = bytes_of(m.params_dtype)
     mixed = m.fp16 or m.bf16
-    grad_fp32 = o.accumulate_allreduce_grads_in_fp32 or not mixed
-    grad_bytes = 4 if grad_fp32 else param_bytes
+    grad_fp32 = gradients_in_fp32(o)
     if o.optimizer == "adam":
         state_bytes = 8
     else:
@@ -184,13 +188,13 @@ def _state_memory(config: RunConfig, params: int, zero_stage: int) -> tuple[int,
     state_bytes += 4 if mixed else 0
     shard_optimizer = zero_stage >= 1 or o.use_distributed_optimizer
     weights = params * param_bytes // (dp if zero_stage >= 3 else 1)
-    gradients = params * grad_bytes // (dp if zero_stage >= 2 else 1)
+    gradients = params * grad_bytes(config) // (dp if zero_stage >= 2 else 1)
     optimizer = params * state_bytes // (dp if shard_optimizer else 1)
     step = 0 if grad_fp32 else params * 4 // (dp if shard_optimizer else 1)
     return weights, gradients, optimizer, step
 
 
-def layer_activation_bytes(config: RunConfig) -> int:
+def layer_activationbytes_of(config: RunConfig) -> int:
     """One transformer layer's saved activations for one micro-batch (module docstring)."""
     m, t = config.model, config.parallel.tensor_model_parallel_size
     t_sp = t if config.parallel.sequence_parallel else 1
@@ -201,7 +205,7 @@ def layer_activation_bytes(config: RunConfig) -> int:
     if m.recompute_granularity == "selective":
         elements -= attention_out
     masks = 2 * s * b * h // t_sp if m.hidden_dropout > 0 else 0
-    return elements * _bytes(m.params_dtype) + masks
+    return elements * bytes_of(m.params_dtype) + masks
 
 
 def _in_flight(config: RunConfig, pp_rank: int) -> tuple[int, int]:
@@ -218,11 +222,11 @@ def _in_flight(config: RunConfig, pp_rank: int) -> tuple[int, int]:
 def _chunk_activations(config: RunConfig, layers: int) -> int:
     """Saved activations of ``layers`` layers for one micro-batch, under the recompute
     setting (full recomputation keeps block inputs; one block is live while recomputed)."""
-    m, per_layer = config.model, layer_activation_bytes(config)
+    m, per_layer = config.model, layer_activationbytes_of(config)
     t_sp = config.parallel.tensor_model_parallel_size if config.parallel.sequence_parallel \
         else 1
     block_input = m.seq_length * config.training.micro_batch_size * m.hidden_size // t_sp \
-        * _bytes(m.params_dtype)
+        * bytes_of(m.params_dtype)
     if m.recompute_granularity != "full":
         return layers * per_layer
     k = min(m.recompute_num_layers or 1, layers)
@@ -237,7 +241,7 @@ def _working_set(config: RunConfig, layers: int) -> int:
     if m.recompute_granularity != "full":
         return 0
     k = min(m.recompute_num_layers or 1, layers)
-    return (k if m.recompute_method == "uniform" else 1) * layer_activation_bytes(config)
+    return (k if m.recompute_method == "uniform" else 1) * layer_activationbytes_of(config)
 
 
 def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
@@ -247,7 +251,7 @@ def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
     t_sp = t if p.sequence_parallel else 1
     chunks, layers = _in_flight(config, pp_rank)
     tokens = m.seq_length * config.training.micro_batch_size
-    e = _bytes(m.params_dtype)
+    e = bytes_of(m.params_dtype)
     extras = 0
     if pp_rank == 0:
         extras += tokens * m.hidden_size // t_sp * e

@@ -628,12 +628,27 @@ def check_run_inputs(cfg: RunConfig):
     return tokenizer
 
 
+class RunCallbacks(NamedTuple):
+    """The user's three callbacks (see the module docstring)."""
+
+    datasets_provider: Callable
+    model_provider: Callable
+    forward_step: Callable
+
+
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: Callable, *, extra_args_provider: Optional[Callable] = None,
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
-    """Parse flags, initialize, build, train, evaluate and save; returns the final state."""
+    """Parse flags, initialize, build, train, evaluate and save; returns the final state.
+    With --rehearse, rehearse the run on this machine instead (megatron/rehearsal)."""
     wall_start = time.perf_counter()
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
+    callbacks = RunCallbacks(train_valid_test_datasets_provider, model_provider,
+                             forward_step_func)
+    if cfg.training.rehearse:
+        from megatron.rehearsal.entry import rehearse_or_exit
+
+        rehearse_or_exit(cfg, callbacks)
     configure_output(cfg.logging.log_all_ranks)
     _check_checkpoint_folders_or_exit(cfg)
     check_dp_topology_or_exit(cfg)
@@ -641,6 +656,40 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     ds_config = deepspeed_config_or_exit(cfg)
     if cfg.training.dry_run:
         return _dry_run(cfg.with_vocab_size(run_vocab_size(cfg, tokenizer)))
+    trainer = start_run(cfg, tokenizer, ds_config, callbacks)
+    state = trainer.state
+    if cfg.training.eval_only:
+        trainer.evaluate_only()
+        trainer.tensorboard.close()
+        _finish()
+        return state
+    print_rank_0(f"training from iteration {state.iteration} to {trainer.train_iters} ...")
+    start = _RunStart(wall_start, state.iteration, state.consumed_train_samples)
+    loop_start = time.perf_counter()
+    try:
+        reason = trainer.train()
+        loop_seconds = time.perf_counter() - loop_start
+        if reason == "done":
+            trainer.finish()
+        else:
+            print_rank_0(_exit_message(reason, state, trainer.cfg))
+    except NonFiniteError as error:
+        # Every rank raised it at the same point (its decisions are collective).
+        trainer.tensorboard.close()
+        _finish()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    _end_run(trainer, start, loop_seconds)
+    return state
+
+
+def start_run(cfg: RunConfig, tokenizer, ds_config: Optional[dict],
+              callbacks: RunCallbacks) -> Trainer:
+    """This rank's set-up, up to the first iteration: process groups, model chunks, optimizer
+    (or DeepSpeed's engine), checkpoint, data iterators; returns the ``Trainer`` that runs the
+    loop. ``cfg`` is the parsed config (before the vocabulary is known); the rehearsal runs
+    each rank's set-up through here too."""
     device = initialize_megatron(cfg)
     cfg = cfg.with_vocab_size(run_vocab_size(cfg, tokenizer))
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
@@ -657,10 +706,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     if ds_config is not None:
         from megatron.integrations import deepspeed as ds_integration
 
-        engine = ds_integration.setup_engine(model_provider, ctx, ds_config)
+        engine = ds_integration.setup_engine(callbacks.model_provider, ctx, ds_config)
         chunks, optimizer, scheduler = engine.chunks, engine.optimizer, engine.scheduler
     else:
-        chunks, optimizer, scheduler = setup_model_and_optimizer(model_provider, ctx)
+        chunks, optimizer, scheduler = setup_model_and_optimizer(callbacks.model_provider, ctx)
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                  f"({parallel_state.get_tensor_model_parallel_rank()}, "
                  f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_parameters(chunks)}")
@@ -669,33 +718,9 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         engine.load(state)
     elif cfg.checkpoint.load:
         load_into(state, chunks, optimizer, scheduler, _eval_only_load(cfg))
-    forward_step = functools.partial(forward_step_func, ctx)
-    iterators = build_data_iterators(train_valid_test_datasets_provider, ctx, state)
-    trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state, engine)
-    if cfg.training.eval_only:
-        trainer.evaluate_only()
-        trainer.tensorboard.close()
-        _finish()
-        return state
-    print_rank_0(f"training from iteration {state.iteration} to {trainer.train_iters} ...")
-    start = _RunStart(wall_start, state.iteration, state.consumed_train_samples)
-    loop_start = time.perf_counter()
-    try:
-        reason = trainer.train()
-        loop_seconds = time.perf_counter() - loop_start
-        if reason == "done":
-            trainer.finish()
-        else:
-            print_rank_0(_exit_message(reason, state, cfg))
-    except NonFiniteError as error:
-        # Every rank raised it at the same point (its decisions are collective).
-        trainer.tensorboard.close()
-        _finish()
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    _end_run(trainer, start, loop_seconds)
-    return state
+    forward_step = functools.partial(callbacks.forward_step, ctx)
+    iterators = build_data_iterators(callbacks.datasets_provider, ctx, state)
+    return Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state, engine)
 
 
 def _dry_run(cfg: RunConfig) -> TrainState:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.assembly.placement import Chunk, stage_chunks
-from megatron.config import ConfigError, ModelConfig, RunConfig
+from megatron.config import ConfigError, ModelConfig, OptimizerConfig, RunConfig
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import get_megatron_optimizer
@@ -105,12 +105,17 @@ def num_parameters(chunks: Sequence[nn.Module]) -> int:
 # Wrappers ----------------------------------------------------------------------------------
 
 
+def gradients_in_fp32(opt: OptimizerConfig) -> bool:
+    """Whether the data-parallel gradient buffers are fp32: for fp32 models, and with
+    --accumulate-allreduce-grads-in-fp32 (which --bf16 turns on); else the params dtype."""
+    return opt.accumulate_allreduce_grads_in_fp32 or not (opt.fp16 or opt.bf16)
+
+
 def wrap_data_parallel(chunks: Sequence[nn.Module], cfg: RunConfig) -> list[nn.Module]:
     opt = cfg.optimizer
     return [
         DistributedDataParallel(
-            chunk, accumulate_allreduce_grads_in_fp32=opt.accumulate_allreduce_grads_in_fp32
-            or not (opt.fp16 or opt.bf16),
+            chunk, accumulate_allreduce_grads_in_fp32=gradients_in_fp32(opt),
             overlap_grad_reduce=opt.overlap_grad_reduce,
             use_distributed_optimizer=opt.use_distributed_optimizer,
             bucket_size=opt.ddp_bucket_size,

@@ -51,6 +51,9 @@ NEW_FLAGS = {
     "--partition-activations", "--contigious-checkpointing", "--checkpoint-in-cpu",
     "--synchronize-each-layer",
     "--compile",  # torch.compile of the transformer layers (issue 10)
+    # The rehearsal over a fake process group (issue 25).
+    "--rehearse", "--rehearse-hidden-size", "--rehearse-seq-length", "--rehearse-ranks",
+    "--rehearse-full-batch",
 }
 
 
