@@ -308,8 +308,10 @@ class Trainer:
         self._interval_start = self._last_iteration_end = time.perf_counter()
         self._memory_reported = False
 
-    @property
+    @functools.cached_property
     def train_iters(self) -> int:
+        """The run's length in iterations (fixed by the config; under --train-samples with a
+        batch-size ramp-up counting it walks the whole ramp, so it is computed once)."""
         t = self.cfg.training
         if t.train_iters is not None:
             return t.train_iters

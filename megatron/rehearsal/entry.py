@@ -18,7 +18,7 @@ from megatron.rehearsal.facts import (
     launch_facts,
 )
 from megatron.rehearsal.ranks import RankGrid, RankPlan, plan_ranks
-from megatron.rehearsal.runner import RankFailure, RankResult, run_planned_ranks
+from megatron.rehearsal.runner import AroundRank, RankFailure, RankResult, run_planned_ranks
 from megatron.rehearsal.setup import check_rehearsable, rehearsal_config
 
 GB = 2**30
@@ -75,7 +75,7 @@ def _prepare(cfg: RunConfig):
     except (ConfigError, TokenizerConfigError) as error:
         _fail(str(error), 2)
     vocab = run_vocab_size(cfg, tokenizer)
-    return cfg.with_vocab_size(vocab), rehearsed, tokenizer
+    return cfg.with_vocab_size(vocab), rehearsed.with_vocab_size(vocab), tokenizer
 
 
 def _header(cfg: RunConfig, rehearsed: RunConfig, plan: RankPlan) -> str:
@@ -98,10 +98,11 @@ def _header(cfg: RunConfig, rehearsed: RunConfig, plan: RankPlan) -> str:
         f"{size}, {str(m.params_dtype).replace('torch.', '')}"])
 
 
-def rehearse(cfg: RunConfig, callbacks) -> int:
-    """Run, check and report; returns the exit status."""
+def rehearse(cfg: RunConfig, callbacks, around_rank: Optional[AroundRank] = None) -> int:
+    """Run, check and report; returns the exit status. ``around_rank``: see
+    ``runner.run_planned_ranks`` (tests plant faults with it)."""
     real, rehearsed, tokenizer = _prepare(cfg)
-    _check_memory(rehearsed.with_vocab_size(real.model.vocab_size))
+    _check_memory(rehearsed)
     p = cfg.parallel
     grid = RankGrid(p.tensor_model_parallel_size, cfg.data_parallel_size,
                     p.pipeline_model_parallel_size)
@@ -116,7 +117,8 @@ def rehearse(cfg: RunConfig, callbacks) -> int:
                   flush=True)
 
     try:
-        results = run_planned_ranks(rehearsed, tokenizer, callbacks, plan, progress)
+        results = run_planned_ranks(rehearsed, tokenizer, callbacks, plan, progress,
+                                    around_rank)
     except RankFailure as failure:
         tail = "\n".join(failure.output.strip().splitlines()[-5:])
         print(tail, file=sys.stderr)

@@ -40,7 +40,7 @@ from typing import Optional
 from megatron.config import RunConfig
 from megatron.microbatches import NumMicroBatchesCalculator
 from megatron.planner import GB, Plan, build_plan, build_rank_on_meta, bytes_of, grad_bytes
-from megatron.rehearsal.ranks import RankGrid, RankPlan, group_kind
+from megatron.rehearsal.ranks import RankGrid, RankPlan, group_kinds
 from megatron.rehearsal.recorder import SMALL
 from megatron.rehearsal.records import CommOp
 from megatron.rehearsal.runner import RankResult
@@ -61,26 +61,27 @@ def iteration_microbatches(cfg: RunConfig) -> int:
 # ----------------------------------------------------------------------------- recorded
 
 
-def volume_kind(op: CommOp, kind: str) -> Optional[str]:
-    """Which volume an iteration's operation counts in (None: not per iteration)."""
+def volume_kind(op: CommOp, kinds: frozenset[str]) -> Optional[str]:
+    """Which volume an iteration's operation counts in (None: not per iteration), given the
+    kinds of group it went to (``ranks.group_kinds``)."""
     if op.phase != "iteration" or op.op == "new_group":
         return None
     small = op.dtype == "object" or _numel(op.shape) <= SMALL
-    if kind == "tensor":
+    if "tensor" in kinds:
         if op.op == "all_reduce":
             return "tp all-reduce"
         if op.op.startswith("all_gather"):
             return "tp all-gather"
         if op.op.startswith("reduce_scatter"):
             return "tp reduce-scatter"
-    if kind == "pipeline" and op.is_p2p:
+    if "pipeline" in kinds and op.is_p2p:
         return "pp send" if op.op == "send" else "pp recv"
-    if kind == "data" and not small:
+    if "data" in kinds and not small:
         if op.op == "all_reduce" or op.op.startswith("reduce_scatter"):
             return "dp reduce"
         if op.op.startswith("all_gather"):
             return "dp gather"
-    if kind == "embedding" and op.op == "all_reduce" and not small:
+    if "embedding" in kinds and op.op == "all_reduce" and not small:
         return "embedding all-reduce"
     return "other"
 
@@ -96,7 +97,7 @@ def recorded_volume(grid: RankGrid, ops: Sequence[CommOp]) -> dict[str, int]:
     groups, kinds, out = grid.groups(), {}, dict.fromkeys(VOLUME_KINDS, 0)
     for op in ops:
         if op.group not in kinds:
-            kinds[op.group] = group_kind(grid, groups, op.group)
+            kinds[op.group] = group_kinds(grid, groups, op.group)
         kind = volume_kind(op, kinds[op.group])
         if kind is not None:
             out[kind] += op.nbytes

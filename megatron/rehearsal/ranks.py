@@ -93,12 +93,23 @@ def plan_ranks(grid: RankGrid, mode: str) -> RankPlan:
     return RankPlan(grid, tuple(run), tuple(source), tuple(checks))
 
 
-def group_kind(grid: RankGrid, groups: RankGroups, ranks: tuple[int, ...]) -> str:
-    """What a group is: tensor, data, pipeline, embedding, model, world or other."""
+GROUP_KINDS = ("tensor", "data", "pipeline", "embedding", "model")
+
+
+def group_kinds(grid: RankGrid, groups: RankGroups, ranks: tuple[int, ...]) -> frozenset[str]:
+    """Every kind of group ``ranks`` is (with two stages the embedding group is also the
+    pipeline group): tensor, data, pipeline, embedding, model, world."""
     members = list(ranks)
+    kinds = {kind for kind in GROUP_KINDS if members in getattr(groups, kind)}
     if len(members) == grid.world and grid.world > 1:
-        return "world"
-    for kind in ("tensor", "data", "pipeline", "embedding", "model"):
-        if members in getattr(groups, kind):
+        kinds.add("world")
+    return frozenset(kinds)
+
+
+def group_kind(grid: RankGrid, groups: RankGroups, ranks: tuple[int, ...]) -> str:
+    """The group's name in messages: its first kind, else world or other."""
+    kinds = group_kinds(grid, groups, ranks)
+    for kind in (*GROUP_KINDS, "world"):
+        if kind in kinds:
             return kind
     return "other"

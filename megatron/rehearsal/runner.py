@@ -92,15 +92,21 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 
 
 
+AroundRank = Callable[[int], contextlib.AbstractContextManager]
+
+
 def run_planned_ranks(cfg: RunConfig, tokenizer, callbacks, plan: RankPlan,
-                      progress: Optional[Callable[[int, RankResult], None]] = None
-                      ) -> list[RankResult]:
-    """Every rank ``plan`` runs, in its order, each in a fresh fake world."""
+                      progress: Optional[Callable[[int, RankResult], None]] = None,
+                      around_rank: Optional[AroundRank] = None) -> list[RankResult]:
+    """Every rank ``plan`` runs, in its order, each in a fresh fake world. ``around_rank``
+    (tests only: no flag reaches it) gives a context each rank runs inside, given its rank;
+    tests plant faults in one rank's code path with it."""
     recorder = Recorder()
     results = []
     with installed(recorder):
         for rank in plan.run:
-            with fake_world(rank, plan.grid.world):
+            around = around_rank(rank) if around_rank is not None else contextlib.nullcontext()
+            with fake_world(rank, plan.grid.world), around:
                 result = run_rank(cfg, tokenizer, callbacks, recorder)
             results.append(result)
             if progress is not None:

@@ -20,9 +20,18 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up at each call, not bound at import, so that a wrapper of torch.distributed (the
+# rehearsal's recorder, megatron/rehearsal) sees these calls too.
+def _all_gather_flat(output: torch.Tensor, shard: torch.Tensor, **kwargs: Any) -> Any:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, shard, **kwargs)
+
+
+def _reduce_scatter_flat(output: torch.Tensor, data: torch.Tensor, **kwargs: Any) -> Any:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, data, **kwargs)
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:

@@ -1,0 +1,197 @@
+"""The rehearsal (megatron/rehearsal) at small layouts: the fake backend is faithful (a real
+gloo run of the same command issues the same operations in the same order), and planted
+faults (a stage that skips a send, a data-parallel rank that reduces a bucket of another size)
+are caught and named by the checker.
+
+The GPT-3 175B recipe's own rehearsals (64 and 128 ranks, interleaved) are in
+tests/functional/test_rehearse_gpt3.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch.distributed as dist
+
+from megatron.config import parse_args
+from megatron.rehearsal.entry import rehearse
+from megatron.rehearsal.ranks import RankGrid, plan_ranks
+from megatron.rehearsal.recorder import Recorder, installed
+from megatron.rehearsal.runner import run_planned_ranks, run_rank
+from megatron.rehearsal.setup import rehearsal_config
+from megatron.training import RunCallbacks
+from tests.dist_utils import run_distributed
+
+FLAGS = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+    "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--log-interval", "10",
+    "--eval-interval", "100", "--eval-iters", "1", "--clip-grad", "1.0",
+]
+# Tensor 2 x pipeline 2 with sequence parallelism, and pipeline 2 x data 2 with the
+# distributed optimizer: between them every kind of operation a step issues.
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+           "--sequence-parallel"]
+PP2_DP2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+
+
+def _callbacks() -> RunCallbacks:
+    import pretrain_gpt
+
+    return RunCallbacks(pretrain_gpt.train_valid_test_datasets_provider,
+                        pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+
+
+def _rehearsed(world: int, layout: list[str]):
+    cfg = parse_args([*FLAGS, *layout, "--rehearse"], world_size=world)
+    return cfg, rehearsal_config(cfg)
+
+
+def _tokenizer(cfg):
+    from megatron.assembly.build import build_run_tokenizer
+
+    return build_run_tokenizer(cfg)
+
+
+def _record_over_gloo(rank: int, world: int, layouts: list[list[str]]):
+    """This gloo rank's operations for each layout, recorded as the rehearsal records them."""
+    from megatron.core import parallel_state
+
+    out = []
+    for layout in layouts:
+        cfg, rehearsed = _rehearsed(world, layout)
+        recorder = Recorder()
+        with installed(recorder):
+            out.append(run_rank(rehearsed, _tokenizer(cfg), _callbacks(), recorder).ops)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_the_fake_backend_records_what_a_gloo_run_of_the_same_command_issues():
+    layouts = [TP2_PP2, PP2_DP2]
+    real = run_distributed(_record_over_gloo, 4, layouts)  # [rank][layout] -> ops
+    for i, layout in enumerate(layouts):
+        cfg, rehearsed = _rehearsed(4, layout)
+        p = cfg.parallel
+        grid = RankGrid(p.tensor_model_parallel_size, cfg.data_parallel_size,
+                        p.pipeline_model_parallel_size)
+        fake = {r.rank: r.ops for r in run_planned_ranks(
+            rehearsed, _tokenizer(cfg), _callbacks(), plan_ranks(grid, "all"))}
+        for rank in range(4):
+            assert len(fake[rank]) > 25
+            assert fake[rank] == real[rank][i], (layout, rank)
+        kinds = {o.op for ops in fake.values() for o in ops if o.phase == "iteration"}
+        assert {"send", "recv", "all_reduce"} <= kinds
+        assert ("all_gather_into_tensor" in kinds) and ("reduce_scatter_tensor" in kinds)
+
+
+def _rehearse_with(world: int, layout: list[str], around_rank, capsys) -> tuple[int, str]:
+    cfg = parse_args([*FLAGS, *layout, "--rehearse"], world_size=world)
+    status = rehearse(cfg, _callbacks(), around_rank)
+    out = capsys.readouterr()
+    return status, out.out + out.err
+
+
+def _on_rank(target: int, patch):
+    """around_rank: ``patch()`` (a context manager) on rank ``target`` only."""
+    return lambda rank: patch() if rank == target else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _skip_second_forward_send():
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    original = p2p_communication.P2PCommunicator.exchange
+    calls = {"sends": 0}
+
+    def exchange(self, *, send_next=None, **kwargs):
+        if send_next is not None:
+            calls["sends"] += 1
+            if calls["sends"] == 2:
+                send_next = None  # the planted fault: this activation never leaves
+        return original(self, send_next=send_next, **kwargs)
+
+    p2p_communication.P2PCommunicator.exchange = exchange
+    try:
+        yield
+    finally:
+        p2p_communication.P2PCommunicator.exchange = original
+
+
+@contextlib.contextmanager
+def _reduce_a_shorter_bucket():
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    original = buffers._reduce_scatter_flat
+
+    def shorter(output, data, **kwargs):
+        # The planted fault: this rank's reduce-scatter covers one element per rank fewer.
+        n = dist.get_world_size(kwargs["group"])
+        return original(output[:-1], data[:-n], **kwargs)
+
+    buffers._reduce_scatter_flat = shorter
+    try:
+        yield
+    finally:
+        buffers._reduce_scatter_flat = original
+
+
+def test_a_stage_that_skips_a_send_is_caught_and_named(capsys):
+    # Pipeline 4 x data 2 = 8 ranks; stage 1's first rank (global rank 2) drops its second
+    # forward send.
+    layout = ["--pipeline-model-parallel-size", "4", "--rehearse-ranks", "all"]
+    status, text = _rehearse_with(8, layout, _on_rank(2, _skip_second_forward_send), capsys)
+    assert status == 1
+    assert "error: the ranks' communication does not fit together" in text
+    assert ("rank 4 (stage 2, tensor 0, data 0) receives from rank 2 (tag 1) a message #3 "
+            "that is never sent") in text
+    assert "p2p_communication.py" in text and "receive #3 recv 16x1x32 float32" in text
+    assert "would wait forever" not in text.split("error:")[1].splitlines()[0]
+
+
+def test_a_data_parallel_rank_reducing_another_bucket_size_is_caught_and_named(capsys):
+    status, text = _rehearse_with(4, PP2_DP2 + ["--rehearse-ranks", "all"],
+                                  _on_rank(1, _reduce_a_shorter_bucket), capsys)
+    assert status == 1
+    lines = text.split("error: ")[1].splitlines()
+    assert lines[0].startswith("the ranks' communication does not fit together")
+    assert lines[1].startswith("the data group [0, 1] diverges at its operation #")
+    assert lines[2].startswith("  rank 0 (stage 0, tensor 0, data 0): #")
+    assert lines[3].startswith("  rank 1 (stage 0, tensor 0, data 1): #")
+    assert "reduce_scatter_tensor" in lines[2] and "param_and_grad_buffer.py" in lines[3]
+    sizes = [int(line.split("reduce_scatter_tensor ")[1].split()[0]) for line in lines[2:4]]
+    assert sizes[0] - sizes[1] == 2
+
+
+def test_classes_mode_checks_that_a_stages_ranks_are_alike(capsys):
+    # Tensor 2 x pipeline 2 x data 2: per stage only the first and the last rank run; a fault
+    # on stage 1's last rank (global 7) makes the stage's ranks unlike.
+    status, text = _rehearse_with(8, TP2_PP2 + ["--use-distributed-optimizer"],
+                                  _on_rank(7, _reduce_a_shorter_bucket), capsys)
+    assert status == 1
+    assert "4 ranks run (the first and last rank of each stage; the other 4" in text
+    assert "the ranks of pipeline stage 1 are not alike" in text
+    assert "rank 4 (stage 1, tensor 0, data 0): #" in text
+    assert "rank 7 (stage 1, tensor 1, data 1): #" in text
+
+
+def test_a_clean_small_layout_passes_with_exact_cross_checks(capsys):
+    status, text = _rehearse_with(8, TP2_PP2 + ["--use-distributed-optimizer"], None, capsys)
+    assert status == 0, text
+    assert "rehearsal passed:" in text
+    checks = [line for line in text.splitlines() if line.startswith("  rank ") and ":" in line
+              and "weights" in line]
+    assert len(checks) == 2
+    for line in checks:
+        for item in line.split(": ", 1)[1].split(", "):
+            kind, ratio = item.rsplit(" ", 1)
+            if kind != "activations":
+                assert ratio == "1.000", line
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    yield
+    assert not dist.is_initialized()
