@@ -78,9 +78,9 @@ class TrainingConfig(Slice):
         "positions); the run's --seq-length when unset.")
     rehearse_ranks: str = option(
         default="classes", choices=("classes", "all"), help="With --rehearse: classes runs, "
-        "for each pipeline stage, its first rank and, as a check that the stage's ranks are "
-        "alike, its last, and gives every other rank the first one's operations in its own "
-        "groups; all runs every rank.")
+        "for each pipeline stage, its first rank, and the last rank of the first, a middle and "
+        "the last stage as a check that a stage's ranks are alike, and gives every other rank "
+        "its stage's first rank's operations in its own groups; all runs every rank.")
     rehearse_full_batch: bool = option(
         default=False, help="With --rehearse and --rampup-batch-size: rehearse an iteration at "
         "the full --global-batch-size instead of the run's first (the ramp-up's START).")

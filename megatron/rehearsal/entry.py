@@ -86,8 +86,10 @@ def _header(cfg: RunConfig, rehearsed: RunConfig, plan: RankPlan) -> str:
               + (f", {vp} virtual stages" if vp else "")
               + (", sequence parallel" if p.sequence_parallel else "")
               + (", distributed optimizer" if cfg.optimizer.use_distributed_optimizer else ""))
-    who = (f"{len(plan.run)} ranks run (the first and last rank of each stage; the other "
-           f"{plan.derived} issue their stage's operations in their own groups)"
+    checked = ", ".join(str(grid.coords(last)[0]) for _, last in sorted(plan.checks))
+    who = (f"{len(plan.run)} ranks run (the first rank of each stage, and the last of stages "
+           f"{checked} to check that a stage's ranks are alike; the other {plan.derived} issue "
+           "their stage's operations in their own groups)"
            if plan.derived else f"all {len(plan.run)} ranks run")
     size = (f"hidden {r.hidden_size} (run: {m.hidden_size}), sequence {r.seq_length} "
             f"(run: {m.seq_length})")

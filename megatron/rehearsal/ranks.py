@@ -7,8 +7,10 @@ group each operation goes to and which values it carries, not which code runs. S
 name moved by the same offsets (``RankGrid.mover``: data index + d, tensor index + t, modulo
 the sizes; a translation of the grid that maps each tensor, data, pipeline, model and
 embedding group onto another group of the same kind). In ``classes`` mode the rehearsal runs
-the first rank of each stage and, to check that claim, the stage's last rank (data d-1,
-tensor t-1): the checker compares its operations with the first rank's moved ones.
+the first rank of each stage and, to check that claim, the last rank (data d-1, tensor t-1)
+of the first stage, of the last stage and of one middle stage (the middle stages run the same
+code, a longer or shorter warm-up apart): the checker compares its operations with the first
+rank's moved ones.
 """
 
 from __future__ import annotations
@@ -72,24 +74,26 @@ class RankPlan:
 
 
 def plan_ranks(grid: RankGrid, mode: str) -> RankPlan:
-    """``all``: every rank runs. ``classes``: per stage its first and its last rank (see the
-    module docstring). Both run the last pipeline stage first (where the loss and the
+    """``all``: every rank runs. ``classes``: per stage its first rank, and the last rank of
+    three stages (see the module docstring). Both run the last pipeline stage first (where the loss and the
     step's decisions come from; see ``megatron.rehearsal.recorder``)."""
     run, checks = [], []
     source = list(range(grid.world))
+    checked_stages = {0, min(1, grid.pp - 1), grid.pp - 1}
     for stage in reversed(range(grid.pp)):
         first, last = grid.rank(stage, 0, 0), grid.rank(stage, grid.dp - 1, grid.tp - 1)
         if mode == "all":
             run.extend(grid.rank(stage, d, t) for d in range(grid.dp) for t in range(grid.tp))
             continue
         run.append(first)
-        if last != first:
+        checked = last != first and stage in checked_stages
+        if checked:
             run.append(last)
             checks.append((first, last))
         for d in range(grid.dp):
             for t in range(grid.tp):
                 r = grid.rank(stage, d, t)
-                source[r] = last if r == last else first
+                source[r] = last if checked and r == last else first
     return RankPlan(grid, tuple(run), tuple(source), tuple(checks))
 
 
