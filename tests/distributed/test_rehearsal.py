@@ -71,7 +71,8 @@ def _record_over_gloo(rank: int, world: int, layouts: list[list[str]]):
 
 def test_the_fake_backend_records_what_a_gloo_run_of_the_same_command_issues():
     layouts = [TP2_PP2, PP2_DP2]
-    real = run_distributed(_record_over_gloo, 4, layouts)  # [rank][layout] -> ops
+    # Forked: this process has imported everything the ranks need, and holds no process group.
+    real = run_distributed(_record_over_gloo, 4, layouts, start_method="fork")
     for i, layout in enumerate(layouts):
         cfg, rehearsed = _rehearsed(4, layout)
         p = cfg.parallel
