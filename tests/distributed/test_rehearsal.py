@@ -188,8 +188,7 @@ def test_a_clean_small_layout_passes_with_exact_cross_checks(capsys):
     for line in checks:
         for item in line.split(": ", 1)[1].split(", "):
             kind, ratio = item.rsplit(" ", 1)
-            if kind != "activations":
-                assert ratio == "1.000", line
+            assert ratio == "1.000", line
 
 
 @pytest.fixture(autouse=True)

@@ -82,3 +82,12 @@ def test_with_fp32_gradients_the_weights_and_optimizer_agree_within_one_percent(
                      world_size=64).with_vocab_size(50257)
     row = compare(cfg)
     assert row.ours_state == pytest.approx(row.formula_state, rel=0.01)
+
+
+def test_readme_shows_the_table_tools_plan_prints(rows):
+    from pathlib import Path
+
+    from megatron.memory_formulas import format_comparison
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert format_comparison(list(rows.values())) in readme
