@@ -24,6 +24,7 @@ whether ours produced HF's tokens. Compare within one run. It prints a table; no
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -126,6 +127,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the table's rows (and the setting) as JSON to PATH")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no GPU is visible", file=sys.stderr)
@@ -141,6 +144,7 @@ def main(argv=None) -> int:
           f"{args.repeats}; load average {os.getloadavg()[0]:.1f}")
     print(f"{'batch':>5}  {'generator':<16} {'tokens/s':>9} {'vs HF':>6}  "
           f"{'tokens/CPU-s':>12} {'vs HF':>6}  same tokens as HF")
+    records = []
     for batch in args.batch_sizes:
         rows = bench_batch(hf, ours, batch, args, device)
         hf_row = next(r for r in rows if r[1] == "HF generate")
@@ -148,7 +152,23 @@ def main(argv=None) -> int:
             print(f"{b:>5}  {name:<16} {rate:>9.1f} {rate / hf_row[2]:>5.2f}x  "
                   f"{cpu_rate:>12.1f} {cpu_rate / hf_row[3]:>5.2f}x  "
                   f"{'yes' if same else 'NO'}", flush=True)
+            records.append(dict(batch=b, generator=name, tokens_per_s=rate,
+                                vs_hf=rate / hf_row[2], tokens_per_cpu_s=cpu_rate,
+                                same_tokens_as_hf=same))
+    if args.json:
+        write_json(args.json, records, args, device)
     return 0
+
+
+def write_json(path: str, rows: list[dict], args: argparse.Namespace, device) -> None:
+    setting = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
+                   prompt_length=args.prompt_length, new_tokens=args.new_tokens,
+                   dtype=args.dtype, repeats=args.repeats, device=str(device),
+                   device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                                else "cpu"))
+    with open(path + ".tmp", "w") as f:
+        json.dump({"setting": setting, "rows": rows}, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

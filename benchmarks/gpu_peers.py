@@ -258,9 +258,11 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--autocast", default="bfloat16", choices=["bfloat16", "none"])
     parser.add_argument("--nanogpt", help="path to nanoGPT's model.py")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 6144, 8192],
+                        help="matmul-peak: the square sizes to try")
     args = parser.parse_args(argv)
     if args.contender == "matmul-peak":
-        result = matmul_peak_tflops(device=args.device)
+        result = matmul_peak_tflops(sizes=tuple(args.sizes), device=args.device)
     else:
         run = PeerRun(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
                       batch=args.batch, vocab=args.vocab, iters=args.iters, warmup=args.warmup,

@@ -76,11 +76,14 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Optional
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 SHARED = os.path.join(REPO, os.path.pardir, "shared", "data", "gpt2")
 PADDED_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128
 
@@ -158,9 +161,6 @@ def matmul_peak_gflops(sizes=(1024, 2048, 3072), repeats: int = 5) -> dict[str, 
 
 # Ours: pretrain_gpt.py --------------------------------------------------------------------
 
-_LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*tokens per GPU per second \(TGS\): ([\d.]+)")
-
-
 def _tokenizer_args() -> list[str]:
     if os.path.exists(os.path.join(SHARED, "gpt2-vocab.json")):
         return ["--vocab-file", os.path.join(SHARED, "gpt2-vocab.json"),
@@ -192,20 +192,43 @@ def pretrain_command(shape: Shape, iters: int, clip_grad: float) -> list[str]:
 def tokens_per_second_from_log(log: str, warmup: int, tokens_per_iteration: int) -> float:
     """Tokens over time for the logged iterations after ``warmup`` (each line's TGS covers one
     iteration at --log-interval 1)."""
-    tgs = [float(m.group(2)) for m in _LOG_LINE.finditer(log) if int(m.group(1)) > warmup]
+    from megatron.training_log import parse_log_lines
+
+    tgs = [line["tokens per GPU per second (TGS)"] for line in parse_log_lines(log)
+           if line["iteration"] > warmup]
     if not tgs:
         raise RuntimeError(f"no iteration lines after the first {warmup} in the log:\n{log[-2000:]}")
     seconds = sum(tokens_per_iteration / rate for rate in tgs)
     return len(tgs) * tokens_per_iteration / seconds
 
 
-def run_logged(command: list[str]) -> str:
-    """stdout of ``command`` run in the repository; a RuntimeError with the tails if it fails."""
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}"
-                           f"\n{result.stderr[-3000:]}")
-    return result.stdout
+def load_sibling(name: str):
+    """``benchmarks/{name}.py`` as a module, by path (benchmarks/ is not a package);
+    registered in sys.modules, which dataclasses need."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_logged(command: list[str], timeout: Optional[float] = None,
+               env: Optional[dict[str, str]] = None) -> str:
+    """stdout of ``command`` run in the repository; a RuntimeError with the tails if it fails
+    or runs past ``timeout`` seconds (then it is stopped, with whatever it started)."""
+    limits = load_sibling("time_limit")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        status = limits.run_with_time_limit(command, timeout, stdout=out, stderr=err, cwd=REPO,
+                                            env=env)
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if status != 0:
+        what = (f"ran past {timeout:.0f} s and was stopped" if status is None
+                else f"failed (exit status {status})")
+        raise RuntimeError(f"{' '.join(command)} {what}:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return stdout
 
 
 def run_ours(shape: Shape, iters: int, warmup: int, clip_grad: float) -> float:
@@ -257,9 +280,44 @@ def run_hf(shape: Shape, iters: int, warmup: int, clip_grad: float) -> float:
 
 # GPU mode: ours, nanoGPT (eager and compiled) and HF, each run in its own process ----------
 
-PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_peers.py")
+PEERS = os.path.join(HERE, "gpu_peers.py")
 OURS = ("ours", "ours-compile")  # pretrain_gpt.py as is, and with --compile
 _MEMORY_LINE = re.compile(r"memory \(MB\) \|.*?\| max allocated: ([\d.]+)")
+# --dry-run: every GPU shape at this size, on the CPU.
+DRY_RUN_SHAPE = Shape("tiny", 2, 64, 4, 64, 2)
+
+
+@dataclass(frozen=True)
+class GpuMode:
+    """Where the GPU comparison runs. On a GPU as documented; with ``dry_run``, its whole
+    machinery (every contender's process, parsing, summaries, the goal, --json) on the CPU at
+    ``DRY_RUN_SHAPE`` under each GPU shape's name, with torch.compile off in the children
+    (``TORCH_COMPILE_DISABLE=1``: compiling on 2 CPU cores takes minutes): a check of the
+    plumbing, not a measurement."""
+
+    dry_run: bool = False
+
+    @property
+    def shapes(self) -> dict[str, Shape]:
+        if not self.dry_run:
+            return GPU_SHAPES
+        return {name: replace(DRY_RUN_SHAPE, name=name) for name in GPU_SHAPES}
+
+    @property
+    def peer_args(self) -> list[str]:
+        return ["--device", "cpu"] if self.dry_run else []
+
+    @property
+    def ours_args(self) -> tuple[str, ...]:
+        return ("--use-cpu",) if self.dry_run else ()
+
+    @property
+    def peak_args(self) -> list[str]:
+        return ["--device", "cpu", "--sizes", "128", "256"] if self.dry_run else []
+
+    @property
+    def child_env(self) -> Optional[dict[str, str]]:
+        return {**os.environ, "TORCH_COMPILE_DISABLE": "1"} if self.dry_run else None
 
 
 def gpu_pretrain_command(shape: Shape, iters: int, clip_grad: float,
@@ -283,26 +341,25 @@ def max_allocated_from_log(log: str) -> Optional[float]:
 
 
 def load_peers():
-    """gpu_peers.py as a module, by path (benchmarks/ is not a package); registered in
-    sys.modules, which its dataclass needs."""
-    spec = importlib.util.spec_from_file_location("gpu_peers", PEERS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """gpu_peers.py as a module."""
+    return load_sibling("gpu_peers")
 
 
-def run_worker(arguments: list[str]) -> dict:
+def run_worker(arguments: list[str], mode: GpuMode = GpuMode(),
+               timeout: Optional[float] = None) -> dict:
     """The JSON that gpu_peers.py prints last."""
-    return json.loads(run_logged([sys.executable, PEERS, *arguments]).strip().splitlines()[-1])
+    out = run_logged([sys.executable, PEERS, *arguments], timeout=timeout, env=mode.child_env)
+    return json.loads(out.strip().splitlines()[-1])
 
 
-def run_gpu_contender(name: str, shape: Shape, args) -> dict:
+def run_gpu_contender(name: str, shape: Shape, args, mode: GpuMode = GpuMode()) -> dict:
     """tokens/s and peak memory (MB, or None) of one run of one contender."""
+    timeout = args.contender_timeout
     if name in OURS:
-        extra = (*args.ours_args, *(("--compile",) if name == "ours-compile" else ()))
+        extra = (*mode.ours_args, *args.ours_args,
+                 *(("--compile",) if name == "ours-compile" else ()))
         log = run_logged(gpu_pretrain_command(shape, args.iters + args.warmup, args.clip_grad,
-                                              extra))
+                                              extra), timeout=timeout, env=mode.child_env)
         return {"tokens_per_s": tokens_per_second_from_log(log, args.warmup,
                                                            shape.tokens_per_iteration),
                 "peak_memory_mb": max_allocated_from_log(log)}
@@ -311,20 +368,28 @@ def run_gpu_contender(name: str, shape: Shape, args) -> dict:
         name, "--layers", str(shape.layers), "--hidden", str(shape.hidden),
         "--heads", str(shape.heads), "--seq", str(shape.seq), "--batch", str(shape.micro_batch),
         "--vocab", str(PADDED_VOCAB), "--iters", str(args.iters), "--warmup", str(args.warmup),
-        "--clip-grad", str(args.clip_grad), *nanogpt,
-    ])
+        "--clip-grad", str(args.clip_grad), *nanogpt, *mode.peer_args,
+    ], mode, timeout)
 
 
-def benchmark_gpu_shape(shape: Shape, contenders: list[str], args) -> dict[str, list]:
-    """Per contender, one result per round (None where the run failed); contenders alternate."""
-    results = {name: [] for name in contenders}
+def benchmark_gpu_shape(shape: Shape, contenders: list[str], args, mode: GpuMode = GpuMode(),
+                        results: Optional[dict[str, list]] = None,
+                        on_result: Callable[[], None] = lambda: None) -> dict[str, list]:
+    """Per contender, one result per round (None where the run failed); contenders alternate.
+    ``results`` (filled in place) and ``on_result`` (called after each run) let the caller
+    keep what is done so far."""
+    results = {name: [] for name in contenders} if results is None else results
+    results.update({name: [] for name in contenders})
     for round_ in range(1, args.rounds + 1):
         for name in contenders:
             try:
-                results[name].append(run_gpu_contender(name, shape, args))
+                results[name].append(run_gpu_contender(name, shape, args, mode))
+                print(f"  [{shape.name}] {name}, round {round_}: "
+                      f"{results[name][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
             except RuntimeError as error:  # a failed contender (OOM, missing package) is reported
                 print(f"  [{shape.name}] {name}, round {round_}, failed:\n{str(error)[-3000:]}")
                 results[name].append(None)
+            on_result()
         print(f"  [{shape.name}] round {round_}: " + ", ".join(
             f"{name} {r['tokens_per_s']:.0f}" if r else f"{name} failed"
             for name, r in ((n, results[n][-1]) for n in contenders)) + " tokens/s", flush=True)
@@ -390,9 +455,10 @@ def best_of_ours(summary: dict[str, dict]) -> Optional[str]:
     return max(ran, key=lambda name: summary[name]["tokens_per_s"]) if ran else None
 
 
-def print_goal(summaries: dict[str, dict[str, dict]]) -> None:
+def goal_status(summaries: dict[str, dict[str, dict]]) -> dict:
     """Issue 10's goal, for our faster variant at each shape: >= 1.1x nanoGPT+compile at
-    each shape, >= 60% MFU at 1.3b."""
+    each shape (``compile_check``), >= 60% MFU at 1.3b (``mfu_check``); each "met", "not met"
+    or "not measured ..."."""
     ratios, used = {}, {}
     for shape, s in summaries.items():
         best = best_of_ours(s)
@@ -406,47 +472,110 @@ def print_goal(summaries: dict[str, dict[str, dict]]) -> None:
     best_13b = used.get("1.3b")
     mfu = summaries["1.3b"][best_13b]["mfu"] if best_13b else None
     mfu_check = "not measured" if mfu is None else ("met" if mfu >= 0.6 else "not met")
-    print(f"\ngoal (issue 10): ours >= 1.1x nanoGPT+compile at all three shapes: {compile_check} ("
+    return dict(ratios=ratios, used=used, compile_check=compile_check, mfu_1_3b=mfu,
+                mfu_used=best_13b, mfu_check=mfu_check)
+
+
+def print_goal(summaries: dict[str, dict[str, dict]]) -> None:
+    goal = goal_status(summaries)
+    ratios, used = goal["ratios"], goal["used"]
+    print(f"\ngoal (issue 10): ours >= 1.1x nanoGPT+compile at all three shapes: "
+          f"{goal['compile_check']} ("
           + ", ".join(f"{k} {_cell(v, '.3f')} by {used[k]}" for k, v in ratios.items())
-          + f"); ours >= 60% MFU at 1.3b: {mfu_check} ({_cell(_percent(mfu), '.1f', '%')}"
-          + (f" by {best_13b})" if best_13b else ")"))
+          + f"); ours >= 60% MFU at 1.3b: {goal['mfu_check']} "
+          + f"({_cell(_percent(goal['mfu_1_3b']), '.1f', '%')}"
+          + (f" by {goal['mfu_used']})" if goal["mfu_used"] else ")"))
+
+
+def gpu_contenders(args) -> list[str]:
+    """The contenders of this run; sets ``args.nanogpt`` to the model.py found, or None
+    (nanoGPT is then left out, with a note)."""
+    ours = ["ours"] if args.no_ours_compile else list(OURS)
+    args.nanogpt = load_peers().find_nanogpt(args.nanogpt)
+    if args.nanogpt is None:
+        print("note: nanoGPT's model.py not found (--nanogpt, $NANOGPT_MODEL, ../shared/peers): "
+              "nanoGPT is left out")
+        return [*ours, "hf"]
+    return [*ours, "nanogpt", "nanogpt-compile", "hf"]
+
+
+def measure_peak(args, mode: GpuMode) -> Optional[dict]:
+    """One bf16 matmul peak measurement in its own process, or None with --peak-tflops."""
+    if args.peak_tflops is not None:
+        return None
+    return run_worker(["matmul-peak", *mode.peak_args], mode, args.contender_timeout)
+
+
+def write_json(path: str, record: dict) -> None:
+    """``record`` as JSON at ``path``, written whole (a temporary name, then renamed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def main_gpu(args) -> None:
     import torch
 
-    if not torch.cuda.is_available():  # the parent makes no CUDA context: its children do
+    mode = GpuMode(args.dry_run)
+    if not mode.dry_run and not torch.cuda.is_available():  # the parent makes no CUDA context
         sys.exit("--device cuda: no CUDA device is visible")
     args.iters = 20 if args.iters is None else args.iters
-    ours = ["ours"] if args.no_ours_compile else list(OURS)
-    contenders = [*ours, "nanogpt", "nanogpt-compile", "hf"]
-    args.nanogpt = load_peers().find_nanogpt(args.nanogpt)
-    if args.nanogpt is None:
-        print("note: nanoGPT's model.py not found (--nanogpt, $NANOGPT_MODEL, ../shared/peers): "
-              "nanoGPT is left out")
-        contenders = [*ours, "hf"]
+    contenders = gpu_contenders(args)
     # The peak runs in its own process too, before the first shape and after each one.
-    peaks = [run_worker(["matmul-peak"])]
-    print(f"{peaks[0]['device_name']}, torch {torch.__version__}, one GPU, bf16; "
-          f"bf16 matmul peak {peaks[0]['tflops']:.1f} TFLOP/s (first measurement)", flush=True)
-    results = {}
+    peaks = [p for p in [measure_peak(args, mode)] if p]
+    device_name = peaks[0]["device_name"] if peaks else "the GPU"
+    first = (f"{peaks[0]['tflops']:.1f} TFLOP/s (first measurement)" if peaks
+             else f"{args.peak_tflops:.1f} TFLOP/s (given with --peak-tflops)")
+    print(f"{device_name}, torch {torch.__version__}, one GPU, bf16; bf16 matmul peak {first}"
+          + (" [--dry-run: the machinery on the CPU at a tiny shape, compile off; "
+             "not a measurement]" if mode.dry_run else ""), flush=True)
+    results: dict[str, dict[str, list]] = {}
+
+    def record(complete: bool) -> None:
+        """--json: what is measured so far (a run stopped from outside keeps it)."""
+        if args.json:
+            peak = max(p["tflops"] for p in peaks) if peaks else args.peak_tflops
+            write_json(args.json, gpu_record(results, peaks, peak, contenders, args, mode,
+                                             device_name, complete))
+
     for name in args.shapes:
-        shape = GPU_SHAPES[name]
+        shape = mode.shapes[name]
         command = gpu_pretrain_command(shape, args.iters + args.warmup, args.clip_grad,
-                                       tuple(args.ours_args))
+                                       (*mode.ours_args, *args.ours_args))
         print(f"\n[{name}] ours: {' '.join(command)}".replace(REPO + os.sep, ""), flush=True)
-        results[name] = benchmark_gpu_shape(shape, contenders, args)
-        peaks.append(run_worker(["matmul-peak"]))
-    peak = max(p["tflops"] for p in peaks)
-    measured = ", ".join(f"{p['tflops']:.1f}" for p in peaks)
-    print(f"\n{peaks[0]['device_name']}, torch {torch.__version__}: bf16 matmul peak "
-          f"{peak:.1f} TFLOP/s (best square torch.mm at 4096/6144/8192 over the run; "
+        results[name] = {}
+        benchmark_gpu_shape(shape, contenders, args, mode, results[name],
+                            lambda: record(complete=False))
+        peaks += [p for p in [measure_peak(args, mode)] if p]
+    peak = max(p["tflops"] for p in peaks) if peaks else args.peak_tflops
+    measured = ", ".join(f"{p['tflops']:.1f}" for p in peaks) or "given with --peak-tflops"
+    print(f"\n{device_name}, torch {torch.__version__}: bf16 matmul peak "
+          f"{peak:.1f} TFLOP/s (the best square bf16 torch.mm over the run; "
           f"measurements: {measured})")
-    summaries = {name: summarize(GPU_SHAPES[name], r, peak) for name, r in results.items()}
+    summaries = {name: summarize(mode.shapes[name], r, peak) for name, r in results.items()}
     for name, summary in summaries.items():
-        print_gpu_shape(GPU_SHAPES[name], summary)
+        print_gpu_shape(mode.shapes[name], summary)
     print_gpu_table(summaries)
     print_goal(summaries)
+    record(complete=True)
+
+
+def gpu_record(results: dict[str, dict[str, list]], peaks: list[dict], peak: float,
+               contenders: list[str], args, mode: GpuMode, device_name: str,
+               complete: bool) -> dict:
+    """Every figure of the GPU comparison as plain data (--json)."""
+    import torch
+
+    summaries = {name: summarize(mode.shapes[name], r, peak) for name, r in results.items()}
+    return dict(
+        device_name=device_name, torch=torch.__version__, dry_run=mode.dry_run,
+        complete=complete, peak_tflops=peak, peak_measurements=[p["tflops"] for p in peaks],
+        contenders=contenders, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
+        shapes={name: dict(describe=mode.shapes[name].describe(),
+                           flops_per_token=flops_per_token(mode.shapes[name]),
+                           contenders=summary) for name, summary in summaries.items()},
+        goal=goal_status(summaries))
 
 
 # Driver ------------------------------------------------------------------------------------
@@ -507,6 +636,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cuda: leave out ours with --compile")
     parser.add_argument("--ours-args", nargs=argparse.REMAINDER, default=[],
                         help="cuda, last option: the rest of the line goes to pretrain_gpt.py")
+    parser.add_argument("--json", metavar="PATH",
+                        help="cuda: also write every figure (per shape and contender, the peak "
+                             "and the goal) as JSON to PATH")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="cuda: take MFU against this bf16 peak (TFLOP/s, measured earlier "
+                             "in the same session) instead of measuring it before and after "
+                             "each shape")
+    parser.add_argument("--contender-timeout", type=float, default=None, metavar="SECONDS",
+                        help="cuda: stop a contender's run (and what it started) after this "
+                             "long and report it failed; default: no limit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="cuda: run the whole GPU comparison's machinery on the CPU at a "
+                             "tiny shape with torch.compile off, to check it works; its "
+                             "figures mean nothing")
     parser.add_argument("--hf-worker", choices=list(SHAPES), help=argparse.SUPPRESS)
     return parser
 
@@ -525,8 +668,12 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"--shapes {' '.join(unknown)}: not a {args.device} shape "
                      f"(choose from {', '.join(shapes)})")
-    if args.device == "cpu" and (args.nanogpt or args.ours_args):
-        parser.error("--nanogpt and --ours-args apply to --device cuda")
+    gpu_only = {"--nanogpt": args.nanogpt, "--ours-args": args.ours_args, "--json": args.json,
+                "--peak-tflops": args.peak_tflops, "--dry-run": args.dry_run,
+                "--contender-timeout": args.contender_timeout}
+    given = [flag for flag, value in gpu_only.items() if value]
+    if args.device == "cpu" and given:
+        parser.error(f"{', '.join(given)}: only with --device cuda")
     sys.path.insert(0, REPO)
     if args.device == "cuda":
         return main_gpu(args)

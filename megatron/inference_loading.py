@@ -1,11 +1,14 @@
 """Building this rank's model and putting the weights in, for inference: the one place that
 generation (``megatron/text_generation``) and evaluation (``megatron/evaluation``) get a model.
 
-Weights come from a checkpoint (ours or Megatron-DeepSpeed's, saved at any tensor/pipeline/
-virtual layout), from a local Hugging Face GPT-2 folder, or from a full state dict in our
-tensor-parallel-1 naming. A checkpoint saved at the run's layout is read file by file, as
-training does; anything else is merged into one model by ``megatron.conversion`` and cut for
-this rank in memory (no resharded copy on disk). The tokenizer comes from what a checkpoint
+Weights come from a checkpoint of any kind ``--load`` and ``tools/checkpoint/convert.py`` read
+(ours, Megatron-LM's legacy and Megatron-DeepSpeed's, saved at any tensor/pipeline/virtual
+layout; DeepSpeed's plain engine at ZeRO 0-3 and its pipeline engine: see
+``megatron.conversion.checkpoint_kinds``, which tells them apart), from a local Hugging Face
+GPT-2 folder, or from a full state dict in our tensor-parallel-1 naming. A checkpoint of ours
+saved at the run's layout is read file by file, as training does; anything else is merged
+into one model by that kind's reader in ``megatron.conversion`` and cut for this rank in
+memory (no resharded copy on disk). The tokenizer comes from what a checkpoint
 recorded (or the copies its converter kept in ``CKPT/tokenizer/``) or from an HF folder's files.
 """
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -30,6 +33,9 @@ from megatron.config import (
 )
 from megatron.core import parallel_state
 from megatron.model.gpt_model import GPTModel
+
+if TYPE_CHECKING:
+    from megatron.conversion.checkpoint_kinds import CheckpointSummary
 
 
 class InferenceLoadingError(ValueError):
@@ -61,12 +67,20 @@ _TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_na
                      "vocab_size")
 
 
+def checkpoint_summary(load_dir: str) -> CheckpointSummary:
+    """``megatron.conversion.checkpoint_kinds``'s summary of ``load_dir``'s latest checkpoint
+    (any kind); a folder without one is a ``CheckpointError``."""
+    from megatron.conversion.checkpoint_kinds import missing_checkpoint_error, summarize_checkpoint
+
+    summary = summarize_checkpoint(load_dir)
+    if summary is None:
+        raise missing_checkpoint_error(load_dir)
+    return summary
+
+
 def saved_checkpoint_layout(load_dir: str) -> tuple[int, int]:
     """(tensor, pipeline) sizes ``load_dir``'s latest checkpoint was saved with."""
-    from megatron.checkpointing import read_tracker
-    from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout
-
-    return saved_layout(resolve_iteration_dir(load_dir, read_tracker(load_dir)))
+    return checkpoint_summary(load_dir).layout
 
 
 def launch_layout(saved: tuple[int, int], world_size: int, tp: Optional[int] = None,
@@ -89,19 +103,11 @@ def config_from_checkpoint(load_dir: str, world_size: int = 1, tp: Optional[int]
     """The run configuration to run ``load_dir``'s latest checkpoint on ``world_size``
     processes: its model and tokenizer as saved, the layout of ``launch_layout`` (any, not
     only the saved one), one model chunk per stage, one data-parallel replica."""
-    from megatron.checkpointing import CheckpointError, load_checkpoint_config
-
-    stored = load_checkpoint_config(load_dir)
-    if stored is None:
-        raise CheckpointError(f"--load {load_dir} holds no checkpoint "
-                              "(no latest_checkpointed_iteration.txt)")
-    if not isinstance(stored.get("model"), dict):
-        raise CheckpointError(f"--load {load_dir}: the checkpoint stores no configuration of "
-                              "ours (saved by Megatron-LM?); convert it first")
-    saved = saved_checkpoint_layout(load_dir)
-    tp, pp = launch_layout(saved, world_size, tp, pp)
+    summary = checkpoint_summary(load_dir)
+    stored = summary.config()
+    tp, pp = launch_layout(summary.layout, world_size, tp, pp)
     saved_parallel = dict(stored.get("parallel", {}))
-    if (tp, pp) != saved:  # an uneven stage split was chosen for the saved pipeline size
+    if (tp, pp) != summary.layout:  # an uneven stage split was chosen for the saved pp
         saved_parallel.pop("decoder_first_pipeline_num_layers", None)
         saved_parallel.pop("decoder_last_pipeline_num_layers", None)
     parallel = _slice_from_dict(ParallelConfig, saved_parallel, world_size=world_size,
@@ -109,12 +115,10 @@ def config_from_checkpoint(load_dir: str, world_size: int = 1, tp: Optional[int]
                                 num_layers_per_virtual_pipeline_stage=None,
                                 virtual_pipeline_model_parallel_size=None,
                                 sequence_parallel=False)
-    data = stored.get("data", {})
     model = _slice_from_dict(ModelConfig, stored["model"], tensor_model_parallel_size=tp,
                              sequence_parallel=False)
     return RunConfig(
-        model=model, parallel=parallel,
-        data=DataConfig(**{k: data[k] for k in _TOKENIZER_FIELDS if k in data}),
+        model=model, parallel=parallel, data=tokenizer_data_config(stored.get("data", {})),
         checkpoint=CheckpointConfig(load=load_dir, finetune=True, no_load_optim=True,
                                     no_load_rng=True))
 
@@ -155,6 +159,11 @@ def hf_tokenizer_settings(hf_model_dir: str) -> Optional[dict]:
     if os.path.isfile(os.path.join(hf_model_dir, "tokenizer.json")):
         return dict(tokenizer_type="PretrainedFromHF", tokenizer_name_or_path=hf_model_dir)
     return None
+
+
+def tokenizer_data_config(data: Mapping[str, Any]) -> DataConfig:
+    """A ``DataConfig`` holding the tokenizer fields of a stored ``data`` slice."""
+    return DataConfig(**{k: data[k] for k in _TOKENIZER_FIELDS if data.get(k) is not None})
 
 
 def checkpoint_tokenizer_settings(data: DataConfig, load_dir: Optional[str]) -> dict:
@@ -224,20 +233,20 @@ def _load_checkpoint(chunks: list[nn.Module], cfg: RunConfig) -> int:
 
 
 def _saved_at_this_layout(cfg: RunConfig) -> bool:
-    """Whether --load's latest checkpoint has this run's tensor/pipeline/virtual layout (so
-    each rank reads its own file). A missing checkpoint answers True: the native loader
-    names it."""
-    from megatron.checkpointing import read_manifest, read_tracker
-    from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout
+    """Whether --load's latest checkpoint is ours with this run's tensor/pipeline/virtual
+    layout (so each rank reads its own file, as training does). A missing checkpoint answers
+    True: the native loader names it."""
+    from megatron.checkpointing import read_manifest
+    from megatron.conversion.checkpoint_kinds import MEGATRON, summarize_checkpoint
 
     load, p = cfg.checkpoint.load, cfg.parallel
-    tracker = read_tracker(load) if os.path.isdir(load) else None
-    if tracker is None:
+    summary = summarize_checkpoint(load)
+    if summary is None:
         return True
-    iter_dir = resolve_iteration_dir(load, tracker)
-    if saved_layout(iter_dir) != (p.tensor_model_parallel_size, p.pipeline_model_parallel_size):
+    if summary.kind != MEGATRON or not summary.ours or summary.layout != (
+            p.tensor_model_parallel_size, p.pipeline_model_parallel_size):
         return False
-    manifest = read_manifest(iter_dir) or {}
+    manifest = read_manifest(summary.folder) or {}
     chunks = (manifest.get("parallel_layout") or {}).get("num_model_chunks", 1)
     saved = ((manifest.get("config") or {}).get("parallel") or {})
     return chunks == (p.virtual_pipeline_model_parallel_size or 1) and all(
@@ -248,12 +257,12 @@ def _saved_at_this_layout(cfg: RunConfig) -> bool:
 def _read_full(cfg: RunConfig, hf_model_dir: Optional[str]):
     """The whole model (tp 1, one stage) of the HF folder or of --load's checkpoint, and
     where it came from (for messages)."""
-    from megatron.conversion import load_full_checkpoint
+    from megatron.conversion.checkpoint_kinds import read_checkpoint
 
     if hf_model_dir is None:
         load = cfg.checkpoint.load
-        full = load_full_checkpoint(load, verify=not cfg.checkpoint.no_verify_checkpoint,
-                                    optimizer=False)
+        full = read_checkpoint(load, verify=not cfg.checkpoint.no_verify_checkpoint,
+                               optimizer=False)
         return full, f"--load {load}"
     full = read_hf_model(hf_model_dir, cfg.model.make_vocab_size_divisible_by)
     if full.config["model"]["vocab_size"] != cfg.model.vocab_size:
@@ -279,7 +288,12 @@ def _load_resharded(chunks: list[nn.Module], cfg: RunConfig,
         full, where = _read_full(cfg, hf_model_dir)
         check_model_shape(with_layout(full.config, p.tensor_model_parallel_size,
                                       p.pipeline_model_parallel_size), cfg.model, where)
-        load_full_state(chunks, cfg, full.model)
+        try:
+            load_full_state(chunks, cfg, full.model)
+        except RuntimeError as e:  # load_state_dict: names missing or unexpected
+            detail = " ".join(str(e).split())[:400]
+            raise InferenceLoadingError(f"{where}: its weights do not fit the model its "
+                                        f"configuration describes ({detail})") from None
         iteration = full.iteration
     except Exception as e:  # noqa: BLE001 - decided together below, raised as it was
         error = e

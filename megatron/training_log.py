@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import resource
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -91,6 +92,27 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
         f"TFLOP/s per GPU: {tflops:.3f}",
     ]
     return " | ".join(parts) + " |"
+
+
+_FIELD = re.compile(r"([A-Za-z][A-Za-z /()]*?): +([-+0-9.eE]+|nan|inf)")
+
+
+def parse_log_lines(text: str) -> list[dict]:
+    """The fields of each training log line (``format_log_line``) in ``text``: ``iteration``,
+    ``train iters`` and every ``name: number`` pair (e.g. ``"learning rate"``, ``"lm loss"``,
+    ``"tokens per GPU per second (TGS)"``), in order. Tests and benchmarks read logs with it."""
+    lines = []
+    for line in text.splitlines():
+        m = re.match(r" iteration +(\d+)/ *(\d+) \|", line)
+        if not m:
+            continue
+        fields = {"iteration": int(m.group(1)), "train iters": int(m.group(2))}
+        for part in line.split("|")[1:]:
+            f = _FIELD.fullmatch(part.strip())
+            if f:
+                fields[f.group(1)] = float(f.group(2))
+        lines.append(fields)
+    return lines
 
 
 def format_eval(prefix: str, losses: dict[str, float]) -> str:

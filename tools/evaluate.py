@@ -4,6 +4,7 @@ tasks/main.py (the same code underneath).
     python tools/evaluate.py wikitext wiki.test.tokens --load CKPT [--stride 32]
     python tools/evaluate.py lambada lambada_test.jsonl --load CKPT [--strict]
     python tools/evaluate.py wikitext wiki.test.tokens --hf-model ./gpt2
+    python tools/evaluate.py wikitext wiki.test.tokens --load CKPT_DS    # DeepSpeed's, as saved
     torchrun --nproc_per_node 2 tools/evaluate.py wikitext FILE --load CKPT_SAVED_AT_TP2
 
 The model's shape, tokenizer and tensor/pipeline layout come from the checkpoint unless

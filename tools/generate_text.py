@@ -3,10 +3,14 @@
     python tools/generate_text.py --load CKPT --prompt "Once upon a time" --max-new-tokens 40
     torchrun --nproc_per_node 2 tools/generate_text.py --load CKPT_TP2 --prompts-file p.txt
     python tools/generate_text.py --hf-model ./gpt2 --top-k 1          # interactive: >>
+    python tools/generate_text.py --load CKPT_DS --temperature 0.75 --top-k 40 --top-p 0.95
 
-A checkpoint runs at the tensor x pipeline layout it was saved with (one process each); the
-tokenizer is the one it recorded unless the tokenizer flags say otherwise. Each completion is
-printed as the prompt followed by the new text. ``--top-k 1`` is greedy (as in Megatron).
+``--load`` takes any checkpoint kind ``--load`` of training reads (ours, Megatron-DeepSpeed's,
+DeepSpeed's engines). A checkpoint runs at the tensor x pipeline layout it was saved with
+(one process each) unless the flags choose another; the tokenizer is the one it recorded
+unless the tokenizer flags say otherwise. Each completion is printed as the prompt followed
+by the new text. ``--top-k 1`` is greedy (as in Megatron); ``--top-k`` and ``--top-p``
+together keep the k likeliest, then the nucleus of those (as Hugging Face).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0,
                      help="keep the k likeliest (1: greedy)")
     gen.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=0.0,
-                     help="nucleus sampling (0: off)")
+                     help="nucleus sampling (0: off); with --top-k, over the k kept (as "
+                     "Hugging Face)")
     gen.add_argument("--greedy", action="store_const", const=1, dest="top_k",
                      help="the same as --top-k 1")
     gen.add_argument("--seed", type=int, default=1234, help="seed of the sampling")
@@ -116,7 +121,8 @@ def main(argv=None) -> int:
         prompts = read_prompts(args)
         gm = setup_generation(args)
     except SetupError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if is_rank_0():  # every rank meets the same bad input; one says it
+            print(f"error: {e}", file=sys.stderr)
         return 2
     if prompts:
         return 0 if complete(gm, args, params, prompts) else 1

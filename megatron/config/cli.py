@@ -185,15 +185,17 @@ def checkpoint_model_settings(load_dir: Optional[str]) -> dict[str, Any]:
     """The model-shape values stored in the latest checkpoint of ``load_dir``."""
     if load_dir is None:
         raise ConfigError("--use-checkpoint-args needs --load (the checkpoint to read)")
-    from megatron.checkpointing import CheckpointError, load_checkpoint_config
+    from megatron.checkpointing import CheckpointError
+    from megatron.conversion.checkpoint_kinds import summarize_checkpoint
 
-    try:
-        stored = load_checkpoint_config(load_dir)
+    try:  # any kind: ours, Megatron's, DeepSpeed's
+        summary = summarize_checkpoint(load_dir)
     except (CheckpointError, OSError) as error:
         raise ConfigError(f"--use-checkpoint-args: cannot read --load {load_dir}: "
                           f"{error}") from None
-    if stored is None:
+    if summary is None:
         raise ConfigError(f"--use-checkpoint-args: --load {load_dir} holds no checkpoint")
+    stored = summary.stored
     model = stored.get("model", stored)  # ours: nested slices; Megatron's: flat args
     return {k: model[k] for k in CHECKPOINT_MODEL_FIELDS if model.get(k) is not None}
 

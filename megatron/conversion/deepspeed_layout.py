@@ -41,9 +41,11 @@ from typing import Optional
 from megatron.checkpointing.contents import consumed_samples, stored_config
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import read_torch
+from megatron.checkpointing.manifest import read_manifest, verify_files
 from megatron.conversion import megatron_deepspeed as mds
 from megatron.conversion.full import (
     FullCheckpoint,
+    is_our_config,
     model_config_from_dict,
     repad_vocab,
     source_config,
@@ -61,22 +63,22 @@ _PIPE_LAYER_PREFIX_RE = re.compile(r"^layers\.\d+\.")  # our TransformerLayerPip
 
 
 def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
-                              true_vocab_size: Optional[int] = None) -> FullCheckpoint:
-    """The model of a DeepSpeed checkpoint folder (``latest``'s step, or ``iteration``'s)."""
-    step_dir = _step_folder(load_dir, iteration)
-    names = os.listdir(step_dir)
-    mp_files = sorted(n for n in names if _MP_FILE_RE.fullmatch(n))
-    zero3_files = sorted(n for n in names if _ZERO3_FILE_RE.fullmatch(n))
-    if not mp_files and not zero3_files:
-        raise CheckpointError(f"{step_dir} has no mp_rank_XX_model_states.pt (nor ZeRO-3's "
-                              "zero_pp_rank_N_mp_rank_XX_model_states.pt): not a DeepSpeed "
-                              "checkpoint")
+                              true_vocab_size: Optional[int] = None, *, verify: bool = True,
+                              optimizer: bool = True) -> FullCheckpoint:
+    """The model of a DeepSpeed checkpoint folder (``latest``'s step, or ``iteration``'s).
+
+    The files read are checked against the folder's manifest first (our ``--deepspeed``
+    saves write one) unless ``verify`` is False. ``optimizer=False`` reads the model only
+    (``optimizer`` stays None)."""
+    step_dir = step_folder(load_dir, iteration)
+    mp_files, zero3_files = model_state_files(step_dir)
+    if verify:
+        _verify(step_dir, optimizer or not mp_files)
     first_name = mp_files[0] if mp_files else zero3_files[0]
     first = read_torch(os.path.join(step_dir, first_name))
-    saved = stored_config(first)
-    theirs = not (isinstance(saved, dict) and isinstance(saved.get("model"), dict))
+    theirs = not is_our_config(stored_config(first))
     config = source_config(first, theirs, true_vocab_size, os.path.join(step_dir, first_name))
-    layer_files = [m for m in map(_LAYER_FILE_RE.fullmatch, sorted(names)) if m]
+    layer_files = [m for m in map(_LAYER_FILE_RE.fullmatch, sorted(os.listdir(step_dir))) if m]
     states = [read_torch(os.path.join(step_dir, n)) for n in mp_files]
     if layer_files:
         tp_ranks = sorted({int(m.group(2) or 0) for m in layer_files})
@@ -89,21 +91,47 @@ def load_deepspeed_checkpoint(load_dir: str, iteration: Optional[int] = None,
     padded = model_config_from_dict(config["model"]).padded_vocab_size
     model = {name: merge_tp(name, [rank[name] for rank in per_tp]) for name in per_tp[0]}
     model = repad_vocab(model, padded)
-    optimizer = None
-    if mp_files and not theirs and not layer_files:  # ZeRO 1/2 partitions under our names
-        optimizer = read_zero_optimizer(step_dir, states, padded)
-    elif mp_files and not theirs and len(tp_ranks) == 1:  # the pipeline's, one per stage
-        optimizer = read_zero_optimizer(step_dir, states, padded, stages=len(mp_files))
+    optimizer_state = None
+    if optimizer and mp_files and not theirs:
+        if not layer_files:  # ZeRO 1/2 partitions under our names
+            optimizer_state = read_zero_optimizer(step_dir, states, padded)
+        elif len(tp_ranks) == 1:  # the pipeline's, one per stage
+            optimizer_state = read_zero_optimizer(step_dir, states, padded,
+                                                  stages=len(mp_files))
     train, valid = consumed_samples(first)
     return FullCheckpoint(
-        config=config, model=model, optimizer=optimizer,
+        config=config, model=model, optimizer=optimizer_state,
         iteration=int(first.get("iteration", first.get("global_steps", 0))),
         consumed_train_samples=train or int(first.get("global_samples", 0) or 0),
         consumed_valid_samples=valid,
         scheduler=None if theirs else first.get("opt_param_scheduler"))
 
 
-def _step_folder(load_dir: str, iteration: Optional[int]) -> str:
+def model_state_files(step_dir: str) -> tuple[list[str], list[str]]:
+    """The names of ``step_dir``'s ``mp_rank_XX_model_states.pt`` files and of ZeRO-3's
+    ``zero_pp_rank_N_mp_rank_XX_model_states.pt``, sorted; an error without either."""
+    names = os.listdir(step_dir)
+    mp_files = sorted(n for n in names if _MP_FILE_RE.fullmatch(n))
+    zero3_files = sorted(n for n in names if _ZERO3_FILE_RE.fullmatch(n))
+    if not mp_files and not zero3_files:
+        raise CheckpointError(f"{step_dir} has no mp_rank_XX_model_states.pt (nor ZeRO-3's "
+                              "zero_pp_rank_N_mp_rank_XX_model_states.pt): not a DeepSpeed "
+                              "checkpoint")
+    return mp_files, zero3_files
+
+
+def _verify(step_dir: str, with_optimizer: bool) -> None:
+    """The files of ``step_dir`` that will be read, against its manifest (when it has one):
+    the optimizer's partitions only ``with_optimizer`` (ZeRO-3 keeps its weights there)."""
+    manifest = read_manifest(step_dir)
+    if manifest is None:
+        return
+    wanted = [f for f in manifest["files"] if with_optimizer or "optim_states" not in f]
+    verify_files(step_dir, manifest, wanted, checksums=True)
+
+
+def step_folder(load_dir: str, iteration: Optional[int] = None) -> str:
+    """The ``global_stepN`` folder of ``load_dir`` that ``latest`` (or ``iteration``) names."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load-dir {load_dir} is not a folder")
     if iteration is not None:

@@ -176,10 +176,22 @@ def source_config(state: dict, theirs: bool, true_vocab_size: Optional[int],
                   where: str) -> dict:
     """The run configuration a file stores, as ours (``{"model": ..., ...}``), at tp 1/pp 1;
     Megatron's flat argparse fields are mapped to our model and tokenizer fields."""
-    saved = stored_config(state)
+    return config_from_stored(stored_config(state), theirs, true_vocab_size, where)
+
+
+def is_our_config(saved: Any) -> bool:
+    """Whether a stored run configuration is ours (nested slices), not Megatron's flat
+    argparse fields."""
+    return isinstance(saved, dict) and isinstance(saved.get("model"), dict)
+
+
+def config_from_stored(saved: Optional[dict], theirs: bool, true_vocab_size: Optional[int],
+                       where: str) -> dict:
+    """``source_config`` of a stored configuration (ours, or Megatron's flat argparse fields)
+    already read from a file or a manifest."""
     if not isinstance(saved, dict):
         raise CheckpointError(f"{where} stores no run configuration (no 'config' or 'args')")
-    if not theirs and isinstance(saved.get("model"), dict):
+    if not theirs and is_our_config(saved):
         config = copy.deepcopy(saved)
     else:
         config = {"model": mds.model_fields_from_args(saved, true_vocab_size),

@@ -4,11 +4,12 @@
     python tools/evaluate.py lambada lambada_test.jsonl --load CKPT --strict
     python tools/evaluate.py wikitext wiki.test.tokens --hf-model ./gpt2
 
-The command becomes ``tasks/main.py``'s: with ``--load``, the model's shape comes from the
-checkpoint (``--use-checkpoint-args``), and so do the tokenizer files it was trained with and
-its tensor/pipeline layout, unless given (a launch whose process count the saved layout does
-not divide runs at tensor and pipeline size 1, the checkpoint merged in memory); with
-``--hf-model``, from the folder. Any other
+The command becomes ``tasks/main.py``'s: with ``--load`` (a checkpoint of any kind
+``megatron.conversion.checkpoint_kinds`` tells apart: ours, Megatron-LM's, Megatron-DeepSpeed's,
+DeepSpeed's engines), the model's shape comes from the checkpoint (``--use-checkpoint-args``),
+and so do the tokenizer it was trained with and its tensor/pipeline layout, unless given (a
+launch whose process count the saved layout does not divide runs at tensor and pipeline size
+1, the checkpoint merged in memory); with ``--hf-model``, from the folder. Any other
 pretrain_gpt.py flag is passed on (flags given win).
 """
 
@@ -25,8 +26,11 @@ _TOKENIZER_FLAGS = ("--tokenizer-type", "--vocab-file", "--merge-file",
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/evaluate.py", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="tools/evaluate.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+        epilog="Any pretrain_gpt.py flag may follow (model shape, tokenizer, "
+        "--micro-batch-size, --tensor-model-parallel-size, --log-interval ...); flags given "
+        "win over what the checkpoint recorded.")
     p.add_argument("task", type=str.lower, choices=sorted(_TASKS),
                    help="wikitext (perplexity) or lambada (last-word accuracy)")
     p.add_argument("data", help="the text file (wikitext) or JSON lines file (lambada)")
@@ -35,6 +39,14 @@ def _parser() -> argparse.ArgumentParser:
                    "--seq-length, windows that do not overlap)")
     p.add_argument("--strict", action="store_true", help="lambada: the whole last word "
                    "must be predicted (--strict-lambada)")
+    model = p.add_argument_group("model (one of)").add_mutually_exclusive_group(required=True)
+    model.add_argument("--load", metavar="CKPT", help="a checkpoint folder of any kind (ours, "
+                       "Megatron-DeepSpeed's, DeepSpeed's plain or pipeline engine), saved at "
+                       "any layout; its model shape, tokenizer and layout are used unless "
+                       "given")
+    model.add_argument("--hf-model", metavar="DIR", help="a local Hugging Face GPT-2 folder "
+                       "(config.json, weights, and its vocab.json/merges.txt as the "
+                       "tokenizer), converted in memory")
     return p
 
 
@@ -45,14 +57,15 @@ def _given(rest: list[str], flag: str) -> bool:
 def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
     """What the checkpoint in ``load_dir`` can tell that ``rest`` does not: model shape,
     tokenizer files, tensor/pipeline layout."""
-    from megatron.checkpointing import load_checkpoint_config, read_tracker
-    from megatron.checkpointing.paths import resolve_iteration_dir, saved_layout
+    from megatron.checkpointing import CheckpointError
+    from megatron.inference_loading import checkpoint_summary
 
-    tracker = read_tracker(load_dir)
-    if tracker is None:
-        raise SystemExit(f"error: --load {load_dir} holds no checkpoint")
+    try:
+        summary = checkpoint_summary(load_dir)
+    except CheckpointError as error:
+        raise SystemExit(f"error: {error}") from None
     flags = [] if _given(rest, "--use-checkpoint-args") else ["--use-checkpoint-args"]
-    tp, pp = saved_layout(resolve_iteration_dir(load_dir, tracker))
+    tp, pp = summary.layout
     world = int(os.environ.get("WORLD_SIZE", "1"))
     chosen = any(_given(rest, f) for f in ("--tensor-model-parallel-size",
                                             "--pipeline-model-parallel-size"))
@@ -64,27 +77,18 @@ def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
               f"{pp}; evaluating it at tensor and pipeline parallel 1 over {world} "
               "process(es), merged in memory", file=sys.stderr, flush=True)
     if not any(_given(rest, f) for f in _TOKENIZER_FLAGS):
-        flags += _tokenizer_flags((load_checkpoint_config(load_dir) or {}).get("data", {}),
-                                  load_dir)
+        flags += _tokenizer_flags(summary.config().get("data", {}), load_dir)
     return flags
 
 
 def _tokenizer_flags(data: dict[str, Any], load_dir: str) -> list[str]:
-    """The tokenizer flags a checkpoint recorded, where its files still exist; a file recorded
-    under the checkpoint's own ``tokenizer/`` folder (an HF conversion's copy) is found there
-    after the checkpoint folder moved."""
-    from megatron.conversion.hf import TOKENIZER_DIR
+    """The tokenizer flags a checkpoint recorded (its ``data`` slice), a moved file found
+    where ``inference_loading.checkpoint_tokenizer_settings`` finds it."""
+    from megatron.inference_loading import checkpoint_tokenizer_settings, tokenizer_data_config
 
-    flags = []
-    for key in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_name_or_path"):
-        value = data.get(key)
-        if value is not None and key.endswith("_file") and not os.path.isfile(value):
-            moved = os.path.join(load_dir, TOKENIZER_DIR, os.path.basename(value))
-            value = moved if os.path.isfile(moved) else None
-        if value is None:
-            continue
-        flags += ["--" + key.replace("_", "-"), str(value)]
-    return flags
+    settings = checkpoint_tokenizer_settings(tokenizer_data_config(data), load_dir)
+    return [part for key, value in settings.items() if value is not None
+            for part in ("--" + key.replace("_", "-"), str(value))]
 
 
 def task_argv(argv: Optional[list[str]] = None) -> list[str]:
@@ -99,16 +103,11 @@ def task_argv(argv: Optional[list[str]] = None) -> list[str]:
         out.append("--strict-lambada")
     if not _given(rest, "--micro-batch-size"):
         out += ["--micro-batch-size", "8"]
-    load = _load_dir(rest)
-    if load is not None and not _given(rest, "--hf-model"):
-        out += _checkpoint_flags(load, rest)
+    if known.hf_model is not None:
+        out += ["--hf-model", known.hf_model]
+    else:
+        out += ["--load", known.load, *_checkpoint_flags(known.load, rest)]
     return out + rest
-
-
-def _load_dir(rest: list[str]) -> Optional[str]:
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--load", default=None)
-    return p.parse_known_args(rest)[0].load
 
 
 def main(argv: Optional[list[str]] = None):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -29,6 +30,7 @@ from torch import nn
 from megatron.config import RunConfig
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel.schedules import StageInfo, get_forward_backward_func
+from megatron.progress import percent_and_eta
 from megatron.utils import get_ltor_masks_and_position_ids, print_rank_0
 
 TASKS = ("WIKITEXT103", "LAMBADA")
@@ -150,10 +152,19 @@ def _rounds(num_examples: int, micro_batch_size: int) -> int:
     return math.ceil(rounds / pp) * pp
 
 
+def _progress_line(done: int, rounds: int, seconds: float) -> str:
+    """After each ``--log-interval`` micro-batches: how far, the ETA, the pace."""
+    return (f"> evaluated {done} of {rounds} micro-batches, "
+            f"{percent_and_eta(done / rounds, seconds)} "
+            f"({done / max(seconds, 1e-9):.2f} micro-batches/s)")
+
+
 def evaluate_dataset(cfg: RunConfig, chunks: Sequence[nn.Module], dataset: Any,
                      micro_batch_size: Optional[int] = None, device: Optional[torch.device] = None,
                      log_interval: Optional[int] = None) -> EvaluationSums:
-    """Run ``dataset`` through the model (all ranks call it); the totals, on every rank."""
+    """Run ``dataset`` through the model (all ranks call it); the totals, on every rank.
+    Rank 0 prints a progress line with the ETA every ``log_interval`` micro-batches (default
+    ``--log-interval``; rounded to a multiple of the pipeline size)."""
     device = device or parallel_state.get_default_device()
     mbs = micro_batch_size or cfg.training.micro_batch_size
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -166,13 +177,16 @@ def evaluate_dataset(cfg: RunConfig, chunks: Sequence[nn.Module], dataset: Any,
     results: list[dict] = []
     for chunk in chunks:
         chunk.eval()
+    print_rank_0(f"> evaluating {len(dataset)} examples: {rounds} micro-batches of {mbs} per "
+                 "data-parallel rank")
+    start = time.time()
     with torch.no_grad():
         for done in range(0, rounds, per_call):
-            print_rank_0(f"> working on micro-batch {done} of {rounds}")
+            count = min(per_call, rounds - done)
             results += schedule(forward_step_func=step, data_iterator=batches, model=list(chunks),
-                                num_microbatches=min(per_call, rounds - done),
-                                seq_length=cfg.model.seq_length, micro_batch_size=mbs,
-                                forward_only=True)
+                                num_microbatches=count, seq_length=cfg.model.seq_length,
+                                micro_batch_size=mbs, forward_only=True)
+            print_rank_0(_progress_line(done + count, rounds, time.time() - start))
     totals = _reduce(results, device).tolist()
     return EvaluationSums(totals[0], int(round(totals[1])), int(round(totals[2])),
                           int(round(totals[3])))

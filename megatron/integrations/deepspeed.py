@@ -25,6 +25,7 @@ The training loop (megatron/training.py) is the same as without DeepSpeed: it ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -647,10 +648,13 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
 def zero3_full_weights(load_dir: str, tag: str) -> dict:
     """The full fp32 model of a ZeRO-3 checkpoint ``load_dir/tag``, gathered from the
     data-parallel partitions by DeepSpeed's own ``zero_to_fp32`` (its model-state files hold
-    only empty placeholders). Model-parallel rank 0's files only: the caller refuses tp > 1."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    only empty placeholders). Model-parallel rank 0's files only: the caller refuses tp > 1.
+    What DeepSpeed prints meanwhile goes to stderr: stdout is the tools' output (generated
+    text)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return dict(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag))
+        return dict(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag))
 
 
 def read_zero_optimizer_file(path: str) -> dict:

@@ -1,7 +1,7 @@
 """Text generation from a trained GPT: sampling, a KV-cached decoding loop that runs at any
 tensor/pipeline layout, model loading for inference, and the REST server's request handling.
 
-- ``sampling``: greedy, temperature, top-k, top-p.
+- ``sampling``: greedy, temperature, top-k, top-p (top-k then top-p, as Hugging Face).
 - ``generation``: ``generate_tokens`` (ids in, ids out; batched prompts of any lengths);
   ``score_tokens`` (each id's log-probability given those before it, one forward).
 - ``text``: ``generate_text`` (strings in, completions out; stop strings).

@@ -4,7 +4,7 @@ refusal, before any rank starts generating.
 Accepted JSON fields, as Megatron's text generation server reads them: ``prompts`` (list of
 strings, required), ``tokens_to_generate`` (default 64, or the server's limit if lower;
 0 scores the prompts and needs ``logprobs``), ``temperature`` (1.0), ``top_k`` (0),
-``top_p`` (0.0), ``logprobs`` (false), ``add_BOS`` (false), ``stop_on_eol``,
+``top_p`` (0.0; with ``top_k``, applied after it, where Megatron refuses both), ``logprobs`` (false), ``add_BOS`` (false), ``stop_on_eol``,
 ``stop_on_double_eol`` (false), ``random_seed`` (-1: drawn by the server), ``no_log``; and ours:
 ``stop`` (a list of stop strings). Megatron's fields for features this server does not have
 (beam search, top-p decay, the newline rule) are accepted at their neutral values only.
@@ -63,6 +63,9 @@ def decode_body(raw: bytes) -> dict:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # the parser recurses once per nested array or object
+        raise RequestError("the request body is nested too deeply to read (a request is a "
+                           "JSON object of strings, numbers and lists)") from None
     _require(isinstance(body, dict), "the request body must be a JSON object, not "
              f"{type(body).__name__}")
     return body
@@ -88,7 +91,6 @@ def _sampling(body: dict) -> SamplingParams:
     top_p = body.get("top_p", 0.0)
     _require(_is_number(top_p) and 0.0 <= top_p <= 1.0,
              "top_p must be a number between 0 and 1")
-    _require(not (top_k > 1 and top_p > 0.0), "cannot set both top-k and top-p samplings.")
     return SamplingParams(float(temperature), top_k, float(top_p))
 
 

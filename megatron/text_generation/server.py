@@ -4,13 +4,15 @@ answered with ``{"text": [...], "segments": [...], "logprobs": [...] or null}`` 
 
 Global rank 0 serves HTTP. It checks each request, then hands it to every rank (the model is
 spread over them) and all generate together; the other ranks wait in ``serve_other_ranks``.
-A lock makes concurrent requests take turns, one batch at a time, so replies never mix. A
-refused request gets HTTP 400 and its reason as the body (as Megatron); nothing a client sends
-stops the server.
+A lock makes concurrent requests take turns, one batch at a time, so replies never mix (and
+rank 0 releases the other ranks at shutdown only between requests). A
+refused request gets HTTP 400 and its reason as the body (as Megatron), a body over 4 MiB
+413; nothing a client sends stops the server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Optional
@@ -64,9 +66,16 @@ def serve_other_ranks(gm: GenerationModel) -> None:
             logger.exception("generation failed")
 
 
-def stop_other_ranks() -> None:
-    """Rank 0: release the ranks waiting in ``serve_other_ranks``."""
-    broadcast_object(None)
+def stop_other_ranks(lock: Optional[threading.Lock] = None) -> None:
+    """Rank 0: release the ranks waiting in ``serve_other_ranks``, once the request being
+    generated (they take part in it) is done: ``lock`` is the app's. Ranks that are gone
+    already (killed) get one line, not a traceback."""
+    with lock or contextlib.nullcontext():
+        try:
+            broadcast_object(None)
+        except RuntimeError as error:  # gloo/NCCL: the peer closed its connection
+            logger.warning("the other ranks had stopped already (%s)",
+                           str(error).splitlines()[0][:200])
 
 
 def build_app(gm: GenerationModel, *, max_prompts: int = MAX_PROMPTS,
@@ -80,8 +89,9 @@ def build_app(gm: GenerationModel, *, max_prompts: int = MAX_PROMPTS,
 
     @app.route("/api", methods=["PUT"])
     def api():
+        raw = request.get_data()  # a body over MAX_BODY_BYTES: 413, from too_large below
         try:
-            req = parse_request(decode_body(request.get_data()), max_prompts=max_prompts,
+            req = parse_request(decode_body(raw), max_prompts=max_prompts,
                                 max_tokens_to_generate=max_tokens_to_generate)
             check_prompts_fit(req, gm.tokenizer.tokenize, gm.context, gm.config.model.vocab_size)
         except RequestError as e:

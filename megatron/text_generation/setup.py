@@ -1,7 +1,8 @@
 """What the generation tools share: their model and tokenizer flags, and one call that joins
 the process group, builds this rank's stage with its weights and the tokenizer.
 
-A checkpoint of ours (``--load``, saved at any layout) and a Hugging Face GPT-2 folder
+A checkpoint (``--load``: any kind ``megatron.conversion.checkpoint_kinds`` tells apart, saved
+at any layout) and a Hugging Face GPT-2 folder
 (``--hf-model``, converted in memory) both run at any ``--tensor-model-parallel-size`` x
 ``--pipeline-model-parallel-size`` (``torchrun --nproc_per_node tp*pp``; one process works);
 a checkpoint launched without the flags runs at its saved layout when the process count
@@ -32,6 +33,7 @@ from megatron.inference_loading import (
 )
 from megatron.initialize import distributed_env, initialize_distributed
 from megatron.tokenizer import build_tokenizer
+from megatron.utils import global_rank
 
 
 class SetupError(Exception):
@@ -57,8 +59,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     """--load / --hf-model, the tokenizer flags (Megatron's spellings), precision, device."""
     src = parser.add_argument_group("model")
     one = src.add_mutually_exclusive_group(required=True)
-    one.add_argument("--load", help="our checkpoint folder, saved at any tensor/pipeline "
-                     "layout")
+    one.add_argument("--load", help="a checkpoint folder of any kind --load reads (ours, "
+                     "Megatron-DeepSpeed's, DeepSpeed's plain engine at ZeRO 0-3 or pipeline "
+                     "engine), saved at any tensor/pipeline layout")
     one.add_argument("--hf-model", help="a local Hugging Face GPT-2 folder (config.json and "
                      "weights), converted in memory")
     src.add_argument("--tensor-model-parallel-size", type=int, default=None,
@@ -158,7 +161,8 @@ def setup_generation(args: argparse.Namespace) -> GenerationModel:
 
 
 def is_rank_0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """Global rank 0, also before the process group is up (from the launcher's RANK)."""
+    return global_rank() == 0
 
 
 def broadcast_object(obj: Any) -> Any:

@@ -3,8 +3,8 @@
 one-process built-in losses and grad norms within 1e-5 relative over 5 iterations, and the
 log shows DeepSpeed's own engine lines; its pipeline engine at pp 2 equals the built-in pp 2;
 a DeepSpeed checkpoint resumes bit for bit; DeepSpeed's recompute replays dropout; real
-ZeRO-1, ZeRO-3 and pipeline checkpoints convert to ours and train on without DeepSpeed. Two
-launches in all: tests/distributed/deepspeed_driver.py runs the 2-rank trainings one after
+ZeRO-1, ZeRO-3 and pipeline checkpoints convert to ours and train on without DeepSpeed, and
+tools/generate_text.py and tools/evaluate.py read them as they are. Two launches in all: tests/distributed/deepspeed_driver.py runs the 2-rank trainings one after
 the other in one launch; the 4-rank one is the user's own `deepspeed pretrain_gpt.py` command."""
 
 from __future__ import annotations
@@ -257,6 +257,69 @@ def test_real_deepspeed_checkpoints_convert_and_train_on(two_rank_launch, tmp_pa
             assert math.isclose(got["train"][0][1], want["train"][3][1], rel_tol=1e-5), run
             # A fresh optimizer: iteration 5 leaves the DeepSpeed run's curve.
             assert not math.isclose(got["train"][1][1], want["train"][4][1], rel_tol=1e-6), run
+
+
+# Sampling as the nanoGPT/FineWeb users type it (top-k, then top-p); seeded.
+SAMPLE = ["--prompt", "5 6 7", "--prompt", "9 10 11 12", "--max-new-tokens", "8",
+          "--temperature", "0.75", "--top-k", "40", "--top-p", "0.95", "--seed", "3",
+          "--ignore-eod", "--use-cpu"]
+
+
+def _sample_and_evaluate(rank, world_size, runs, text_file):
+    """Per (name, --load folder): tools/generate_text.py's completions (rank 0's output) and
+    tools/evaluate.py's WikiText result, as the tools run them, one after the other."""
+    import contextlib
+    import io
+
+    from megatron.evaluation.friendly import main as evaluate
+    from tools import generate_text
+
+    out = {}
+    for name, load in runs.items():
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert generate_text.main(["--load", str(load), *SAMPLE]) == 0
+        parallel_state.destroy_model_parallel()
+        result = evaluate(["wikitext", str(text_file), "--load", str(load), "--use-cpu",
+                           "--micro-batch-size", "2"])
+        parallel_state.destroy_model_parallel()
+        out[name] = ([line for line in printed.getvalue().splitlines() if line], result.avg_loss)
+    return out
+
+
+@pytest.mark.slow
+def test_generation_and_evaluation_read_deepspeed_checkpoints(two_rank_launch, tmp_path):
+    """tools/generate_text.py and tools/evaluate.py --load the DeepSpeed checkpoints themselves
+    (plain engine ZeRO-1 at tp 1 and 2, ZeRO-3, pipeline engine at pp 2): the same sampled
+    tokens and WikiText loss as from the same weights converted to ours by convert.py, in
+    one process; and at the saved layouts over 2 ranks (the tp 2 checkpoint at tp 2, the
+    pipeline one at pp 2), the one-process tokens and loss."""
+    _, _, launched = two_rank_launch
+    sources = {"zero1": "ds_ckpt", "zero1_tp2": "ds_tp2_ckpt", "zero3": "ds_zero3_ckpt",
+               "pipe_pp2": "ds_pipe_ckpt"}
+    runs = {}
+    for run, folder in sources.items():
+        ours = tmp_path / f"ours_{run}"
+        assert convert.main(["--model-type", "GPT", "--loader", "deepspeed", "--saver",
+                             "megatron", "--load-dir", str(launched / folder),
+                             "--save-dir", str(ours)]) == 0
+        runs[run], runs[f"{run}_converted"] = launched / folder, ours
+    text = tmp_path / "ids.txt"  # WikiText-style lines of NullTokenizer ids
+    ids = torch.randint(0, 126, (12, 40), generator=torch.Generator().manual_seed(2)).tolist()
+    text.write_text("".join(" ".join(map(str, row)) + "\n" for row in ids))
+    one = run_distributed(_sample_and_evaluate, 1, runs, text)[0]
+    for run in sources:
+        (lines, loss), (want_lines, want_loss) = one[run], one[f"{run}_converted"]
+        assert len(lines) == 2 and all(len(line.split()) == n + 8
+                                       for line, n in zip(lines, (3, 4))), lines
+        assert lines == want_lines, run
+        assert math.isclose(loss, want_loss, rel_tol=1e-6), (run, loss, want_loss)
+        assert 3.0 < loss < 6.0, loss  # trained 3 iterations: near log(127) = 4.84
+    saved_layout = {k: launched / sources[k] for k in ("zero1_tp2", "pipe_pp2")}
+    two = run_distributed(_sample_and_evaluate, 2, saved_layout, text)[0]
+    for run, (lines, loss) in two.items():
+        assert lines == one[run][0], run
+        assert math.isclose(loss, one[run][1], rel_tol=1e-5), (run, loss, one[run][1])
 
 
 def test_tensor_parallel_2_with_zero1_four_ranks(reference, tmp_path):

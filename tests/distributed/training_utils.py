@@ -14,10 +14,11 @@ import hashlib
 import importlib.util
 import io
 import os
-import re
 from pathlib import Path
 
 import numpy as np
+
+from megatron.training_log import parse_log_lines  # noqa: F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -111,23 +112,3 @@ class RecordingIterator:
         text = sample["text"].numpy().tobytes()
         self.log.append(hashlib.sha1(text).hexdigest()[:12])
         return sample
-
-
-_FIELD = re.compile(r"([A-Za-z][A-Za-z /()]*?): +([-+0-9.eE]+|nan|inf)")
-
-
-def parse_log_lines(text: str) -> list[dict]:
-    """The fields of each training log line in ``text`` (``iteration`` and every
-    ``name: number`` pair, e.g. ``"learning rate"``, ``"lm loss"``), in order."""
-    lines = []
-    for line in text.splitlines():
-        m = re.match(r" iteration +(\d+)/ *(\d+) \|", line)
-        if not m:
-            continue
-        fields = {"iteration": int(m.group(1)), "train iters": int(m.group(2))}
-        for part in line.split("|")[1:]:
-            f = _FIELD.fullmatch(part.strip())
-            if f:
-                fields[f.group(1)] = float(f.group(2))
-        lines.append(fields)
-    return lines

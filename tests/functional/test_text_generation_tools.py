@@ -89,7 +89,7 @@ def test_generate_text_from_a_checkpoint_saved_at_tensor_parallel_2(checkpoint, 
 
 
 def test_generate_text_refuses_bad_input(checkpoint, tmp_path):
-    for extra, message in [(["--top-k", 3, "--top-p", 0.5], "cannot both be set"),
+    for extra, message in [(["--top-p", 1.5], "top_p must be between 0 and 1"),
                            (["--tensor-model-parallel-size", 2], "needs 2 processes; 1 were")]:
         result = _run(["tools/generate_text.py", "--load", checkpoint, "--prompt", "1",
                        *extra])
@@ -143,7 +143,8 @@ MALFORMED = [
     (json.dumps({"prompts": ["1"], "temperature": 0}).encode(), "temperature"),
     (json.dumps({"prompts": ["1"], "top_k": -1}).encode(), "top_k"),
     (json.dumps({"prompts": ["1"], "top_p": 1.5}).encode(), "top_p"),
-    (json.dumps({"prompts": ["1"], "top_k": 5, "top_p": 0.5}).encode(), "both top-k and top-p"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),  # RecursionError in json
+    (b'{"prompts": ' + b"[" * 5_000 + b"]" * 5_000 + b"}", "nested too deeply"),
     (json.dumps({"prompts": ["1"], "logprobs": "yes"}).encode(), "logprobs"),
     (json.dumps({"prompts": ["1"], "random_seed": -5}).encode(), "random_seed"),
     (json.dumps({"prompts": ["1"], "beam_width": 4}).encode(), "not supported"),
@@ -186,8 +187,15 @@ def test_server_answers_and_refuses_malformed_requests(server, checkpoint):
         status, refusal = _raw_put(url, data)
         assert status == 400 and reason in refusal, (data, status, refusal)
         assert proc.poll() is None
+    status, refusal = _raw_put(url, b'{"prompts": ["' + b"1 " * (2 << 20) + b'"]}')  # 4 MiB
+    assert status == 413 and "larger than 4194304 bytes" in refusal, (status, refusal)
     assert put(url, good) == (200, body)  # still up, and the same reply
     assert urllib_get(url) == 405
+    # top-k then top-p (as Hugging Face), where Megatron refuses both: sampled, seeded.
+    nucleus = {"prompts": ["1 2 3"], "tokens_to_generate": 6, "top_k": 40, "top_p": 0.95,
+               "temperature": 0.75, "random_seed": 5}
+    status, sampled = put(url, nucleus)
+    assert status == 200 and put(url, nucleus) == (200, sampled), sampled
 
 
 def _check_scoring(url: str, prompts: list, generation_logprobs: list) -> None:
@@ -252,6 +260,52 @@ def test_cli_client_against_the_server(server):
     refused = _run(["tools/text_generation_cli.py", address, "--prompt", "4",
                     "--tokens-to-generate", 99])
     assert refused.returncode == 1 and "Error 400" in refused.stderr
+
+
+def _wait_for_url(proc: subprocess.Popen, lines: list, timeout: float = 120) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("serving on http://127.0.0.1:"):
+            return line.split()[-1]
+    raise AssertionError("".join(lines)[-3000:])
+
+
+@pytest.mark.slow
+def test_two_rank_server_stops_quietly_on_sigterm(checkpoint):
+    """Two ranks started as a launcher starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT: tensor
+    parallel 2), a request served by both, then SIGTERM to every rank (what torchrun, srun
+    and scancel send): both exit 0 and print no traceback; rank 1 leaves when rank 0
+    releases it, not mid-collective (no gloo "Connection reset by peer")."""
+    from tests.dist_utils import free_port
+
+    env = {**_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, "tools/run_text_generation_server.py", "--load",
+                               checkpoint, "--port", "0"], cwd=REPO, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    try:
+        url = _wait_for_url(procs[0], seen := [])
+        status, body = put(url, {"prompts": ["1 2 3"], "tokens_to_generate": 4, "top_k": 1})
+        assert status == 200, body
+        assert json.loads(body)["text"] == _completions(_greedy(
+            checkpoint, "--prompt", "1 2 3", "--max-new-tokens", 4).stdout)
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        outputs = [proc.communicate(timeout=60)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    outputs[0] = "".join(seen) + outputs[0]
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, (rank, out[-3000:])
+        assert "Traceback" not in out and "Connection reset" not in out, (rank, out[-3000:])
 
 
 def test_generate_text_from_a_hugging_face_folder(tmp_path):

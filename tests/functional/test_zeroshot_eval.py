@@ -171,7 +171,8 @@ def test_hf_folder_at_tensor_parallel_2_gives_the_one_process_numbers(setup, our
 def test_tools_evaluate_reads_the_model_and_tokenizer_from_the_checkpoint(setup, hf_wikitext):
     """tools/evaluate.py: model flags, layout and tokenizer files (the HF folder's vocab.json
     and merges.txt, which the conversion copied into CKPT/tokenizer/ and recorded) from the
-    checkpoint, Megatron's line out; no tokenizer flag given."""
+    checkpoint, Megatron's line out; no tokenizer flag given. Progress lines with the ETA
+    every --log-interval micro-batches, as preprocessing prints them."""
     s = setup
     from megatron.checkpointing import load_checkpoint_config
 
@@ -182,7 +183,7 @@ def test_tools_evaluate_reads_the_model_and_tokenizer_from_the_checkpoint(setup,
         assert Path(data[key]).read_bytes() == (Path(s["hf_dir"]) / name).read_bytes()
     done = subprocess.run(
         [sys.executable, str(REPO / "tools" / "evaluate.py"), "wikitext", s["wiki"],
-         "--stride", str(STRIDE), "--load", s["ckpt"], "--use-cpu"],
+         "--stride", str(STRIDE), "--load", s["ckpt"], "--use-cpu", "--log-interval", "4"],
         capture_output=True, text=True, cwd=REPO, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -192,3 +193,10 @@ def test_tools_evaluate_reads_the_model_and_tokenizer_from_the_checkpoint(setup,
     loss, ratio = hf_wikitext
     assert float(line.group(1)) == pytest.approx(loss, rel=1e-3)
     assert float(line.group(4)) == pytest.approx(ratio, rel=1e-9)
+    progress = re.findall(r"^> evaluated (\d+) of (\d+) micro-batches, ([\d.]+)% done, ETA "
+                          r"(\d+:\d\d:\d\d) \([\d.]+ micro-batches/s\)$", done.stdout, re.M)
+    total = int(progress[-1][1]) if progress else 0
+    assert total > 8 and [int(p[0]) for p in progress] == [
+        *range(4, total, 4), total], done.stdout[-3000:]
+    assert float(progress[0][2]) == pytest.approx(400 / total, abs=0.06)
+    assert progress[-1][2:] == ("100.0", "0:00:00")

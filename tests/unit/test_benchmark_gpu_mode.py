@@ -112,11 +112,11 @@ def test_log_parsing():
     assert throughput.max_allocated_from_log(_fake_log(2, 3, memory=False)) is None
 
 
-def test_gpu_driver_end_to_end_with_canned_runs(monkeypatch, capsys):
+def test_gpu_driver_end_to_end_with_canned_runs(monkeypatch, capsys, tmp_path):
     """main --device cuda on CPU: every subprocess answers from here; HF fails once."""
     calls = []
 
-    def fake_run_logged(command):
+    def fake_run_logged(command, timeout=None, env=None):
         calls.append(command)
         if command[1] != throughput.PEERS:  # ours
             return _fake_log(warmup=3, iters=2, memory=len(calls) > 2)
@@ -131,8 +131,13 @@ def test_gpu_driver_end_to_end_with_canned_runs(monkeypatch, capsys):
     monkeypatch.setattr(throughput, "run_logged", fake_run_logged)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("NANOGPT_MODEL", __file__)  # any file: nanoGPT's runs are canned
+    written = []
+    write_json = throughput.write_json
+    monkeypatch.setattr(throughput, "write_json",
+                        lambda path, record: written.append(record) or write_json(path, record))
     throughput.main(["--device", "cuda", "--shapes", "gpt2-124m", "1.3b", "--rounds", "2",
-                     "--iters", "2", "--ours-args", "--foo"])
+                     "--iters", "2", "--json", str(tmp_path / "figures.json"),
+                     "--ours-args", "--foo"])
     out = capsys.readouterr().out
     ours = [c for c in calls if c[1].endswith("pretrain_gpt.py")]
     assert len(ours) == 8 and all("--foo" in c and "--bf16" in c for c in ours)
@@ -147,3 +152,11 @@ def test_gpu_driver_end_to_end_with_canned_runs(monkeypatch, capsys):
     assert "| 8123 | 1.000 |" in out  # the first run printed no memory line
     assert "ours >= 1.1x nanoGPT+compile at all three shapes: not measured" in out
     assert "ours >= 60% MFU at 1.3b: not met" in out
+    # --json: rewritten after each of the 20 runs, then once complete.
+    assert len(written) == 21 and [r["complete"] for r in written[-2:]] == [False, True]
+    assert written[0]["shapes"]["gpt2-124m"]["contenders"]["ours"]["tokens_per_s"] == 4000.0
+    assert written[0]["shapes"]["gpt2-124m"]["contenders"]["hf"]["tokens_per_s"] is None
+    final = json.loads((tmp_path / "figures.json").read_text())
+    assert final == json.loads(json.dumps(written[-1]))
+    assert final["shapes"]["1.3b"]["contenders"]["nanogpt-compile"]["tokens_per_s"] == 3500.0
+    assert final["goal"]["mfu_check"] == "not met" and final["peak_tflops"] > 700

@@ -68,3 +68,38 @@ def test_moved_checkpoint_finds_its_kept_tokenizer(tmp_path):
     assert settings["vocab_file"] == os.path.join(str(tmp_path), TOKENIZER_DIR, "vocab.json")
     assert settings["merge_file"] == "/gone/tokenizer/merges.txt"  # no copy: left as recorded
     assert settings["tokenizer_type"] == "GPT2BPETokenizer"
+
+
+def test_megatron_deepspeed_checkpoint_runs_at_any_layout(tmp_path):
+    """A Megatron-DeepSpeed checkpoint (their ``language_model`` names, their flags as an
+    argparse ``args``) saved at tp 2 x pp 2: its configuration is read from the flags and its
+    weights by the conversion reader, also at its own layout (the per-rank loader reads
+    ours only)."""
+    import argparse
+
+    from megatron.inference_loading import _saved_at_this_layout
+    from tests.unit.test_conversion import _megatron_deepspeed_model
+
+    ours, state = _save(tmp_path / "ours", 2, 2)
+    args = argparse.Namespace(num_layers=6, hidden_size=16, num_attention_heads=4,
+                              ffn_hidden_size=64, seq_length=16, max_position_embeddings=16,
+                              make_vocab_size_divisible_by=8, padded_vocab_size=64,
+                              true_vocab_size=50, tensor_model_parallel_size=2,
+                              pipeline_model_parallel_size=2, tokenizer_type="NullTokenizer")
+    theirs = tmp_path / "theirs"
+    for rank_dir in ("mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"):
+        saved = torch.load(os.path.join(ours, "release", rank_dir, "model_optim_rng.pt"),
+                           weights_only=True)
+        os.makedirs(theirs / "release" / rank_dir)
+        torch.save({"checkpoint_version": 3.0, "iteration": 0, "args": args,
+                    "model": _megatron_deepspeed_model(saved["model"])},
+                   theirs / "release" / rank_dir / "model_optim_rng.pt")
+    (theirs / "latest_checkpointed_iteration.txt").write_text("release")
+    config = config_from_checkpoint(str(theirs), 1)
+    assert (config.model.vocab_size, config.model.num_layers) == (50, 6)
+    assert config.data.tokenizer_type == "NullTokenizer"
+    got = build_inference_model(config, device=torch.device("cpu")).state_dict()
+    for k, v in state.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+    assert _saved_at_this_layout(config_from_checkpoint(ours, 4))
+    assert not _saved_at_this_layout(config_from_checkpoint(str(theirs), 4))

@@ -45,10 +45,14 @@ def test_hf_model_folder_without_config_is_named(capsys, tmp_path):
 
 def test_tools_evaluate_picks_the_layout_of_a_tensor_parallel_checkpoint(tmp_path, monkeypatch,
                                                                         capsys):
+    import torch
+
     from megatron.evaluation.friendly import task_argv
 
     for rank in ("mp_rank_00", "mp_rank_01"):  # a release checkpoint saved at tp 2
         (tmp_path / "release" / rank).mkdir(parents=True)
+        torch.save({"config": {"model": {"num_layers": 2}}},
+                   tmp_path / "release" / rank / "model_optim_rng.pt")
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     monkeypatch.delenv("WORLD_SIZE", raising=False)  # one process: tp 1, merged in memory
     flags = task_argv(["lambada", "x.jsonl", "--load", str(tmp_path), "--vocab-file", "v"])
@@ -67,7 +71,27 @@ def test_tools_evaluate_finds_the_tokenizer_copy_of_a_moved_checkpoint(tmp_path)
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "vocab.json").write_text("{}")
     data = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "/gone/tokenizer/vocab.json",
-            "merge_file": "/gone/tokenizer/merges.txt"}  # no copy of merges.txt: left out
+            "merge_file": "/gone/tokenizer/merges.txt"}  # no copy: the tokenizer names it
     assert _tokenizer_flags(data, str(tmp_path)) == [
         "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", str(tmp_path / "tokenizer" / "vocab.json")]
+        "--vocab-file", str(tmp_path / "tokenizer" / "vocab.json"),
+        "--merge-file", "/gone/tokenizer/merges.txt"]
+    null = {"tokenizer_type": "NullTokenizer", "vocab_size": 127, "vocab_file": None}
+    assert _tokenizer_flags(null, str(tmp_path)) == [
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "127"]
+
+
+def test_tools_evaluate_help_lists_load_and_hf_model(capsys):
+    """`tools/evaluate.py --help` names the model flags its README usage needs, and one of
+    them is required."""
+    from megatron.evaluation.friendly import main as evaluate_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate_main(["--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    assert "--load CKPT" in shown and "--hf-model DIR" in shown, shown
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate_main(["wikitext", "wiki.txt"])
+    assert exit_info.value.code == 2
+    assert "one of the arguments --load --hf-model is required" in capsys.readouterr().err

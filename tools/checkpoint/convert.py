@@ -102,7 +102,8 @@ def load(args: argparse.Namespace):
     if args.loader == "hf":
         return load_hf_checkpoint(args.load_dir, args.make_vocab_size_divisible_by)
     if args.loader == "deepspeed":
-        return load_deepspeed_checkpoint(args.load_dir, args.iteration, args.true_vocab_size)
+        return load_deepspeed_checkpoint(args.load_dir, args.iteration, args.true_vocab_size,
+                                         verify=not args.no_checking)
     return load_full_checkpoint(args.load_dir, args.iteration, verify=not args.no_checking,
                                 true_vocab_size=args.true_vocab_size)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ from megatron.data import indexed_dataset
 from megatron.data.preprocess.config import OutputError, PreprocessConfig
 from megatron.data.preprocess.encoding import ChunkResult, KeyArrays
 from megatron.data.preprocess.reading import Span
+from megatron.progress import percent_and_eta
 
 MAX_SKIP_EXAMPLES = 10
 
@@ -232,6 +232,4 @@ class ProgressLog:
         done, total = self.stats.input_bytes, self.total_bytes
         if not total or not done:
             return ""
-        fraction = min(done / total, 1.0)
-        eta = self.stats.seconds * (1.0 - fraction) / fraction
-        return f", {100.0 * fraction:.1f}% done, ETA {datetime.timedelta(seconds=round(eta))}"
+        return f", {percent_and_eta(done / total, self.stats.seconds)}"

@@ -98,10 +98,47 @@ def test_sampling_rules():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     drawn = {sample(probs, SamplingParams(top_p=0.75), generator=g).item() for _ in range(300)}
     assert drawn == {0, 1}  # 0.5 < 0.75 needs the second; 0.8 >= 0.75 stops there
-    with pytest.raises(ValueError):
-        SamplingParams(top_k=3, top_p=0.5)
+    # Top-k first, then top-p over the k renormalised: of 0.3 and 0.15 (2/3 and 1/3), 0.6
+    # needs only the first; top-p alone at 0.6 would need 0.5 and 0.3.
+    kept = {sample(probs, SamplingParams(top_k=3, top_p=0.6), generator=g).item()
+            for _ in range(100)}
+    assert kept == {0, 1}
+    kept = {sample(probs[:, 1:], SamplingParams(top_k=2, top_p=0.6), generator=g).item()
+            for _ in range(100)}
+    assert kept == {0}
     with pytest.raises(ValueError):
         SamplingParams(temperature=0.0)
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=1.5)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (0.75, 40, 0.95), (1.0, 5, 0.5), (1.3, 200, 0.3), (0.5, 0, 0.9), (1.0, 7, 0.0),
+    (0.9, 3, 1.0)])
+def test_top_k_then_top_p_equals_hugging_face_warpers(temperature, top_k, top_p):
+    """The logits drawn from equal those of HF's temperature, top-k and top-p warpers in
+    ``generate``'s order, on a fixed batch: the same tokens cut, the same values kept."""
+    from transformers import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from megatron.text_generation.sampling import filter_logits
+
+    logits = 3 * torch.randn(6, 300, generator=torch.Generator().manual_seed(11))  # [b, V]
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if 0 < top_p < 1:  # generate adds no top-p warper at 1.0
+        warpers.append(TopPLogitsWarper(top_p))
+    want = warpers(torch.zeros(6, 1, dtype=torch.long), logits.clone())
+    got = filter_logits(logits, SamplingParams(temperature, top_k, top_p))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    kept = ~torch.isinf(want)
+    assert 0 < kept.sum() < logits.numel()  # something is cut, something kept
+    torch.testing.assert_close(got[kept], want[kept], rtol=1e-6, atol=1e-6)
 
 
 def _hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
