@@ -195,14 +195,8 @@ def _place() -> tuple[int, int]:
 
 
 def _stage_chunks(cfg: RunConfig) -> list:
-    """The ``megatron.conversion`` chunks (one per virtual stage) of this pipeline rank."""
-    from megatron.conversion.sharding import pipeline_chunks
-
-    p = cfg.parallel
-    return pipeline_chunks(cfg.model.num_layers, p.pipeline_model_parallel_size,
-                           p.virtual_pipeline_model_parallel_size,
-                           p.decoder_first_pipeline_num_layers,
-                           p.decoder_last_pipeline_num_layers)[_place()[1]]
+    """The chunks (one per virtual stage) of this pipeline rank (``megatron.assembly``)."""
+    return stage_chunks(cfg, _place()[1])
 
 
 def load_full_state(chunks: list[nn.Module], cfg: RunConfig,

@@ -195,3 +195,45 @@ def test_a_clean_small_layout_passes_with_exact_cross_checks(capsys):
 def _no_process_group_left():
     yield
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("extra, world, env, expected", [
+    (TP2_PP2 + ["--rehearse-hidden-size", "30"], 4, {},
+     "error: --rehearse-hidden-size (30) must be a multiple of --num-attention-heads (4)"),
+    (["--pipeline-model-parallel-size", "2", "--deepspeed"], 4, {},
+     "error: --rehearse runs the built-in engine; DeepSpeed's engine"),
+    (TP2_PP2, 4, {"RANK": "0"}, "error: --rehearse runs every rank in this one process"),
+])
+def test_what_the_rehearsal_cannot_run_is_one_line_and_status_2(extra, world, env, expected,
+                                                                 monkeypatch, capsys):
+    import pretrain_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_gpt.main([*FLAGS, *extra, "--rehearse"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith(expected) and err.count("\n") == 1, err
+
+
+def test_a_rank_whose_own_code_fails_is_named(capsys):
+    @contextlib.contextmanager
+    def broken_loss():
+        import pretrain_gpt
+
+        original = pretrain_gpt.loss_func
+        pretrain_gpt.loss_func = lambda mask, out: 1 / 0
+        try:
+            yield
+        finally:
+            pretrain_gpt.loss_func = original
+
+    with pytest.raises(SystemExit) as exit_info:
+        cfg = parse_args([*FLAGS, *TP2_PP2, "--rehearse"], world_size=4)
+        rehearse(cfg, _callbacks(), _on_rank(3, broken_loss))
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert ("error: rank 3 (stage 1, tensor 1, data 0) failed in its iteration: "
+            "ZeroDivisionError: division by zero (at ") in err
