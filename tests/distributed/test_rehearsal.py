@@ -69,6 +69,7 @@ def _record_over_gloo(rank: int, world: int, layouts: list[list[str]]):
     return out
 
 
+@pytest.mark.slow
 def test_the_fake_backend_records_what_a_gloo_run_of_the_same_command_issues():
     layouts = [TP2_PP2, PP2_DP2]
     # Forked: this process has imported everything the ranks need, and holds no process group.
@@ -139,6 +140,7 @@ def _reduce_a_shorter_bucket():
         buffers._reduce_scatter_flat = original
 
 
+@pytest.mark.slow
 def test_a_stage_that_skips_a_send_is_caught_and_named(capsys):
     # Pipeline 4 x data 2 = 8 ranks; stage 1's first rank (global rank 2) drops its second
     # forward send.
@@ -152,6 +154,7 @@ def test_a_stage_that_skips_a_send_is_caught_and_named(capsys):
     assert "would wait forever" not in text.split("error:")[1].splitlines()[0]
 
 
+@pytest.mark.slow
 def test_a_data_parallel_rank_reducing_another_bucket_size_is_caught_and_named(capsys):
     status, text = _rehearse_with(4, PP2_DP2 + ["--rehearse-ranks", "all"],
                                   _on_rank(1, _reduce_a_shorter_bucket), capsys)
@@ -166,6 +169,7 @@ def test_a_data_parallel_rank_reducing_another_bucket_size_is_caught_and_named(c
     assert sizes[0] - sizes[1] == 2
 
 
+@pytest.mark.slow
 def test_classes_mode_checks_that_a_stages_ranks_are_alike(capsys):
     # Tensor 2 x pipeline 2 x data 2: per stage only the first and the last rank run; a fault
     # on stage 1's last rank (global 7) makes the stage's ranks unlike.
@@ -205,6 +209,7 @@ def test_what_the_rehearsal_cannot_run_is_one_line_and_status_2(extra, world, en
     assert err.startswith(expected) and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_a_rank_whose_own_code_fails_is_named(capsys):
     @contextlib.contextmanager
     def broken_loss():
