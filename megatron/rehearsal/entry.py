@@ -10,6 +10,7 @@ import time
 from typing import Optional
 
 from megatron.config import ConfigError, RunConfig
+from megatron.planner import Plan, build_plan
 from megatron.rehearsal.checker import check
 from megatron.rehearsal.facts import (
     format_cross_checks,
@@ -42,15 +43,13 @@ def _available_memory() -> Optional[int]:
     return None
 
 
-def _check_memory(rehearsed: RunConfig) -> None:
+def _check_memory(rehearsed: RunConfig, small_plan: Plan) -> None:
     """The widest rank must fit this machine at the rehearsal's size ("shrunk only where
     memory forces it": the user shrinks with --rehearse-hidden-size when it does not)."""
-    from megatron.planner import build_plan
-
     available = _available_memory()
     if available is None:
         return
-    needed = build_plan(rehearsed).peak_memory
+    needed = small_plan.peak_memory
     if needed > available * _MEMORY_SHARE:
         m = rehearsed.model
         _fail(f"one rank of this run needs {needed / GB:.1f} GB at --hidden-size "
@@ -104,7 +103,8 @@ def rehearse(cfg: RunConfig, callbacks, around_rank: Optional[AroundRank] = None
     """Run, check and report; returns the exit status. ``around_rank``: see
     ``runner.run_planned_ranks`` (tests plant faults with it)."""
     real, rehearsed, tokenizer = _prepare(cfg)
-    _check_memory(rehearsed)
+    small_plan = build_plan(rehearsed)
+    _check_memory(rehearsed, small_plan)
     p = cfg.parallel
     grid = RankGrid(p.tensor_model_parallel_size, cfg.data_parallel_size,
                     p.pipeline_model_parallel_size)
@@ -126,18 +126,18 @@ def rehearse(cfg: RunConfig, callbacks, around_rank: Optional[AroundRank] = None
         print(tail, file=sys.stderr)
         _fail(f"{grid.describe(failure.rank)} failed in its {failure.phase}: {failure} "
               f"(at {failure.site})", 1)
-    return report(real, rehearsed, plan, results)
+    return report(real, rehearsed, plan, results, small_plan)
 
 
 def report(real: RunConfig, rehearsed: RunConfig, plan: RankPlan,
-           results: list[RankResult]) -> int:
+           results: list[RankResult], small_plan: Optional[Plan] = None) -> int:
     """Print the checker's findings (or that there are none) and the launch facts."""
     grid = plan.grid
     findings = check(plan, {r.rank: r.ops for r in results},
                      {r.rank: r.unwaited for r in results})
     operations = sum(len(r.ops) for r in results)
     skipped = [r.rank for r in results if r.skipped_step]
-    facts = launch_facts(real, rehearsed, plan, results)
+    facts = launch_facts(real, rehearsed, plan, results, small_plan)
     print(format_facts(facts))
     print(format_cross_checks(facts))
     if skipped:

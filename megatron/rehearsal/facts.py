@@ -214,10 +214,12 @@ def _stage_memory(plan: Plan, pp_rank: int) -> dict[str, int]:
 
 
 def launch_facts(cfg: RunConfig, rehearsed: RunConfig, plan: RankPlan,
-                 results: Sequence[RankResult]) -> LaunchFacts:
-    """``cfg``: the run as launched (vocabulary resolved); ``rehearsed``: what the ranks ran."""
+                 results: Sequence[RankResult], small_plan: Optional[Plan] = None
+                 ) -> LaunchFacts:
+    """``cfg``: the run as launched (vocabulary resolved); ``rehearsed``: what the ranks ran
+    (``small_plan``: its plan, if made already)."""
     grid, m = plan.grid, iteration_microbatches(rehearsed)
-    real_plan, small_plan = build_plan(cfg), build_plan(rehearsed)
+    real_plan, small_plan = build_plan(cfg), small_plan or build_plan(rehearsed)
     by_rank = {r.rank: r for r in results}
     stages, checks = [], []
     for pp_rank in range(grid.pp):

@@ -88,3 +88,25 @@ def test_classes_run_each_stages_first_rank_and_check_three_stages():
     moved = op.moved(move)
     assert moved.peer == grid.rank(4, 1, 5)
     assert moved.group == tuple(grid.groups().containing("pipeline", member))
+
+
+def test_the_rehearsed_iteration_is_the_runs_first_or_at_the_full_batch():
+    from megatron.config import parse_args
+    from megatron.rehearsal.facts import iteration_microbatches
+    from megatron.rehearsal.setup import rehearsal_config
+
+    flags = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+             "--seq-length", "2048", "--micro-batch-size", "1", "--global-batch-size", "1536",
+             "--rampup-batch-size", "16", "16", "5859375", "--train-samples", "146484375",
+             "--lr", "6e-5", "--fp16", "--tensor-model-parallel-size", "8",
+             "--pipeline-model-parallel-size", "8", "--sequence-parallel",
+             "--mock-data", "--vocab-size", "50257", "--rehearse-hidden-size", "96",
+             "--rehearse-seq-length", "8", "--rehearse"]
+    first = rehearsal_config(parse_args(flags, world_size=64))
+    full = rehearsal_config(parse_args([*flags, "--rehearse-full-batch"], world_size=64))
+    assert (iteration_microbatches(first), iteration_microbatches(full)) == (16, 1536)
+    m = first.model
+    assert (m.num_layers, m.num_attention_heads, m.hidden_size, m.ffn_hidden_size,
+            m.kv_channels, m.seq_length) == (96, 96, 96, 384, 1, 8)
+    assert first.optimizer.initial_loss_scale == 1.0 and first.data.mock_data
+    assert first.checkpoint.load is None and first.training.exit_interval == 1
