@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Optional
 
-# Operations every member of a group takes part in, and the point-to-point ones.
-P2P_OPS = ("send", "recv")
-OBJECT_OPS = ("broadcast_object_list", "all_gather_object", "gather_object",
-              "scatter_object_list")
+P2P_OPS = ("send", "recv")  # the point-to-point operations; every other one is collective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +74,3 @@ class SiteTable:
 
     def intern(self, text: str) -> str:
         return self._sites.setdefault(text, sys.intern(text))
-
-
-def ops_on(ops: Iterator[CommOp], group: tuple[int, ...]) -> list[CommOp]:
-    """The operations of one rank that go to ``group`` (point-to-point ones excluded)."""
-    return [o for o in ops if o.group == group and not o.is_p2p]
