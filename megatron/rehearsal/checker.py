@@ -45,30 +45,72 @@ class RankOps:
         self.plan, self.own = plan, own
         self.groups = plan.grid.groups()
         self._single_source: dict[tuple[int, ...], bool] = {}
+        self._index: dict[int, dict] = {}
+        self._kept_ops: dict[int, list[tuple[int, CommOp]]] = {}
+        # Groups by number: a 1024-rank tuple is slow to hash, and each is hashed once here.
+        self.group_of: list[tuple[int, ...]] = []
+        self._ids: dict[tuple[int, ...], int] = {}
+        self._by_object: dict[int, tuple[tuple[int, ...], int]] = {}
 
-    def _kept(self, op: CommOp) -> bool:
-        if op.is_p2p or op.op == "new_group":
-            return True
-        single = self._single_source.get(op.group)
-        if single is None:
-            single = len({self.plan.source[r] for r in op.group}) == 1 and len(op.group) > 1
-            self._single_source[op.group] = single
-        return not single
+    def gid(self, group: tuple[int, ...]) -> int:
+        """A small number for ``group`` (looked up by the tuple object first)."""
+        hit = self._by_object.get(id(group))
+        if hit is not None and hit[0] is group:
+            return hit[1]
+        number = self._ids.get(group)
+        if number is None:
+            number = self._ids[group] = len(self.group_of)
+            self.group_of.append(group)
+        self._by_object[id(group)] = (group, number)
+        return number
+
+    def _kept_group(self, group: tuple[int, ...]) -> bool:
+        kept = self._single_source.get(group)
+        if kept is None:
+            kept = len(group) <= 1 or len({self.plan.source[r] for r in group}) > 1
+            self._single_source[group] = kept
+        return kept
+
+    def _by_source_group(self, source: int) -> dict[tuple[int, ...], list[int]]:
+        """Positions of ``source``'s operations by group."""
+        index = self._index.get(source)
+        if index is None:
+            index = defaultdict(list)
+            for i, op in enumerate(self.own[source]):
+                index[op.group].append(i)
+            self._index[source] = index
+        return index
 
     def of(self, rank: int) -> list[tuple[int, CommOp]]:
         """(position in the rank's whole sequence, operation), for the operations kept."""
+        kept = self._kept_ops.get(rank)
+        if kept is None:
+            kept = self._kept_ops[rank] = self._of(rank)
+        return kept
+
+    def _of(self, rank: int) -> list[tuple[int, CommOp]]:
         source = self.plan.source[rank]
-        if source == rank:
-            return [(i, op) for i, op in enumerate(self.own[rank]) if self._kept(op)]
-        move = self.plan.grid.mover(source, rank)
+        own, world = self.own[source], self.plan.grid.world
+        move = None if source == rank else self.plan.grid.mover(source, rank)
+        positions, moved_groups = [], {}
+        for group, where in self._by_source_group(source).items():
+            moved = group if move is None or len(group) == world else \
+                tuple(sorted(move(r) for r in group))
+            moved_groups[group] = moved
+            always = own[where[0]].is_p2p or own[where[0]].op == "new_group"
+            if always or self._kept_group(moved):
+                positions.extend(where)
+        positions.sort()
+        if move is None:
+            return [(i, own[i]) for i in positions]
         out = []
-        for i, op in enumerate(self.own[source]):
-            if op.is_p2p or op.op == "new_group":
-                out.append((i, op.moved(move)))
-                continue
-            group = tuple(sorted(move(r) for r in op.group))
-            if self._kept(dataclasses.replace(op, group=group)):
-                out.append((i, op.moved(move)))
+        for i in positions:
+            op = own[i]
+            if op.op != "new_group":  # every rank creates every group: nothing moves
+                op = CommOp(op.op, moved_groups[op.group],
+                            None if op.peer is None else move(op.peer), op.shape, op.dtype,
+                            op.nbytes, op.detail, op.site, op.phase, op.batch)
+            out.append((i, op))
         return out
 
     def kind(self, group: tuple[int, ...]) -> str:
@@ -112,25 +154,27 @@ def _first_difference(a: Sequence, b: Sequence) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _by_group(ops: RankOps) -> dict[tuple[int, ...], dict[int, list[tuple[int, CommOp]]]]:
-    """group -> member -> [(position in the member's sequence, op)], collectives only."""
+def _by_group(ops: RankOps) -> dict[int, dict[int, list[tuple[int, CommOp]]]]:
+    """group number -> member -> [(position in the member's sequence, op)], collectives."""
     out: dict = defaultdict(dict)
     for rank in range(ops.plan.grid.world):
         for i, op in ops.of(rank):
             if not op.is_p2p:
-                out[op.group].setdefault(rank, []).append((i, op))
+                out[ops.gid(op.group)].setdefault(rank, []).append((i, op))
     return out
 
 
 def check_collectives(ops: RankOps) -> list[Finding]:
     grid, findings = ops.plan.grid, []
-    for group, members in _by_group(ops).items():
+    for number, members in _by_group(ops).items():
+        group = ops.group_of[number]
         sequences = {r: members.get(r, []) for r in group}
         reference = group[0]
         ref = sequences[reference]
+        ref_keys = [o.key() for _, o in ref]
         for rank in group[1:]:
             seq = sequences[rank]
-            i = _first_difference([o.key() for _, o in ref], [o.key() for _, o in seq])
+            i = _first_difference(ref_keys, [o.key() for _, o in seq])
             if i is None:
                 continue
             position = min(ref[i][0] if i < len(ref) else 1 << 60,
@@ -193,11 +237,18 @@ class _Replay:
 
     def __init__(self, ops: RankOps) -> None:
         self.world = ops.plan.grid.world
+        self.ops = ops
         self.steps = [self._steps([op for _, op in ops.of(r)]) for r in range(self.world)]
+        # A collective step's group number, beside the step.
+        self.gids = [[None if step[0].is_p2p else ops.gid(step[0].group) for step in steps]
+                     for steps in self.steps]
         self.at = [0] * self.world
         self.done_on = [defaultdict(int) for _ in range(self.world)]  # group -> collectives
         self.posted: dict = defaultdict(int)  # (kind, channel) -> operations posted
         self.posted_at: list[Optional[list[int]]] = [None] * self.world  # channel indices
+        self.arrived = [False] * self.world  # at its current collective, counted
+        self.arrivals: dict = defaultdict(int)  # (group, k) -> members at their k-th there
+        self.waiting_peers: list[int] = []
 
     @staticmethod
     def _steps(seq: list[CommOp]) -> list[list[CommOp]]:
@@ -211,36 +262,43 @@ class _Replay:
         return steps
 
     def run(self) -> list[int]:
-        """Advance until nothing moves; returns the ranks that did not reach their end."""
-        moved = True
-        while moved:
-            moved = False
-            for rank in range(self.world):
-                while self.at[rank] < len(self.steps[rank]) and self._advance(rank):
-                    moved = True
+        """Advance ranks as their operations complete; returns the ranks that did not reach
+        their end. Each rank is looked at again only when a peer's progress may free it."""
+        pending = list(range(self.world))
+        while pending:
+            rank = pending.pop()
+            while self.current(rank) is not None:
+                freed = self._advance(rank)
+                if freed is None:
+                    break
+                pending.extend(freed)
         return [r for r in range(self.world) if self.at[r] < len(self.steps[r])]
 
     def current(self, rank: int) -> Optional[list[CommOp]]:
         steps = self.steps[rank]
         return steps[self.at[rank]] if self.at[rank] < len(steps) else None
 
-    def _advance(self, rank: int) -> bool:
+    def _advance(self, rank: int) -> Optional[list[int]]:
+        """Try ``rank``'s current step: None if it must wait, else the ranks to look at
+        again (it completed; they may be waiting for it)."""
         step = self.current(rank)
         if step[0].is_p2p:
             return self._p2p(rank, step)
-        group = step[0].group
-        k = self.done_on[rank][group]
+        group, number = step[0].group, self.gids[rank][self.at[rank]]
+        key = (number, self.done_on[rank][number])
+        if not self.arrived[rank]:
+            self.arrived[rank] = True
+            self.arrivals[key] += 1
+        if self.arrivals[key] < len(group):
+            return None
         for member in group:
-            other = self.current(member)
-            if other is None or other[0].is_p2p or other[0].group != group \
-                    or self.done_on[member][group] != k:
-                return False
-        for member in group:
-            self.done_on[member][group] += 1
+            self.done_on[member][number] += 1
             self.at[member] += 1
-        return True
+            self.arrived[member] = False
+        return [m for m in group if m != rank]
 
-    def _p2p(self, rank: int, step: list[CommOp]) -> bool:
+    def _p2p(self, rank: int, step: list[CommOp]) -> Optional[list[int]]:
+        peers = [op.peer for op in step]
         if self.posted_at[rank] is None:
             indices = []
             for op in step:
@@ -248,13 +306,15 @@ class _Replay:
                 indices.append(self.posted[key])
                 self.posted[key] += 1
             self.posted_at[rank] = indices
+            self.waiting_peers.extend(peers)  # a peer may be waiting for these
         for op, index in zip(step, self.posted_at[rank]):
-            counterpart = self._counterpart(rank, op)
-            if self.posted[counterpart] <= index:
-                return False
+            if self.posted[self._counterpart(rank, op)] <= index:
+                freed, self.waiting_peers = self.waiting_peers, []
+                return freed or None
         self.posted_at[rank] = None
         self.at[rank] += 1
-        return True
+        freed, self.waiting_peers = self.waiting_peers, []
+        return freed + peers
 
     @staticmethod
     def _key(rank: int, op: CommOp) -> tuple:
