@@ -140,6 +140,10 @@ def report(real: RunConfig, rehearsed: RunConfig, plan: RankPlan,
     facts = launch_facts(real, rehearsed, plan, results, small_plan)
     print(format_facts(facts))
     print(format_cross_checks(facts))
+    guessed = sum(r.objects_not_received for r in results)
+    if guessed:
+        print(f"note: {guessed} object collective(s) reached a rank before the rank sending "
+              "the object was rehearsed; those ranks kept their own objects")
     if skipped:
         print(f"note: the optimizer step was skipped (NaN/Inf or fp16 overflow) on {len(skipped)} "
               "rehearsed rank(s); their update's operations were not rehearsed")

@@ -37,6 +37,9 @@ class RankResult:
     memory: MeasuredMemory
     skipped_step: bool
     output: str = ""
+    # Object collectives (broadcast_object_list, ...) whose sender had not been rehearsed
+    # yet: this rank kept its own object (fake backend only).
+    objects_not_received: int = 0
 
 
 class RankFailure(Exception):
@@ -59,6 +62,7 @@ def run_rank(cfg: RunConfig, tokenizer, callbacks, recorder: Recorder) -> RankRe
 
     rank = dist.get_rank()
     out = io.StringIO()
+    unknown_before = recorder.shared.unknown_objects
     with recorder.rank_scope(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             trainer = start_run(cfg, tokenizer, None, callbacks)
@@ -75,7 +79,7 @@ def run_rank(cfg: RunConfig, tokenizer, callbacks, recorder: Recorder) -> RankRe
         parameters = sum(p.numel() for c in trainer.chunks for p in c.parameters())
     return RankResult(rank, recorder.ops, recorder.unwaited(), parameters,
                       MeasuredMemory(weights, grads, optimizer, meter.peak), skipped,
-                      out.getvalue())
+                      out.getvalue(), recorder.shared.unknown_objects - unknown_before)
 
 
 @contextlib.contextmanager
