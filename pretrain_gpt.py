@@ -82,9 +82,12 @@ def main(argv=None):
 
 if __name__ == "__main__":
     from megatron.checkpointing import CheckpointError
+    from megatron.utils import global_rank
 
     try:
         main()
     except CheckpointError as error:  # a damaged or mismatched checkpoint: its message is all
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        # Every rank raised it, rank 0 with the first failing rank's cause: one line.
+        if global_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -31,7 +31,8 @@ setup(
     packages=find_packages(include=["megatron", "megatron.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.1",
+        # 2.9: the oldest torch CI runs (with torch_xla 2.9); newer APIs are probed.
+        "torch>=2.9",
         "numpy",
         "regex",
         "tokenizers>=0.15",
@@ -49,7 +50,9 @@ setup(
         "test": ["pytest", "ruff", "datasets", "pyarrow", "wandb"],
         "hf-data": ["datasets", "pyarrow"],  # preprocess_data.py --input of local HF datasets
         "wandb": ["wandb"],  # --wandb-project (offline runs)
-        "cuda": ["apex", "flash-attn"],
+        # No "cuda" extra: the index's "apex" is an unrelated package (NVIDIA's apex is built
+        # from source) and flash-attn cannot build in pip's isolated build environment (it
+        # imports torch). README "Optional CUDA packages" gives the commands for both.
     },
     ext_modules=ext_modules,
     zip_safe=False,

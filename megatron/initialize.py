@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron import xla
 from megatron.config import RunConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_seed
@@ -28,7 +29,8 @@ from megatron.slurm import slurm_rendezvous
 from megatron.utils import print_rank_0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous nobody else named)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -69,7 +71,7 @@ def rendezvous_env(env: Mapping[str, str]) -> dict[str, str]:
     elif distributed_env(env)["world_size"] > 1:
         raise RuntimeError("MASTER_PORT is not set: launch with torchrun, deepspeed or srun")
     else:
-        chosen["MASTER_PORT"] = str(_free_port())
+        chosen["MASTER_PORT"] = str(free_port())
     return chosen
 
 
@@ -85,6 +87,9 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10,
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return
+    if backend == "xla":
+        _initialize_xla_distributed(timeout_minutes)
+        return
     info = distributed_env()
     if backend == "nccl" and (device is None or device.type != "cuda"):
         raise RuntimeError("--distributed-backend nccl needs a CUDA device")
@@ -95,12 +100,31 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10,
     atexit.register(_destroy_process_group_at_exit)
 
 
+def _initialize_xla_distributed(timeout_minutes: int) -> None:
+    """The XLA replicas' group (``megatron.xla``): ranks and world from torch_xla's runtime,
+    the rendezvous at MASTER_ADDR/MASTER_PORT (a free port for a world of one)."""
+    rank, world_size = xla.world()
+    env = {"MASTER_ADDR": os.environ.get("MASTER_ADDR") or "127.0.0.1"}
+    if os.environ.get("MASTER_PORT"):
+        env["MASTER_PORT"] = os.environ["MASTER_PORT"]
+    elif world_size > 1:
+        raise RuntimeError("MASTER_PORT is not set: launch with --xla-processes or torchrun")
+    else:
+        env["MASTER_PORT"] = str(free_port())
+    if world_size > 1 and xla.runs_a_thread_per_device():
+        raise RuntimeError(xla.THREADS_REFUSED)
+    os.environ.update(env)
+    parallel_state.set_control_group(xla.init_process_group(timeout_minutes))
+    atexit.register(_destroy_process_group_at_exit)
+
+
 def _destroy_process_group_at_exit() -> None:
     """Tear down the groups this process joined while the interpreter is still whole: a
     process that exits with gloo's worker threads running can abort at shutdown ("terminate
     called without an active exception", exit status -6) after a clean run."""
     if dist.is_initialized():
         parallel_state.destroy_model_parallel()
+        parallel_state.set_control_group(None)
         dist.destroy_process_group()
 
 
@@ -143,7 +167,7 @@ def initialize_megatron(config: RunConfig) -> torch.device:
     """The device, torch.distributed, the model-parallel groups and the random seeds for
     this run; returns the device (also recorded in ``parallel_state``)."""
     t = config.training
-    device = compute_device(t.use_cpu, distributed_env()["local_rank"])
+    device = compute_device(t.use_cpu, distributed_env()["local_rank"], t.device)
     _set_cuda_max_connections(config, device)
     _set_deterministic(config)
     initialize_distributed(t.distributed_backend, t.distributed_timeout_minutes, device)
@@ -160,5 +184,7 @@ def initialize_megatron(config: RunConfig) -> torch.device:
             p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
             p.virtual_pipeline_model_parallel_size)
     set_random_seeds(t.seed)
+    if device.type == "xla":  # dropout there draws from the device's own generator
+        xla.set_rng_state(t.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     print_rank_0(describe(device, dist.get_backend(), t.use_cpu))
     return device

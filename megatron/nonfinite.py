@@ -16,6 +16,12 @@ With ``--check-for-nan-in-loss-and-grad`` (on by default, as in Megatron-LM), ev
    ``--max-consecutive-nonfinite-iterations`` in a row ``NonFiniteError`` stops the run (the
    latest checkpoint stays the last one saved at a finite iteration).
 
+fp16 overflows are the loss scaler's: it skips the step and backs its scale off. When it can
+back off no further (a static ``--loss-scale``, or a dynamic scale at ``--min-loss-scale``)
+every step may be skipped for ever: ``OverflowGuard`` warns at each such iteration and stops
+the run after ``--max-consecutive-nonfinite-iterations`` of them in a row, as the NaN guard
+does.
+
 ``check_finite_for_save`` is the last line of defence: before every save every rank checks its
 parameters, fp32 main copies and optimizer state, and a non-finite value anywhere stops the run
 instead of being written.
@@ -66,6 +72,15 @@ def locate_nonfinite_loss(losses: Sequence[dict[str, torch.Tensor]]) -> Optional
     A collective over all ranks: every rank calls it every iteration (ranks without losses,
     e.g. pipeline stages before the last, pass an empty list).
     """
+    return decode_nonfinite_loss_key(int(nonfinite_loss_key(losses).item()))
+
+
+def nonfinite_loss_key(losses: Sequence[dict[str, torch.Tensor]],
+                       group: Any = None) -> torch.Tensor:
+    """``locate_nonfinite_loss``'s answer as a 1-element int64 tensor on the compute device,
+    not yet read (an XLA step reads it after its graph ran): decode it with
+    ``decode_nonfinite_loss_key``. A collective over all ranks (``group``: the default
+    group's ranks in another group, as an XLA run's device groups are)."""
     device = parallel_state.get_default_device()  # what the collective can carry
     key = torch.full((1,), _NONE, dtype=torch.int64, device=device)
     if losses:
@@ -73,8 +88,17 @@ def locate_nonfinite_loss(losses: Sequence[dict[str, torch.Tensor]]) -> Optional
         first = torch.argmax(bad.to(torch.int64)).reshape(1)  # the first True
         key = torch.where(bad.any(), _rank() * _MICRO_BATCHES + first, key)
     if dist.is_initialized():
-        dist.all_reduce(key, op=dist.ReduceOp.MIN)
-    value = int(key.item())
+        dist.all_reduce(key, op=dist.ReduceOp.MIN, group=group)
+    return key
+
+
+def nonfinite_loss_found(key: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor: whether ``nonfinite_loss_key`` found a NaN/Inf loss anywhere."""
+    return (key != _NONE).reshape(())
+
+
+def decode_nonfinite_loss_key(value: int) -> Optional[tuple[int, int]]:
+    """``(rank, micro_batch)`` from ``nonfinite_loss_key``'s value, or None (all finite)."""
     return None if value == _NONE else divmod(value, _MICRO_BATCHES)
 
 
@@ -82,10 +106,10 @@ def ranks_where(flag: bool) -> list[int]:
     """The global ranks on which ``flag`` is true. A collective over all ranks, sized by the
     world: meant for the rare paths that report a failure."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    flags = torch.zeros(world, dtype=torch.int32, device=parallel_state.get_default_device())
+    flags = torch.zeros(world, dtype=torch.int32, device=parallel_state.get_control_device())
     flags[_rank()] = int(flag)
     if dist.is_initialized():
-        dist.all_reduce(flags)
+        dist.all_reduce(flags, group=parallel_state.get_control_group())
     return [rank for rank, value in enumerate(flags.tolist()) if value]
 
 
@@ -143,7 +167,7 @@ def check_finite_for_save(chunks: Sequence[nn.Module], optimizer: Any, iteration
         return
     box = [what]
     if dist.is_initialized():
-        dist.broadcast_object_list(box, src=ranks[0])
+        dist.broadcast_object_list(box, src=ranks[0], group=parallel_state.get_control_group())
     raise NonFiniteError(
         f"refusing to save the checkpoint of iteration {iteration}: {box[0]} on rank "
         f"{ranks[0]} holds NaN/Inf (non-finite values on ranks {_ranges(ranks)}); the latest "
@@ -220,8 +244,61 @@ class NonFiniteGuard:
         else:
             latest = (f"the latest checkpoint in --save {save_dir} is iteration {last_saved}, "
                       "from before them")
+        resume = (f"resume with --load {save_dir} --override-opt_param-scheduler and a lower "
+                  "--lr (the flag lets the new --lr replace the checkpoint's schedule)"
+                  if save_dir is not None and last_saved is not None
+                  else "lower --lr")
         return NonFiniteError(
             f"{self.consecutive} iterations in a row ({self.first_iteration}-{iteration}) had a "
             f"NaN/Inf loss or grad norm and were skipped; stopping without saving ({latest}). "
-            "Lower --lr, look at the data of those iterations, or raise "
+            f"To go on: {resume}, look at the data of those iterations, or raise "
             "--max-consecutive-nonfinite-iterations.")
+
+
+@dataclasses.dataclass
+class OverflowGuard:
+    """fp16: counts iterations in a row that the loss scaler skipped (an overflow) with a
+    scale that could not back off: a static ``--loss-scale`` (``static_scale``), or a dynamic
+    one already at ``--min-loss-scale`` when the step began. Skips while a dynamic scale is
+    still backing off (the first iterations of most fp16 runs) are not counted."""
+
+    max_consecutive: int
+    static_scale: Optional[float]
+    min_scale: float
+    consecutive: int = 0
+    first_iteration: Optional[int] = None
+    scale: float = 0.0  # of the latest counted iteration
+
+    def observe(self, iteration: int, overflowed: bool, scale: Optional[float]) -> Optional[str]:
+        """Record ``iteration``: ``overflowed`` (the scaler skipped its step) with the loss
+        ``scale`` it began with. Returns the warning to log, or None."""
+        stuck = overflowed and scale is not None and (
+            self.static_scale is not None or scale <= self.min_scale)
+        if not stuck:
+            self.consecutive, self.first_iteration = 0, None
+            return None
+        self.consecutive += 1
+        self.scale = scale
+        if self.first_iteration is None:
+            self.first_iteration = iteration
+        return (f"WARNING: iteration {iteration}: fp16 overflow; the loss scaler skipped the "
+                f"step and {self._cannot_back_off()}. {self.consecutive} in a row; the run "
+                f"stops at {self.max_consecutive} (--max-consecutive-nonfinite-iterations).")
+
+    def _cannot_back_off(self) -> str:
+        if self.static_scale is not None:
+            return f"cannot back off: its scale is fixed at {self.scale:g} (--loss-scale)"
+        return f"cannot back off: its scale is at the minimum, {self.scale:g} (--min-loss-scale)"
+
+    @property
+    def must_stop(self) -> bool:
+        return self.consecutive >= self.max_consecutive
+
+    def stop_error(self, iteration: int) -> NonFiniteError:
+        fix = ("Drop --loss-scale (dynamic loss scaling) or give a smaller one"
+               if self.static_scale is not None else "Lower --lr or --min-loss-scale")
+        return NonFiniteError(
+            f"{self.consecutive} iterations in a row ({self.first_iteration}-{iteration}) "
+            f"overflowed in fp16 and were skipped: the loss scaler {self._cannot_back_off()}, "
+            f"so no update has been applied since iteration {self.first_iteration - 1}. "
+            f"{fix}, or train with --bf16.")

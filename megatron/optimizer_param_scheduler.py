@@ -14,19 +14,78 @@ Learning rate at step ``n`` (warmup ``W``, decay ``D``, both in steps):
 - ``linear`` / ``cosine``: from ``max_lr`` at ``W`` to ``min_lr`` at ``D``.
 
 Loading a checkpoint: with ``override_opt_param_scheduler`` the constructor's values win;
-with ``use_checkpoint_opt_param_scheduler`` the checkpoint's values win; with neither, any
-difference is an error that names the value and both flags.
+with ``use_checkpoint_opt_param_scheduler`` the checkpoint's values win; with neither, a
+difference that changes a learning rate or weight decay is a ``ScheduleMismatchError`` naming
+each value, the flags that set it, and both flags. Differences that change nothing are taken
+from this run (the weight-decay increment length when the weight decay is constant, the decay
+length of a constant learning rate): a longer ``--train-iters`` with ``--lr-decay-iters`` set
+resumes as it is.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
 from typing import Any, Optional
 
 from megatron.config import ConfigError, OptimizerConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
+
+# Per checked value: what it is, and the flags that set it (for the mismatch message).
+_VALUES = {
+    "max_lr": ("learning rate", "--lr"),
+    "min_lr": ("minimum learning rate", "--min-lr"),
+    "init_lr": ("initial warmup learning rate", "--lr-warmup-init"),
+    "lr_warmup_steps": ("warmup length", "--lr-warmup-iters / --lr-warmup-fraction / "
+                        "--lr-warmup-samples"),
+    "lr_decay_steps": ("decay length", "--lr-decay-iters / --lr-decay-samples (default: "
+                       "--train-iters / --train-samples)"),
+    "lr_decay_style": ("decay style", "--lr-decay-style"),
+    "lr_decay_tokens": ("decay length in tokens", "--lr-decay-tokens"),
+    "lr_warmup_tokens": ("warmup length in tokens", "--lr-warmup-tokens"),
+    "start_wd": ("start weight decay", "--start-weight-decay / --weight-decay"),
+    "end_wd": ("end weight decay", "--end-weight-decay / --weight-decay"),
+    "wd_incr_steps": ("weight-decay increment length", "--train-iters / --train-samples"),
+    "wd_incr_style": ("weight-decay increment style", "--weight-decay-incr-style"),
+}
+# Lengths counted in scheduler steps (samples in Megatron), shown in iterations when known.
+_LENGTHS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+
+class ScheduleMismatchError(ConfigError):
+    """The checkpoint's schedule differs from this run's flags, and neither
+    --override-opt_param-scheduler nor --use-checkpoint-opt_param-scheduler says which wins.
+
+    ``mismatches``: ``(name, this run's value, the checkpoint's)`` per differing value.
+    """
+
+    def __init__(self, mismatches: list[tuple[str, Any, Any]], samples_per_iteration: int = 0):
+        self.mismatches = mismatches
+        parts = [_describe(name, ours, saved, samples_per_iteration)
+                 for name, ours, saved in mismatches]
+        super().__init__(
+            f"the checkpoint's learning-rate schedule differs from this run's flags: "
+            f"{'; '.join(parts)}. Pass --use-checkpoint-opt_param-scheduler to continue the "
+            "checkpoint's schedule, or --override-opt_param-scheduler to follow these flags "
+            "from the checkpoint's position")
+
+
+def _describe(name: str, ours: Any, saved: Any, samples_per_iteration: int) -> str:
+    what, flags = _VALUES[name]
+    unit = ""
+    if name in _LENGTHS:
+        per = samples_per_iteration
+        if per and ours % per == 0 and saved % per == 0:
+            ours, saved, unit = ours // per, saved // per, " iterations"
+        else:
+            unit = " samples"
+    return f"{what} {_number(ours)}{unit} here, {_number(saved)} in the checkpoint ({flags})"
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 class OptimizerParamScheduler:
@@ -41,7 +100,8 @@ class OptimizerParamScheduler:
                  use_checkpoint_opt_param_scheduler: bool = False,
                  override_opt_param_scheduler: bool = False,
                  lr_warmup_tokens: Optional[int] = None,
-                 lr_decay_tokens: Optional[int] = None) -> None:
+                 lr_decay_tokens: Optional[int] = None,
+                 samples_per_iteration: int = 0) -> None:
         self.optimizer = optimizer
         self.init_lr = float(init_lr)
         self.max_lr = float(max_lr)
@@ -57,6 +117,8 @@ class OptimizerParamScheduler:
         self.wd_incr_style = wd_incr_style
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        # Steps per iteration of an iteration-based run (its messages speak in iterations).
+        self.samples_per_iteration = samples_per_iteration
         self.num_steps = 0
         self.num_tokens = 0
         # Step-based warmup with token-based decay: the decay starts at the token count seen
@@ -64,7 +126,8 @@ class OptimizerParamScheduler:
         self.decay_start_tokens: Optional[int] = None
         self._validate()
         self.step(0)
-        logger.info("learning rate decay style: %s", self.lr_decay_style)
+        if optimizer.param_groups:  # not for a scheduler built only to compare schedules
+            logger.info("learning rate decay style: %s", self.lr_decay_style)
 
     def _validate(self) -> None:
         if not 0.0 <= self.min_lr <= self.max_lr:
@@ -181,67 +244,72 @@ class OptimizerParamScheduler:
             "wd_incr_steps": self.wd_incr_steps,
         }
 
-    def _check_and_set(self, current: Any, saved: Any, what: str) -> Any:
-        """Megatron's rule for one value: override -> current, else checkpoint (checked)."""
-        if self.override_opt_param_scheduler:
-            logger.info("overriding %s value to %s", what, current)
-            return current
-        if not self.use_checkpoint_opt_param_scheduler and current != saved:
-            raise ValueError(
-                f"OptimizerParamScheduler: the {what} from the arguments ({current}) differs "
-                f"from the checkpoint ({saved}); pass --override-opt_param-scheduler to use the "
-                "arguments or --use-checkpoint-opt_param-scheduler to use the checkpoint")
-        logger.info("using checkpoint value %s for %s", saved, what)
+    def _schedule_values(self, sd: dict) -> dict[str, Any]:
+        """The checkpoint's schedule settings by our attribute names (older Megatron key
+        names accepted: start_lr, warmup_iter, warmup_steps, end_iter, decay_steps,
+        decay_style, decay_tokens, warmup_tokens)."""
+
+        def first(*keys: str) -> Any:
+            return next((sd[k] for k in keys if k in sd), None)
+
+        saved = {"max_lr": first("start_lr", "max_lr"), "min_lr": sd["min_lr"],
+                 "lr_warmup_steps": first("warmup_iter", "warmup_steps", "lr_warmup_steps"),
+                 "lr_decay_steps": first("end_iter", "decay_steps", "lr_decay_steps"),
+                 "lr_decay_style": first("decay_style", "lr_decay_style")}
+        if "init_lr" in sd:
+            saved["init_lr"] = sd["init_lr"]
+        if "lr_decay_tokens" in sd or "decay_tokens" in sd:
+            saved["lr_decay_tokens"] = first("lr_decay_tokens", "decay_tokens")
+        saved_warmup = first("lr_warmup_tokens", "warmup_tokens")
+        # Megatron-DeepSpeed stores the token count at the end of step-based warmup in
+        # lr_warmup_tokens: a position, not a setting, so it is not compared.
+        if "decay_start_tokens" in sd or self.lr_warmup_tokens is not None \
+                or saved_warmup is None:
+            saved["lr_warmup_tokens"] = saved_warmup
+        if "start_wd" in sd:
+            for name in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
+                saved[name] = sd[name]
         return saved
 
+    def _without_effect(self, name: str, saved: dict) -> bool:
+        """Whether a difference in ``name`` changes no learning rate or weight decay, in this
+        run's schedule and the checkpoint's: then it is not an error (this run's is kept)."""
+        if name == "wd_incr_steps":
+            constant = {self.wd_incr_style, saved["wd_incr_style"]} == {"constant"} or (
+                self.start_wd == self.end_wd == saved["start_wd"] == saved["end_wd"])
+            return constant
+        if name == "lr_decay_steps":
+            return self.lr_decay_style == saved["lr_decay_style"] == "constant"
+        return False
+
+    def _resolve(self, saved: dict) -> dict[str, Any]:
+        """Megatron's rule for each value: override -> this run's, use-checkpoint -> the
+        checkpoint's, neither -> they must agree (``ScheduleMismatchError`` otherwise)."""
+        if self.override_opt_param_scheduler:
+            logger.info("--override-opt_param-scheduler: the schedule follows the flags")
+            return {name: getattr(self, name) for name in saved}
+        if self.use_checkpoint_opt_param_scheduler:
+            logger.info("--use-checkpoint-opt_param-scheduler: the schedule is the checkpoint's")
+            return dict(saved)
+        mismatches = [(name, getattr(self, name), value) for name, value in saved.items()
+                      if getattr(self, name) != value and not self._without_effect(name, saved)]
+        if mismatches:
+            raise ScheduleMismatchError(mismatches, self.samples_per_iteration)
+        return {name: getattr(self, name) for name in saved}
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore the position; schedule values follow ``_check_and_set``.
-
-        Accepts the older key names Megatron checkpoints carry (start_lr, warmup_iter,
-        warmup_steps, end_iter, decay_steps, decay_style, num_iters).
-        """
+        """Restore the position; schedule values follow ``_resolve``."""
         sd = state_dict
-
-        def first(*keys: str, default: Any = None) -> Any:
-            return next((sd[k] for k in keys if k in sd), default)
-
-        self.max_lr = self._check_and_set(self.max_lr, first("start_lr", "max_lr"), "learning rate")
-        self.min_lr = self._check_and_set(self.min_lr, sd["min_lr"], "minimum learning rate")
-        if "init_lr" in sd:
-            self.init_lr = self._check_and_set(self.init_lr, sd["init_lr"], "initial warmup learning rate")
-        self.lr_warmup_steps = self._check_and_set(
-            self.lr_warmup_steps, first("warmup_iter", "warmup_steps", "lr_warmup_steps"),
-            "warmup iterations")
-        self.lr_decay_steps = self._check_and_set(
-            self.lr_decay_steps, first("end_iter", "decay_steps", "lr_decay_steps"),
-            "total number of iterations")
-        self.lr_decay_style = self._check_and_set(
-            self.lr_decay_style, first("decay_style", "lr_decay_style"), "learning rate decay style")
-        self._load_token_state(sd)
-        self.num_steps = 0  # the checkpoint's position replaces ours, it is not added to it
-        self.step(first("num_iters", "num_steps"), token_num=sd.get("num_tokens", self.num_tokens))
-        if "start_wd" in sd:
-            self.start_wd = self._check_and_set(self.start_wd, sd["start_wd"], "start weight decay")
-            self.end_wd = self._check_and_set(self.end_wd, sd["end_wd"], "end weight decay")
-            self.wd_incr_steps = self._check_and_set(
-                self.wd_incr_steps, sd["wd_incr_steps"], "total number of weight decay iterations")
-            self.wd_incr_style = self._check_and_set(
-                self.wd_incr_style, sd["wd_incr_style"], "weight decay incr style")
-            self.step(0)
-
-    def _load_token_state(self, sd: dict) -> None:
-        if "lr_decay_tokens" in sd or "decay_tokens" in sd:
-            saved = sd.get("lr_decay_tokens", sd.get("decay_tokens"))
-            self.lr_decay_tokens = self._check_and_set(self.lr_decay_tokens, saved, "decay tokens")
-        saved_warmup = sd.get("lr_warmup_tokens", sd.get("warmup_tokens"))
-        if "decay_start_tokens" not in sd and self.lr_warmup_tokens is None and saved_warmup is not None:
-            # Megatron-DeepSpeed stores the token count at the end of step-based warmup in
-            # lr_warmup_tokens; it is a position, not a setting, so it is not checked.
-            self.decay_start_tokens = saved_warmup
+        resolved = self._resolve(self._schedule_values(sd))
+        for name, value in resolved.items():
+            setattr(self, name, value)
+        if "lr_warmup_tokens" not in resolved:  # Megatron-DeepSpeed's position (see above)
+            self.decay_start_tokens = sd.get("lr_warmup_tokens", sd.get("warmup_tokens"))
         else:
-            self.lr_warmup_tokens = self._check_and_set(self.lr_warmup_tokens, saved_warmup,
-                                                        "warmup tokens")
             self.decay_start_tokens = sd.get("decay_start_tokens")
+        self.num_steps = 0  # the checkpoint's position replaces ours, it is not added to it
+        position = next(sd[k] for k in ("num_iters", "num_steps") if k in sd)
+        self.step(position, token_num=sd.get("num_tokens", self.num_tokens))
 
 
 def build_optimizer_param_scheduler(scheduler_config: SchedulerConfig,
@@ -287,4 +355,45 @@ def build_optimizer_param_scheduler(scheduler_config: SchedulerConfig,
         use_checkpoint_opt_param_scheduler=sc.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=sc.override_opt_param_scheduler,
         lr_warmup_tokens=sc.lr_warmup_tokens, lr_decay_tokens=sc.lr_decay_tokens,
+        samples_per_iteration=global_batch_size if train_iters is not None else 0,
     )
+
+
+class _NoParameters:
+    """An optimizer without parameters: what a scheduler built only to be compared needs."""
+
+    param_groups: list = []
+
+
+def check_resumed_schedule_or_exit(cfg: Any, ds_config: Optional[dict]) -> None:
+    """A ``--load`` whose schedule differs from this run's flags (another --lr, a longer
+    --train-iters that moves the decay) ends the run before any process group or model
+    exists: ``error: ...`` on rank 0 naming each value, its flags and the flag that resolves
+    it (exit status 2), instead of a ``ScheduleMismatchError`` on every rank at the load. The
+    same rule as the load: a scheduler built from the flags loads the checkpoint's state."""
+    from megatron import checkpointing
+    from megatron.utils import global_rank
+
+    ck, sc = cfg.checkpoint, cfg.scheduler
+    if (not ck.load or ck.finetune or ck.no_load_optim or ck.no_load_lr_state
+            or sc.override_opt_param_scheduler or sc.use_checkpoint_opt_param_scheduler
+            or (ds_config is not None and "scheduler" in ds_config)):
+        return
+    if ds_config is not None:
+        from megatron.integrations.deepspeed import scheduler_state
+
+        found = scheduler_state(ck.load)
+    else:
+        found = checkpointing.load_scheduler_state(ck.load)
+    if found is None:
+        return
+    folder, saved = found
+    scheduler = build_optimizer_param_scheduler(
+        sc, cfg.optimizer, _NoParameters(), global_batch_size=cfg.training.global_batch_size,
+        train_iters=cfg.training.train_iters, train_samples=cfg.training.train_samples)
+    try:
+        scheduler.load_state_dict(saved)
+    except ScheduleMismatchError as error:
+        if global_rank() == 0:
+            print(f"error: --load {ck.load}: {folder}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -8,6 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
+
 TIMING_LOG_OPTIONS = ("max", "minmax", "all")
 _HEADERS = {"max": "max time across ranks (ms)", "minmax": "(min, max) time across ranks (ms)",
             "all": "time on each rank (ms)"}
@@ -76,7 +78,7 @@ def gather_across_ranks(seconds: dict[str, float]) -> list[dict[str, float]]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [seconds]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, seconds)
+    dist.all_gather_object(gathered, seconds, group=parallel_state.get_control_group())
     return gathered
 
 

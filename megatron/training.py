@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import gc
 import math
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from megatron import xla
 from megatron.assembly.build import (
     RunContext,
     build_run_tokenizer,
@@ -48,15 +48,22 @@ from megatron.data.dataset_utils import train_valid_test_num_samples as data_sam
 from megatron.initialize import initialize_megatron
 from megatron.integrations.deepspeed import deepspeed_config_or_exit
 from megatron.microbatches import NumMicroBatchesCalculator
+from megatron.model.layer_norm import apex_layer_norm_used
 from megatron.model.transformer import flash_attn_installed
 from megatron.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,
+    OverflowGuard,
     check_finite_for_save,
     describe_nonfinite_grad_norm,
     describe_nonfinite_loss,
     locate_nonfinite_loss,
 )
+from megatron.optimizer_param_scheduler import (
+    ScheduleMismatchError,
+    check_resumed_schedule_or_exit,
+)
+from megatron.signals import INTERRUPTED_EXIT_STATUS, ShutdownSignals
 from megatron.timers import Timers, format_across_ranks, gather_across_ranks
 from megatron.training_log import (
     TensorBoard,
@@ -71,7 +78,7 @@ from megatron.training_log import (
     memory_gb,
     training_series,
 )
-from megatron.utils import configure_output, print_rank_0
+from megatron.utils import configure_output, global_rank, print_rank_0
 
 
 @dataclasses.dataclass
@@ -155,6 +162,8 @@ def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+    if device.type == "xla":  # run the traced evaluation step before reading it
+        xla.mark_step()
     return dict(zip(names, values.tolist()))
 
 
@@ -181,6 +190,9 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
     advance the learning-rate schedule.
     """
     cfg, timers = ctx.config, ctx.timers
+    if ctx.device.type == "xla":
+        return _xla_train_step(forward_step, data_iterator, chunks, optimizer, scheduler, ctx,
+                               num_microbatches)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -215,19 +227,36 @@ def train_step(forward_step: Callable, data_iterator, chunks, optimizer, schedul
     return StepResult(_reduce_losses(losses), not updated, grad_norm, num_zeros, nonfinite)
 
 
+def _xla_train_step(forward_step: Callable, data_iterator, chunks, optimizer, scheduler,
+                    ctx: RunContext, num_microbatches: int) -> StepResult:
+    """``train_step`` on an XLA device: one traced graph per iteration (training_xla)."""
+    from megatron import training_xla
+
+    cfg = ctx.config
+    step = training_xla.train_step(forward_step, data_iterator, chunks, optimizer, cfg,
+                                   num_microbatches, ctx.timers)
+    if step.updated:
+        scheduler.step(increment=num_microbatches * cfg.training.micro_batch_size
+                       * parallel_state.get_data_parallel_world_size())
+    return StepResult(step.losses, not step.updated, step.grad_norm, None, step.nonfinite)
+
+
 def engine_train_step(engine, forward_step: Callable, data_iterator, ctx: RunContext,
                       num_microbatches: int) -> StepResult:
     """One iteration through DeepSpeed's engine, reported as ``train_step`` reports it."""
     timers = ctx.timers
     timers("forward-backward-optimizer", log_level=1).start()
-    losses, applied, grad_norm = engine.train_step(forward_step, data_iterator,
-                                                   num_microbatches)
+    losses, applied, grad_norm, bad_loss = engine.train_step(forward_step, data_iterator,
+                                                             num_microbatches)
     timers("forward-backward-optimizer").stop()
+    opt = ctx.config.optimizer
     nonfinite = None
-    if ctx.config.optimizer.check_for_nan_in_loss_and_grad:
-        bad_loss = locate_nonfinite_loss(losses)
-        if bad_loss is not None:  # DeepSpeed applied the step: say so, the guard counts it
-            nonfinite = describe_nonfinite_loss(*bad_loss, num_microbatches)
+    if bad_loss is not None:  # not applied (see DeepSpeedRun.train_step)
+        nonfinite = describe_nonfinite_loss(*bad_loss, num_microbatches)
+    elif opt.check_for_nan_in_loss_and_grad and not applied and not opt.fp16:
+        # Not an fp16 overflow (the loss scaler's business, as in the built-in engine).
+        nonfinite = (f"the grad norm ({grad_norm}; every micro-batch loss was finite; DeepSpeed "
+                     "found NaN/Inf gradients)")
     return StepResult(_reduce_losses(losses), not applied, grad_norm, None, nonfinite)
 
 
@@ -258,18 +287,6 @@ def evaluate(forward_step: Callable, data_iterator, chunks, ctx: RunContext,
 # Exits -----------------------------------------------------------------------------------
 
 
-class _SignalFlag:
-    """Remembers that SIGTERM arrived; the loop checks it between iterations."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.received = False
-        if enabled:
-            signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-
-
 # The loop --------------------------------------------------------------------------------
 
 
@@ -277,7 +294,8 @@ class Trainer:
     """Holds what the loop needs between iterations; ``train()`` runs to the end or an exit."""
 
     def __init__(self, ctx: RunContext, forward_step, chunks, optimizer, scheduler,
-                 iterators, state: TrainState, engine=None) -> None:
+                 iterators, state: TrainState, signals: ShutdownSignals,
+                 engine=None) -> None:
         self.ctx, self.cfg = ctx, ctx.config
         # DeepSpeed's engine (megatron/integrations/deepspeed.py DeepSpeedRun) where it
         # trains: it replaces the schedule, the step and the checkpoint files, nothing else.
@@ -298,8 +316,12 @@ class Trainer:
                              is_logger)
         self.tensorboard = TensorBoard(self.cfg.logging.tensorboard_dir, is_logger,
                                        self.cfg.logging.tensorboard_queue_size, wandb)
-        self.signal = _SignalFlag(t.exit_signal_handler)
+        self.signals = signals
         self.guard = NonFiniteGuard(t.max_consecutive_nonfinite_iterations)
+        opt = self.cfg.optimizer
+        self.overflow_guard = (OverflowGuard(t.max_consecutive_nonfinite_iterations,
+                                             opt.loss_scale, opt.min_loss_scale)
+                               if opt.fp16 else None)
         self._refused_save: Optional[int] = None
         self.start_time = time.time()
         self._interval: dict[str, float] = {}
@@ -356,6 +378,7 @@ class Trainer:
             self.calculator.update(s.consumed_train_samples)
             num_micro = self.calculator.num_microbatches
             gbs = self.calculator.current_global_batch_size
+            scale = self._fp16_loss_scale()  # the scale this step begins with
             if self.engine is not None:
                 result = engine_train_step(self.engine, self.forward_step, self.train_iter,
                                            self.ctx, num_micro)
@@ -368,10 +391,13 @@ class Trainer:
             if t.manual_gc and t.manual_gc_interval and s.iteration % t.manual_gc_interval == 0:
                 self._collect_garbage()
             self._warn_nonfinite(result.nonfinite)
+            self._warn_overflow(result, scale)
             self._account(result, gbs)
             if self.guard.must_stop:
                 raise self.guard.stop_error(s.iteration, self.cfg.checkpoint.save,
                                             s.last_saved)
+            if self.overflow_guard is not None and self.overflow_guard.must_stop:
+                raise self.overflow_guard.stop_error(s.iteration)
             reason = self._after_iteration()
             if reason:
                 return reason
@@ -383,6 +409,10 @@ class Trainer:
         s.history.append(dict(iteration=s.iteration, losses=losses, grad_norm=result.grad_norm,
                               skipped=result.skipped, nonfinite=result.nonfinite is not None,
                               loss_scale=float(scale) if scale is not None else None))
+        if self.ctx.device.type == "xla":
+            from megatron import training_xla
+
+            training_xla.record_compilations(s.history[-1])
         self._interval_iters += 1
         self._interval_tokens += gbs * self.cfg.model.seq_length
         self._skipped += int(result.skipped)
@@ -408,6 +438,21 @@ class Trainer:
 
     def _warn_nonfinite(self, nonfinite: Optional[str]) -> None:
         warning = self.guard.observe(self.state.iteration, nonfinite)
+        if warning:
+            print_rank_0(warning)
+
+    def _fp16_loss_scale(self) -> Optional[float]:
+        if self.overflow_guard is None:
+            return None
+        scale = self.optimizer.get_loss_scale()
+        return float(scale) if scale is not None else None
+
+    def _warn_overflow(self, result: StepResult, scale: Optional[float]) -> None:
+        """fp16: a step the loss scaler skipped (not one the NaN guard skipped)."""
+        if self.overflow_guard is None:
+            return
+        overflowed = result.skipped and result.nonfinite is None
+        warning = self.overflow_guard.observe(self.state.iteration, overflowed, scale)
         if warning:
             print_rank_0(warning)
 
@@ -530,7 +575,7 @@ class Trainer:
         if ck.save and ck.save_interval and it % ck.save_interval == 0:
             self.save()
         reason = None
-        if any_true(self.signal.received):
+        if any_true(self.signals.received is not None):
             reason = "signal"
         elif t.exit_duration_in_mins and any_true(
                 (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins):
@@ -590,20 +635,21 @@ class Trainer:
                 print_rank_0(f"  not saving a checkpoint at iteration {s.iteration}: its step "
                              f"was NaN/Inf and skipped (latest checkpoint: {s.last_saved})")
             return False
-        if self.engine is not None:
-            folder = self.engine.save(self.cfg.checkpoint.save, s.iteration,
-                                      s.consumed_train_samples, s.consumed_valid_samples)
+        with self.signals.saving():  # Ctrl-C waits for the save to be complete
+            if self.engine is not None:
+                folder = self.engine.save(self.cfg.checkpoint.save, s.iteration,
+                                          s.consumed_train_samples, s.consumed_valid_samples)
+            else:
+                # --dp-mode decentralized saves the replicas' mean.
+                self.optimizer.average_replicas()
+                check_finite_for_save(self.chunks, self.optimizer, s.iteration)
+                folder = checkpointing.save_checkpoint(
+                    s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
+                    consumed_train_samples=s.consumed_train_samples,
+                    consumed_valid_samples=s.consumed_valid_samples)
+            # checkpointing logs the save ("successfully saved checkpoint ..."); the run
+            # summary names the last folder.
             s.last_saved, s.last_checkpoint = s.iteration, folder
-            return True
-        self.optimizer.average_replicas()  # --dp-mode decentralized saves the replicas' mean
-        check_finite_for_save(self.chunks, self.optimizer, s.iteration)
-        folder = checkpointing.save_checkpoint(
-            s.iteration, self.chunks, self.optimizer, self.scheduler, self.cfg,
-            consumed_train_samples=s.consumed_train_samples,
-            consumed_valid_samples=s.consumed_valid_samples)
-        # checkpointing logs the save ("successfully saved checkpoint ..."); the run summary
-        # names the last folder.
-        s.last_saved, s.last_checkpoint = s.iteration, folder
         return True
 
 
@@ -642,7 +688,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
              forward_step_func: Callable, *, extra_args_provider: Optional[Callable] = None,
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
     """Parse flags, initialize, build, train, evaluate and save; returns the final state.
-    With --rehearse, rehearse the run on this machine instead (megatron/rehearsal)."""
+    With --rehearse, rehearse the launch on this machine instead (megatron/rehearsal).
+
+    Ctrl-C (SIGINT) ends it with one line on rank 0 and ``SystemExit(130)``, or, with
+    --exit-signal-handler, as SIGTERM does (see megatron/signals.py)."""
     wall_start = time.perf_counter()
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
     callbacks = RunCallbacks(train_valid_test_datasets_provider, model_provider,
@@ -652,14 +701,43 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
 
         rehearse_or_exit(cfg, callbacks)
     configure_output(cfg.logging.log_all_ranks)
+    _check_device_support_or_exit(cfg)
+    if cfg.training.xla_processes and not xla.inside_replica():
+        from megatron.initialize import free_port
+
+        xla.launch_replicas(
+            functools.partial(pretrain, train_valid_test_datasets_provider, model_provider,
+                              forward_step_func, extra_args_provider=extra_args_provider,
+                              args_defaults=args_defaults, argv=argv),
+            cfg.training.xla_processes, cfg.training.mp_start_method, free_port())
+        return TrainState()
+    _check_device_support_or_exit(cfg, replica=True)
+    signals = ShutdownSignals(cfg.training.exit_signal_handler)
+    state = TrainState()
+    try:
+        return _pretrain(cfg, state, signals, wall_start, callbacks)
+    except BaseException as error:
+        # An interrupted peer leaves its collectives: the errors that follow are the interrupt.
+        if not signals.was_interrupted() or (isinstance(error, SystemExit) and error.code == 0):
+            raise
+        if global_rank() == 0:
+            print(_interrupted_message(state, cfg), file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED_EXIT_STATUS) from None
+    finally:
+        signals.restore()
+
+
+def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals, wall_start: float,
+              callbacks: RunCallbacks) -> TrainState:
+    """pretrain() after the flags are parsed; fills ``state`` as it goes."""
     _check_checkpoint_folders_or_exit(cfg)
     check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
     ds_config = deepspeed_config_or_exit(cfg)
+    check_resumed_schedule_or_exit(cfg, ds_config)
     if cfg.training.dry_run:
         return _dry_run(cfg.with_vocab_size(run_vocab_size(cfg, tokenizer)))
-    trainer = start_run(cfg, tokenizer, ds_config, callbacks)
-    state = trainer.state
+    trainer = start_run(cfg, tokenizer, ds_config, callbacks, state, signals)
     if cfg.training.eval_only:
         trainer.evaluate_only()
         trainer.tensorboard.close()
@@ -674,7 +752,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         if reason == "done":
             trainer.finish()
         else:
-            print_rank_0(_exit_message(reason, state, trainer.cfg))
+            print_rank_0(_exit_message(reason, state, trainer.cfg, signals.received))
     except NonFiniteError as error:
         # Every rank raised it at the same point (its decisions are collective).
         trainer.tensorboard.close()
@@ -686,14 +764,17 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     return state
 
 
-def start_run(cfg: RunConfig, tokenizer, ds_config: Optional[dict],
-              callbacks: RunCallbacks) -> Trainer:
+def start_run(cfg: RunConfig, tokenizer, ds_config: Optional[dict], callbacks: RunCallbacks,
+              state: TrainState, signals: ShutdownSignals) -> Trainer:
     """This rank's set-up, up to the first iteration: process groups, model chunks, optimizer
     (or DeepSpeed's engine), checkpoint, data iterators; returns the ``Trainer`` that runs the
-    loop. ``cfg`` is the parsed config (before the vocabulary is known); the rehearsal runs
-    each rank's set-up through here too."""
+    loop and fills ``state``. ``cfg`` is the parsed config (before the vocabulary is known);
+    the rehearsal runs each rank's set-up through here too."""
     device = initialize_megatron(cfg)
     cfg = cfg.with_vocab_size(run_vocab_size(cfg, tokenizer))
+    # The arguments block shows what this device uses, not what was asked for.
+    cfg = cfg.replace(model=cfg.model.replace(
+        apex_layernorm=apex_layer_norm_used(cfg.model, device)))
     # --log-bubble needs the schedule's phase timers (level 1) whatever is printed.
     timer_level = max(cfg.logging.timing_log_level, 1 if cfg.logging.log_bubble else 0)
     ctx = RunContext(cfg, tokenizer, Timers(timer_level), device)
@@ -715,14 +796,19 @@ def start_run(cfg: RunConfig, tokenizer, ds_config: Optional[dict],
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                  f"({parallel_state.get_tensor_model_parallel_rank()}, "
                  f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_parameters(chunks)}")
-    state = TrainState()
-    if cfg.checkpoint.load and engine is not None:
-        engine.load(state)
-    elif cfg.checkpoint.load:
-        load_into(state, chunks, optimizer, scheduler, _eval_only_load(cfg))
+    try:
+        if cfg.checkpoint.load and engine is not None:
+            engine.load(state)
+        elif cfg.checkpoint.load:
+            load_into(state, chunks, optimizer, scheduler, _eval_only_load(cfg))
+    except ScheduleMismatchError as error:  # one the start-up check could not read ahead
+        if global_rank() == 0:  # every rank has the same state and flags
+            print(f"error: --load {cfg.checkpoint.load}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     forward_step = functools.partial(callbacks.forward_step, ctx)
     iterators = build_data_iterators(callbacks.datasets_provider, ctx, state)
-    return Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state, engine)
+    return Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state,
+                   signals, engine)
 
 
 def _dry_run(cfg: RunConfig) -> TrainState:
@@ -778,25 +864,63 @@ def _end_run(trainer: Trainer, start: _RunStart, loop_seconds: float) -> None:
         flops_per_token=flops_per_token(cfg.model),
         train_losses=s.history[-1]["losses"] if s.history else {},
         valid_losses=s.last_valid_losses, checkpoint=s.last_checkpoint))
+    if trainer.ctx.device.type == "xla":
+        from megatron import training_xla
+
+        print_rank_0(training_xla.compilation_report())
     trainer.tensorboard.close()
     _finish()
 
 
 _EXIT_MESSAGES = {
-    "signal": "SIGTERM received with --exit-signal-handler",
+    "signal": "{signal} received with --exit-signal-handler",
     "duration": "--exit-duration-in-mins reached",
     "interval": "--exit-interval reached",
 }
 
 
-def _exit_message(reason: str, state: TrainState, cfg: RunConfig) -> str:
+def _saved_at_exit(state: TrainState, cfg: RunConfig) -> str:
     if not cfg.checkpoint.save:
-        saved = "no --save given"
-    elif state.last_saved == state.iteration:
-        saved = "checkpoint saved"
+        return "no --save given"
+    if state.last_saved == state.iteration:
+        return "checkpoint saved"
+    return f"no checkpoint saved (the latest is iteration {state.last_saved})"
+
+
+def _exit_message(reason: str, state: TrainState, cfg: RunConfig,
+                  signal_name: Optional[str] = None) -> str:
+    why = _EXIT_MESSAGES[reason].format(signal=signal_name or "SIGTERM")
+    return f"exiting at iteration {state.iteration} ({why}); {_saved_at_exit(state, cfg)}"
+
+
+def _interrupted_message(state: TrainState, cfg: RunConfig) -> str:
+    """The one line of a Ctrl-C: where the run was and which checkpoint is the latest."""
+    if not cfg.checkpoint.save:
+        latest = "no --save given"
+    elif state.last_saved is None:
+        latest = f"no checkpoint in --save {cfg.checkpoint.save} from this run"
     else:
-        saved = f"no checkpoint saved (the latest is iteration {state.last_saved})"
-    return f"exiting at iteration {state.iteration} ({_EXIT_MESSAGES[reason]}); {saved}"
+        latest = (f"the latest checkpoint is iteration {state.last_saved} in --save "
+                  f"{cfg.checkpoint.save}")
+    return (f"interrupted (SIGINT, Ctrl-C) after iteration {state.iteration}; {latest}; "
+            "resume with --load, or add --exit-signal-handler to save when interrupted")
+
+
+def _check_device_support_or_exit(cfg: RunConfig, replica: bool = False) -> None:
+    """Flags an XLA device cannot honour, XLA-only flags without one and (``replica``) an XLA
+    world PJRT cannot make end the run with ``error: ...`` naming the flag (exit 2) before
+    any process group or model exists (``megatron.training_xla``)."""
+    from megatron import training_xla
+
+    if replica:
+        problem = training_xla.unsupported_replica(cfg)
+    elif cfg.training.distributed_backend == "xla":
+        problem = training_xla.unsupported_on_xla(cfg)
+    else:
+        problem = training_xla.unsupported_off_xla(cfg)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
@@ -825,4 +949,4 @@ def _warn_slow_precision(cfg: RunConfig, device: torch.device) -> None:
 def _finish() -> None:
     sys.stdout.flush()
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=parallel_state.get_control_group())

@@ -45,6 +45,7 @@ from megatron.checkpointing.load import (
     LoadReport,
     load_checkpoint,
     load_checkpoint_config,
+    load_scheduler_state,
 )
 from megatron.checkpointing.manifest import read_manifest
 from megatron.checkpointing.paths import (
@@ -93,6 +94,7 @@ __all__ = [
     "list_iterations",
     "load_checkpoint",
     "load_checkpoint_config",
+    "load_scheduler_state",
     "mp_rank_dir_name",
     "prune_checkpoints",
     "read_best",

@@ -26,13 +26,18 @@ from megatron.checkpointing.errors import (
     CheckpointLayoutError,
 )
 from megatron.checkpointing.files import read_torch
-from megatron.checkpointing.manifest import read_manifest, verify_files
+from megatron.checkpointing.manifest import (
+    check_complete,
+    check_listed,
+    manifest_layout,
+    read_manifest,
+    verify_files,
+)
 from megatron.checkpointing.model_shape import check_model_shape
 from megatron.checkpointing.paths import (
     DISTRIB_OPTIM_FILENAME,
     MANIFEST_FILENAME,
     MODEL_FILENAME,
-    RESHARD_HINT,
     TRACKER_FILENAME,
     Tracker,
     check_layout,
@@ -40,6 +45,7 @@ from megatron.checkpointing.paths import (
     list_iterations,
     mp_rank_dir_name,
     read_tracker,
+    reshard_hint,
     resolve_iteration_dir,
     saved_layout,
 )
@@ -48,6 +54,7 @@ from megatron.checkpointing.ranks import (
     all_true,
     check_same_everywhere,
     current_layout,
+    gather_to_all,
 )
 from megatron.checkpointing.rng import restore_rng_state, rng_state_for
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
@@ -132,14 +139,11 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
     error, files = None, None
     try:
         files = _read_rank_files(config, tracker, layout, optimizer, load_optim)
-        _load_model(files.state, chunks, files.path, strict)
+        _load_model(files.state, chunks, files.path, strict, _reshard_hint(config))
     except Exception as e:  # noqa: BLE001 - decide together before any collective
         error = e
     if not all_true(error is None):
-        if error is not None:
-            raise error
-        raise CheckpointError(f"loading the checkpoint from {ckpt.load} failed on another rank "
-                              "(see its error)")
+        _raise_first_failure(error)
     scheduler_loaded, rng_loaded = _restore_training_state(
         files, ckpt, layout, optimizer, opt_param_scheduler, model_only, load_optim)
     state = files.state
@@ -153,15 +157,32 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
                             extra=extra_entries(state), report=report)
 
 
+def _raise_first_failure(error: Optional[Exception]) -> None:
+    """After a failed vote: this rank's own error, or the lowest failing rank's message, so
+    that rank 0 (which speaks for all) names the real cause."""
+    if error is not None:
+        gather_to_all(str(error))
+        raise error
+    failures = gather_to_all(None)
+    rank, message = next((r, m) for r, m in enumerate(failures) if m is not None)
+    raise CheckpointError(f"on rank {rank}: {message}")
+
+
 def _read_rank_files(config: Any, tracker: Tracker, layout: RankLayout, optimizer: Any,
                      load_optim: bool) -> _RankFiles:
     """Check the tracker's folder against this run and its manifest, then read this rank's
     files. The model shape is compared before any tensor is read when there is a manifest."""
     ckpt = config.checkpoint
     iter_dir = resolve_iteration_dir(ckpt.load, tracker)
-    check_layout(iter_dir, layout.tp_size, layout.pp_size)
     where = f"{iter_dir} (--load {ckpt.load})"
     manifest = read_manifest(iter_dir)
+    model_rel = f"{layout.mp_rank_dir}/{MODEL_FILENAME}"
+    if manifest is not None:
+        if os.path.isfile(os.path.join(iter_dir, layout.mp_rank_dir, MODEL_FILENAME)):
+            _with_hint(check_listed, ckpt.load, iter_dir, manifest, model_rel)
+        _with_hint(check_complete, ckpt.load, iter_dir, manifest)
+    check_layout(iter_dir, layout.tp_size, layout.pp_size, _reshard_hint(config),
+                 manifest_layout(manifest) if manifest is not None else None)
     if manifest is not None:
         check_model_shape(manifest.get("config"), config.model, where)
         _verify(iter_dir, manifest, layout, load_optim, ckpt)
@@ -188,11 +209,24 @@ def _verify(iter_dir: str, manifest: dict, layout: RankLayout, load_optim: bool,
     distrib = f"{layout.mp_rank_dir}/{DISTRIB_OPTIM_FILENAME}"
     rel_paths = [model] + ([distrib] if load_optim and distrib in manifest["files"] else [])
     checksums = layout.dp_rank == 0 and not ckpt.no_verify_checkpoint
+    _with_hint(verify_files, ckpt.load, iter_dir, manifest, rel_paths, checksums=checksums)
+
+
+def _with_hint(check: Any, load_dir: str, iter_dir: str, manifest: dict, *args: Any,
+               **kwargs: Any) -> None:
+    """``check(iter_dir, manifest, ...)``; a damaged or incomplete folder's error says which
+    other checkpoints could be resumed instead."""
     try:
-        verify_files(iter_dir, manifest, rel_paths, checksums=checksums)
+        check(iter_dir, manifest, *args, **kwargs)
     except CheckpointCorruptError as error:
-        hint = _earlier_checkpoints_hint(ckpt.load, manifest.get("iteration"))
+        hint = _earlier_checkpoints_hint(load_dir, manifest.get("iteration"))
         raise CheckpointCorruptError(f"{error}. {hint}") from error
+
+
+def _reshard_hint(config: Any) -> str:
+    p = config.parallel
+    return reshard_hint(config.checkpoint.load, p.tensor_model_parallel_size,
+                        p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage)
 
 
 def _earlier_checkpoints_hint(load_dir: str, damaged: Optional[int]) -> str:
@@ -204,14 +238,15 @@ def _earlier_checkpoints_hint(load_dir: str, damaged: Optional[int]) -> str:
             f"{os.path.join(load_dir, TRACKER_FILENAME)}")
 
 
-def _load_model(state: dict, chunks: list[nn.Module], path: str, strict: bool) -> None:
+def _load_model(state: dict, chunks: list[nn.Module], path: str, strict: bool,
+                reshard: str) -> None:
     keys = sorted((k for k in state if MODEL_KEY_RE.fullmatch(k)),
                   key=lambda k: int(k[5:] or 0))
     if keys != model_keys(len(chunks)):
         raise CheckpointLayoutError(
             f"{path} holds {len(keys)} model chunk(s) ({', '.join(keys) or 'none'}), this run "
             f"has {len(chunks)} (virtual pipeline size): run with the saved "
-            f"--num-layers-per-virtual-pipeline-stage, or {RESHARD_HINT}")
+            f"--num-layers-per-virtual-pipeline-stage, or {reshard}")
     for key, chunk in zip(keys, chunks):
         try:
             unwrap_model(chunk).load_state_dict(state[key], strict=strict)
@@ -282,6 +317,25 @@ def _load_optimizer(files: _RankFiles, optimizer: Any, scheduler: Any) -> bool:
         scheduler.load_state_dict(saved)
         return True
     return False
+
+
+def load_scheduler_state(load_dir: str) -> Optional[tuple[str, dict]]:
+    """The learning-rate schedule stored with the latest checkpoint of ``load_dir``: its
+    folder and state, or None when there is none to resume (no checkpoint, a release one, a
+    file that cannot be read: loading reports those). Reads one small entry of a
+    memory-mapped file, so it is cheap enough to check before anything is built."""
+    try:
+        tracker = read_tracker(load_dir)
+        if tracker is None or tracker.release:
+            return None
+        iter_dir = resolve_iteration_dir(load_dir, tracker)
+        _, pp = saved_layout(iter_dir)
+        state = read_torch(os.path.join(iter_dir, mp_rank_dir_name(0, 0, pp), MODEL_FILENAME),
+                           mmap=True)
+    except (CheckpointError, OSError):
+        return None
+    saved = state.get("opt_param_scheduler", state.get("lr_scheduler"))
+    return (iter_dir, saved) if isinstance(saved, dict) else None
 
 
 def load_checkpoint_config(load_dir: str) -> Optional[dict]:

@@ -78,6 +78,34 @@ def read_manifest(iter_dir: str) -> Optional[dict]:
     return manifest
 
 
+def manifest_layout(manifest: dict) -> Optional[tuple[int, int]]:
+    """The (tensor, pipeline) sizes the manifest records, if it records them."""
+    layout = manifest.get("parallel_layout") or {}
+    sizes = (layout.get("tensor_model_parallel_size"), layout.get("pipeline_model_parallel_size"))
+    return sizes if all(isinstance(n, int) and n > 0 for n in sizes) else None
+
+
+def check_complete(iter_dir: str, manifest: dict) -> None:
+    """Raise ``CheckpointCorruptError`` naming the files the manifest lists that are missing
+    (a folder copied in part, a rank's files deleted): the layout the manifest records is the
+    checkpoint's, whatever mp_rank_* folders remain."""
+    missing = [rel for rel in manifest["files"]
+               if not os.path.isfile(os.path.join(iter_dir, *rel.split("/")))]
+    if not missing:
+        return
+    layout = manifest_layout(manifest)
+    saved = (f" of a save with tensor-model-parallel size {layout[0]} and "
+             f"pipeline-model-parallel size {layout[1]}" if layout else "")
+    shown = ", ".join(f"checkpoint file {os.path.join(iter_dir, *rel.split('/'))} does not "
+                      f"exist (listed with {manifest['files'][rel]['size']} bytes)"
+                      for rel in missing[:4])
+    if len(missing) > 4:
+        shown += f", and {len(missing) - 4} more"
+    raise CheckpointCorruptError(
+        f"checkpoint {iter_dir} is incomplete: {os.path.join(iter_dir, MANIFEST_FILENAME)} lists "
+        f"{len(manifest['files'])} files{saved}; {shown}")
+
+
 def _is_entry(entry: Any) -> bool:
     return (isinstance(entry, dict) and isinstance(entry.get("size"), int)
             and isinstance(entry.get("crc32"), str))
@@ -91,11 +119,16 @@ def verify_files(iter_dir: str, manifest: dict, rel_paths: Iterable[str], *,
     recorded = manifest["files"]
     where = os.path.join(iter_dir, MANIFEST_FILENAME)
     for rel in rel_paths:
-        path = os.path.join(iter_dir, *rel.split("/"))
-        if rel not in recorded:
-            raise CheckpointCorruptError(f"checkpoint file {path} is not listed in {where}: "
-                                         "the folder holds files of another save")
-        _verify_file(path, recorded[rel], where, checksums)
+        check_listed(iter_dir, manifest, rel)
+        _verify_file(os.path.join(iter_dir, *rel.split("/")), recorded[rel], where, checksums)
+
+
+def check_listed(iter_dir: str, manifest: dict, rel: str) -> None:
+    """Raise ``CheckpointCorruptError`` when the folder's file ``rel`` is not in the manifest."""
+    if rel not in manifest["files"]:
+        raise CheckpointCorruptError(
+            f"checkpoint file {os.path.join(iter_dir, *rel.split('/'))} is not listed in "
+            f"{os.path.join(iter_dir, MANIFEST_FILENAME)}: the folder holds files of another save")
 
 
 def _verify_file(path: str, entry: dict, where: str, checksum: bool) -> None:

@@ -7,6 +7,7 @@ import glob
 import logging
 import os
 import re
+import shlex
 import tempfile
 from typing import NamedTuple, Optional
 
@@ -20,10 +21,6 @@ BEST_FILENAME = "best_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
 MANIFEST_FILENAME = "manifest.json"
-RESHARD_HINT = ("reshard it (python tools/checkpoint/convert.py --model-type GPT --loader "
-                "megatron --saver megatron --load-dir LOAD --save-dir NEW "
-                "--target-tensor-parallel-size N --target-pipeline-parallel-size M) and "
-                "--load the new folder")
 
 ITER_RE = re.compile(r"iter_(\d{7,})")
 MP_RANK_RE = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
@@ -128,15 +125,32 @@ def saved_layout(iter_dir: str) -> tuple[int, int]:
     return tp, pp
 
 
-def check_layout(iter_dir: str, tp_size: int, pp_size: int) -> None:
-    """Raise ``CheckpointLayoutError`` unless ``iter_dir`` was saved at (tp_size, pp_size)."""
-    saved = saved_layout(iter_dir)
+def reshard_hint(load_dir: str, tp_size: int, pp_size: int,
+                 vp_layers: Optional[int] = None) -> str:
+    """How to get ``load_dir``'s checkpoint at this run's layout: the converter command with
+    the real paths and sizes, ready to paste, and the ``--load`` to use after it."""
+    new = f"{os.path.normpath(load_dir)}_tp{tp_size}_pp{pp_size}"
+    cmd = ["python", "tools/checkpoint/convert.py", "--model-type", "GPT", "--loader",
+           "megatron", "--saver", "megatron", "--load-dir", load_dir, "--save-dir", new,
+           "--target-tensor-parallel-size", str(tp_size),
+           "--target-pipeline-parallel-size", str(pp_size)]
+    if vp_layers:
+        cmd += ["--target-num-layers-per-virtual-pipeline-stage", str(vp_layers)]
+    return f"reshard it with `{shlex.join(cmd)}`, then --load {shlex.quote(new)}"
+
+
+def check_layout(iter_dir: str, tp_size: int, pp_size: int, reshard: str,
+                 saved: Optional[tuple[int, int]] = None) -> None:
+    """Raise ``CheckpointLayoutError`` unless ``iter_dir`` was saved at (tp_size, pp_size).
+    ``saved``: the layout its manifest records (else told from its mp_rank_* folders);
+    ``reshard``: the ``reshard_hint`` to give."""
+    saved = saved or saved_layout(iter_dir)
     now = (tp_size, pp_size)
     if saved != now:
         raise CheckpointLayoutError(
             f"checkpoint {iter_dir} was saved with tensor-model-parallel size {saved[0]} and "
             f"pipeline-model-parallel size {saved[1]} (tp={saved[0]}, pp={saved[1]}); this run "
-            f"has tp={now[0]}, pp={now[1]}. Run with the saved layout, or {RESHARD_HINT}")
+            f"has tp={now[0]}, pp={now[1]}. Run with the saved layout, or {reshard}")
 
 
 # ---------------------------------------------------------------------------------------------

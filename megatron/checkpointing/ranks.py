@@ -54,8 +54,8 @@ def _reduce_flag(flag: bool, op: dist.ReduceOp) -> bool:
     if not dist.is_initialized():
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32,
-                     device=parallel_state.get_default_device())
-    dist.all_reduce(t, op=op)
+                     device=parallel_state.get_control_device())
+    dist.all_reduce(t, op=op, group=parallel_state.get_control_group())
     return bool(t.item())
 
 
@@ -73,7 +73,7 @@ def broadcast_from_rank0(value: Any) -> Any:
     if not dist.is_initialized():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=parallel_state.get_control_group())
     return box[0]
 
 
@@ -82,7 +82,7 @@ def gather_to_all(value: Any) -> list[Any]:
     if not dist.is_initialized():
         return [value]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
+    dist.all_gather_object(gathered, value, group=parallel_state.get_control_group())
     return gathered
 
 
@@ -90,8 +90,8 @@ def check_same_everywhere(value: int, what: str) -> None:
     if not dist.is_initialized():
         return
     t = torch.tensor([value, -value], dtype=torch.int64,
-                     device=parallel_state.get_default_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                     device=parallel_state.get_control_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_control_group())
     if t[0].item() != -t[1].item():
         raise CheckpointError(f"ranks disagree on {what} (between {-t[1].item()} and "
                               f"{t[0].item()}): is the checkpoint folder on a file system "

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron import xla
 from megatron.checkpointing.ranks import RankLayout
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_rng_tracker
@@ -22,6 +23,10 @@ logger = logging.getLogger(__name__)
 def _computes_on_cuda() -> bool:
     """Whether this run's generators include CUDA's (saved and restored only then)."""
     return parallel_state.get_default_device().type == "cuda"
+
+
+def _computes_on_xla() -> bool:
+    return parallel_state.get_default_device().type == "xla"
 
 
 def capture_rng_state() -> dict:
@@ -37,6 +42,8 @@ def capture_rng_state() -> dict:
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": torch.cuda.get_rng_state() if cuda else None,
         "rng_tracker_states": get_rng_tracker().get_states(),
+        # An XLA device's generator (dropout there): one seed, which its draws advance.
+        "xla_rng_state": xla.rng_state() if _computes_on_xla() else None,
     }
 
 
@@ -54,6 +61,8 @@ def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch_rng_state"])
     if state.get("cuda_rng_state") is not None and _computes_on_cuda():
         torch.cuda.set_rng_state(state["cuda_rng_state"])
+    if state.get("xla_rng_state") is not None and _computes_on_xla():
+        xla.set_rng_state(state["xla_rng_state"])
     tracker = get_rng_tracker()
     if tracker.fits(state["rng_tracker_states"]):
         tracker.set_states(state["rng_tracker_states"])
@@ -71,7 +80,11 @@ def gather_rng_states(layout: RankLayout) -> list[dict]:
     if layout.dp_size == 1:
         return [mine]
     gathered: list[Any] = [None] * layout.dp_size
-    dist.all_gather_object(gathered, mine, group=layout.dp_group)
+    # An XLA run's data-parallel group is torch_xla's, for XLA tensors only; its data-parallel
+    # ranks are every rank (no tensor or pipeline parallelism there), whose host group is gloo.
+    control = parallel_state.get_control_group()
+    group = control if control is not None else layout.dp_group
+    dist.all_gather_object(gathered, mine, group=group)
     return gathered
 
 

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Optional
 
+from megatron import xla
 from megatron.checkpointing.contents import (
     ModelChunks,
     as_chunks,
@@ -75,8 +76,10 @@ def save_checkpoint(iteration: int, model_chunks: ModelChunks, optimizer: Any,
     tmp_dir = _make_tmp_dir(save_dir, iteration, layout)
 
     def state_fn() -> dict:
-        return build_state(iteration, chunks, optimizer, opt_param_scheduler, config, layout,
-                           rng_states, (consumed_train_samples, consumed_valid_samples), extra)
+        # Saved from the host: XLA tensors become CPU ones, loadable without torch_xla.
+        return xla.to_host(build_state(
+            iteration, chunks, optimizer, opt_param_scheduler, config, layout, rng_states,
+            (consumed_train_samples, consumed_valid_samples), extra))
 
     error, digests = None, {}
     try:
@@ -179,9 +182,12 @@ def _finish_on_rank0(save_dir: str, tmp_dir: str, iteration: int, config: Any,
 
 def _raise_save_failure(error: Optional[BaseException], layout: RankLayout, iteration: int,
                         save_dir: str) -> None:
+    """Every rank, after a failed vote: its own error, or the lowest failing rank's, so that
+    rank 0 (which speaks for all) names the real cause."""
+    failures = gather_to_all(None if error is None else str(error))
     where = f"saving the checkpoint of iteration {iteration} to {save_dir} failed"
+    after = "; the tracker file still names the previous checkpoint"
     if error is not None:
-        raise CheckpointError(f"{where} on rank {layout.rank}: {error}; the tracker file still "
-                              "names the previous checkpoint") from error
-    raise CheckpointError(f"{where} on another rank (see its error); the tracker file still "
-                          "names the previous checkpoint")
+        raise CheckpointError(f"{where} on rank {layout.rank}: {error}{after}") from error
+    rank, message = next((r, m) for r, m in enumerate(failures) if m is not None)
+    raise CheckpointError(f"{where} on rank {rank}: {message}{after}")

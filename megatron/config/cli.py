@@ -63,7 +63,7 @@ def _help(f: dataclasses.Field, switch: bool) -> str:
     text = f.metadata["help"]
     if f.metadata.get("required"):
         return f"{text} (required)"
-    if switch:
+    if switch or "(default:" in text:  # a help text may say its default in its own words
         return text
     default = cli_default(f)
     if isinstance(default, tuple):
@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Read settings from a TOML file (tables [model], [parallel], ...); "
                        "flags given here override it (default: unset).")
     files.add_argument("--dump-config", default=None, metavar="FILE",
-                       help="Write the effective configuration to FILE as TOML (default: "
-                       "unset).")
+                       help="Write the effective configuration to FILE as TOML, then go on "
+                       "(with --dry-run: print the plan and train nothing) (default: unset).")
     for name, cls in SLICE_CLASSES.items():
         group = parser.add_argument_group(_TITLES[name])
         for f in option_fields(cls):

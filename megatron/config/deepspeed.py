@@ -29,7 +29,7 @@ class DeepSpeedConfig(Slice):
     deepspeed_config: Optional[str] = option(
         "--deepspeed_config", "--deepspeed-config", default=None,
         help="DeepSpeed's JSON config; batch sizes and precision must agree with the flags "
-        "(generated from the flags when unset) (default: None)")
+        "(default: unset, generated from the flags)")
     zero_stage: Optional[int] = option(
         default=None, choices=(0, 1, 2, 3), help="ZeRO stage; overrides the JSON file's "
         "zero_optimization.stage (default: the file's, else 0)")

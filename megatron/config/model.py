@@ -84,7 +84,8 @@ class ModelConfig(Slice):
         default=1, help="Layers per recomputed block (full recomputation only).")
 
     vocab_size: int = internal("the tokenizer's vocabulary size (before padding)", 50257)
-    apex_layernorm: bool = internal("programmatic: apex's fused LayerNorm where installed", True)
+    apex_layernorm: bool = internal("programmatic: apex's fused LayerNorm; a run sets whether "
+                                    "it is used (on CUDA with apex installed)", True)
     perform_initialization: bool = internal("programmatic: converters skip random init", True)
     tensor_model_parallel_size: int = received("parallel.tensor_model_parallel_size", 1)
     sequence_parallel: bool = received("parallel.sequence_parallel", False)

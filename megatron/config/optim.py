@@ -10,7 +10,6 @@ from typing import Optional
 from megatron.config.base import (
     Slice,
     flag,
-    internal,
     non_negative,
     one_of,
     option,
@@ -57,6 +56,9 @@ class OptimizerConfig(Slice):
         action=argparse.BooleanOptionalAction, help="Skip (never apply or save) a step whose "
         "loss or gradient norm is NaN/Inf; on by default, "
         "--no-check-for-nan-in-loss-and-grad turns it off.")
+    use_syncfree_optim: bool = option(
+        default=False, help="On an XLA device: torch_xla's sync-free AdamW/SGD, which skip a "
+        "NaN/Inf step on the device (no host read decides it).")
     loss_scale: Optional[float] = option(
         default=None, help="Static loss scale (fp16); dynamic loss scaling when unset.")
     initial_loss_scale: float = option(default=2.0**32, help="First dynamic loss scale.")
@@ -80,9 +82,6 @@ class OptimizerConfig(Slice):
     ddp_bucket_size: Optional[int] = option(
         default=None, help="Gradient elements per all-reduce bucket (one bucket per buffer "
         "when unset).")
-    # Not a Megatron flag: stop with an error instead of skipping steps forever.
-    max_skips_at_min_loss_scale: int = internal("fixed: fp16 overflow steps at the minimum "
-                                                "scale before the run stops", 100)
     fp16: bool = received("model.fp16", False)
     bf16: bool = received("model.bf16", False)
     log_num_zeros_in_grad: bool = received("logging.log_num_zeros_in_grad", False)
@@ -95,7 +94,7 @@ class OptimizerConfig(Slice):
                     f"--lr ({self.lr})")
         probability(self, "adam_beta1", "adam_beta2", "sgd_momentum")
         positive(self, "accum_steps", "adam_eps", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                 "hysteresis", "max_skips_at_min_loss_scale")
+                 "hysteresis")
         optional_positive(self, "loss_scale", "ddp_bucket_size")
         require(self.min_loss_scale <= self.initial_loss_scale,
                 f"--min-loss-scale ({self.min_loss_scale}) is larger than "

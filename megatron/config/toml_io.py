@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,11 +50,11 @@ def toml_settings(path: str, extra_dests: Mapping[str, Any]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     tables = list(SLICE_CLASSES) + (["extra"] if extra_dests else [])
     for table, content in document.items():
+        if not isinstance(content, dict):
+            raise _top_level_key_error(path, table, tables)
         if table not in tables:
             raise ConfigError(f"{path}: unknown table [{table}]{_hint(table, tables)}; tables "
                               f"are {', '.join(f'[{t}]' for t in tables)}")
-        if not isinstance(content, dict):
-            raise ConfigError(f"{path}: {table} must be a table ([{table}]), got a value")
         if table == "extra":
             values.update(_extra_values(path, content, extra_dests))
             continue
@@ -64,6 +65,32 @@ def toml_settings(path: str, extra_dests: Mapping[str, Any]) -> dict[str, Any]:
                                   f"{_elsewhere(key) or _hint(key, list(fields))}")
             values[key] = _checked(path, table, SLICE_CLASSES[table], fields[key], value)
     return values
+
+
+def _top_level_key_error(path: str, key: str, tables: list[str]) -> ConfigError:
+    """A ``key = value`` before the first table header: every key belongs in a table."""
+    line = _top_level_line(path, key)
+    where = f"{path}, line {line}" if line else path
+    hint = _elsewhere(key) or (f" (it is the name of the table [{key}])" if key in tables
+                               else _hint(key, _all_keys()))
+    return ConfigError(f"{where}: key {key!r} is outside any table{hint}; every key goes in "
+                       f"one of {', '.join(f'[{t}]' for t in tables)}")
+
+
+def _top_level_line(path: str, key: str) -> Optional[int]:
+    """The line of ``key = ...`` above the first table header, if it can be found."""
+    pattern = re.compile(rf"""\s*(?:{re.escape(key)}|"{re.escape(key)}"|'{re.escape(key)}')\s*=""")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, text in enumerate(f, start=1):
+            if text.lstrip().startswith("["):
+                return None
+            if pattern.match(text):
+                return number
+    return None
+
+
+def _all_keys() -> list[str]:
+    return [f.name for cls in SLICE_CLASSES.values() for f in option_fields(cls)]
 
 
 def _elsewhere(key: str) -> str:

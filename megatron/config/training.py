@@ -50,7 +50,8 @@ class TrainingConfig(Slice):
         default=False, help="On SIGTERM, save a checkpoint and exit cleanly.")
     max_consecutive_nonfinite_iterations: int = option(
         default=10, help="Stop with exit status 1 once this many iterations in a row had a "
-        "NaN/Inf loss or gradient norm (each one skipped).")
+        "NaN/Inf loss or gradient norm (each one skipped), or (fp16) overflowed with a loss "
+        "scale that cannot back off further.")
     eval_only: bool = option(
         "--eval-only", "--skip-train", default=False,
         help="Load --load's checkpoint, print its validation and test loss and perplexity "
@@ -85,11 +86,22 @@ class TrainingConfig(Slice):
         default=False, help="With --rehearse and --rampup-batch-size: rehearse an iteration at "
         "the full --global-batch-size instead of the run's first (the ramp-up's START).")
     distributed_backend: str = option(
-        default="auto", choices=("auto", "nccl", "gloo"), help="Collectives library: nccl on "
+        default="auto", choices=("auto", "nccl", "gloo", "xla"), help="Collectives library: nccl on "
         "a GPU and gloo on the CPU when auto (the backend follows the device; see --use-cpu).")
     use_cpu: bool = option(
         default=False, help="Train on the CPU (gloo) even where a GPU is visible; otherwise "
         "each process uses the GPU of its LOCAL_RANK whenever CUDA is available.")
+    device: str = option(
+        default="auto", choices=("auto", "cuda", "cpu", "xla"), help="Where to compute: xla "
+        "for TPUs and other XLA devices through torch_xla (also chosen when PJRT_DEVICE is set "
+        "and torch_xla is installed); auto picks a GPU where one is visible, else the CPU.")
+    xla_processes: Optional[int] = option(
+        default=None, help="On an XLA device: start this many replicas through "
+        "torch_xla.launch (xmp.spawn), one process per device of this host; 0: one per "
+        "device PJRT shows (what run_pretrain_xla.py passes). Not needed under torchrun.")
+    mp_start_method: str = option(
+        default="spawn", choices=("spawn", "fork", "forkserver"), help="With --xla-processes: "
+        "how torch_xla.launch starts the processes (Python multiprocessing's start method).")
     deterministic_mode: bool = option(
         default=False, help="Deterministic kernels only (torch.use_deterministic_algorithms; "
         "CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set): a GPU run repeats bit for bit, slower.")
@@ -121,13 +133,15 @@ class TrainingConfig(Slice):
                           "train_tokens", "exit_interval", "exit_duration_in_mins",
                           "rehearse_hidden_size", "rehearse_seq_length")
         one_of(self, "rehearse_ranks", ("classes", "all"))
+        require(self.xla_processes is None or self.xla_processes >= 0,
+                f"--xla-processes must be 0 (every device) or positive, got {self.xla_processes}")
         require(self.train_iters is None or self.train_samples is None,
                 f"--train-iters ({self.train_iters}) and --train-samples ({self.train_samples}) "
                 "are mutually exclusive")
         if self.rampup_batch_size is not None:
             self._check_rampup()
         try:
-            backend = resolve_backend(self.distributed_backend, self.use_cpu)
+            backend = resolve_backend(self.distributed_backend, self.use_cpu, self.device)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         set_field(self, "distributed_backend", backend)

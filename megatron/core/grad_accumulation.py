@@ -70,7 +70,10 @@ def _try_mixed_addmm(device: torch.device) -> bool:
 def fusion_possible(param_dtype: torch.dtype, grad_dtype: torch.dtype,
                     device: torch.device) -> bool:
     """Whether gradients of a ``param_dtype`` weight can be accumulated in the backward into
-    a ``grad_dtype`` buffer on ``device``."""
+    a ``grad_dtype`` buffer on ``device``. Never on an XLA device: its traced graph cannot
+    hold the in-place custom operator, and XLA fuses the addition into the matmul itself."""
+    if torch.device(device).type == "xla":
+        return False
     if param_dtype == grad_dtype:
         return True
     return (grad_dtype == torch.float32 and param_dtype in _HALF
@@ -136,4 +139,12 @@ def mark_for_fusion(params, grad_dtype: torch.dtype, enabled: bool) -> None:
     """Tell the layers whether each parameter's gradient may go straight into ``main_grad``
     (called by the data-parallel wrapper after it made the buffers)."""
     for p in params:
-        p.fuse_grad_accumulation = enabled and fusion_possible(p.dtype, grad_dtype, p.device)
+        p.fuse_grad_accumulation = (enabled and not getattr(p, "fusion_refused", False)
+                                    and fusion_possible(p.dtype, grad_dtype, p.device))
+
+
+def refuse_fusion(param: torch.Tensor) -> None:
+    """Keep ``param``'s gradient on the unfused path, whether or not a wrapper marked it
+    already (a weight of a layer compiled by a torch that cannot keep the fusion)."""
+    param.fusion_refused = True
+    param.fuse_grad_accumulation = False

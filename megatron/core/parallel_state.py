@@ -10,7 +10,7 @@ the one place that holds process-group state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -280,6 +280,7 @@ def is_rank_in_position_embedding_group() -> bool:
 
 
 _DEVICE: Optional[torch.device] = None  # set by set_default_device (megatron.initialize)
+_CONTROL_GROUP: Optional[Any] = None  # set by set_control_group (megatron.initialize)
 
 
 def set_default_device(device: Optional[torch.device]) -> None:
@@ -300,3 +301,26 @@ def get_default_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def set_control_group(group: Optional[Any]) -> None:
+    """Record the group host values travel in, where it is not the default group (None:
+    forget it)."""
+    global _CONTROL_GROUP
+    _CONTROL_GROUP = group
+
+
+def get_control_group() -> Optional[Any]:
+    """The group in which host values (flags, counts, timings, pickled objects, barriers)
+    meet: None, the default group, except in an XLA run, whose default group is torch_xla's
+    and carries XLA tensors only; there a gloo group of every rank (``megatron.xla``)."""
+    return _CONTROL_GROUP
+
+
+def get_control_device() -> torch.device:
+    """Where a host value (a flag, a count, a timing) meets the other ranks' in a collective
+    whose result the host reads at once: the compute device, except on an XLA device, whose
+    process group carries CPU tensors over gloo (an XLA tensor read on the host would run a
+    graph of its own, outside the step)."""
+    device = get_default_device()
+    return torch.device("cpu") if device.type == "xla" else device

@@ -215,6 +215,21 @@ def check_load_folder(cfg: RunConfig) -> None:
             "engine does not read: drop --deepspeed to resume it with the built-in engine")
 
 
+def _check_fp16_supported(ds: dict) -> None:
+    """DeepSpeed refuses fp16 where its accelerator has none (a CPU) with a traceback on
+    every rank after the model is built: say so first."""
+    if not (ds.get("fp16") or {}).get("enabled"):
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        raise DeepSpeedSetupError(
+            f"--fp16 with --deepspeed: DeepSpeed's {accelerator.device_name()} accelerator does "
+            "not support fp16; use --bf16 or fp32 there, or drop --deepspeed (the built-in "
+            "engine trains fp16 on any device)")
+
+
 def deepspeed_config_or_exit(cfg: RunConfig) -> Optional[dict]:
     """None without --deepspeed; else the checked DeepSpeed config. Bad input ends the run
     with ``error: ...`` and status 2, before any process group exists."""
@@ -223,6 +238,7 @@ def deepspeed_config_or_exit(cfg: RunConfig) -> Optional[dict]:
     try:
         ds = build_deepspeed_config(cfg)
         check_load_folder(cfg)
+        _check_fp16_supported(ds)
     except DeepSpeedSetupError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -411,27 +427,44 @@ class DeepSpeedRun:
         return forward_step(data_iterator, self.engine)
 
     def train_step(self, forward_step: Callable, data_iterator, num_microbatches: int):
-        """One iteration; returns (per-micro-batch loss dicts, applied, grad norm)."""
-        engine = self.engine
+        """One iteration; returns (per-micro-batch loss dicts, applied, grad norm, where the
+        first NaN/Inf loss was: ``(rank, micro-batch)`` or None; always None without
+        --check-for-nan-in-loss-and-grad).
+
+        A step is never applied when a loss or a gradient is NaN/Inf on any rank, as in the
+        built-in engine: DeepSpeed's optimizers skip a step with non-finite gradients (and
+        ``_refuse_nonfinite_steps`` gives the one it drives bare the same rule); a NaN/Inf
+        loss on any rank makes the last micro-batch's gradients NaN everywhere, so that rule
+        applies even where the loss's own gradients stayed finite.
+        """
+        from megatron.nonfinite import locate_nonfinite_loss
+
+        engine, check = self.engine, self.cfg.optimizer.check_for_nan_in_loss_and_grad
+        bad_loss = None
         if self.pipeline:
             loss = engine.train_batch(data_iter=self._batches(data_iterator))
             losses = ([{"lm loss": loss.detach()}]
                       if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else [])
+            bad_loss = locate_nonfinite_loss(losses) if check else None
         else:
             losses = []
-            for _ in range(num_microbatches):
+            for micro in range(num_microbatches):
                 output, loss_func = self._forward(forward_step, data_iterator)
                 loss, reported = loss_func(output)
+                losses.append(reported)
+                if check and micro == num_microbatches - 1:  # before the boundary's backward
+                    bad_loss = locate_nonfinite_loss(losses)
+                    if bad_loss is not None:
+                        loss = loss * float("nan")
                 engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
                 engine.step()  # applies the update at the accumulation boundary only
-                losses.append(reported)
         applied = engine.was_step_applied()
         norm = engine.get_global_grad_norm()
         if applied and self.scheduler is not None:
             t = self.cfg.training
             self.scheduler.step(increment=num_microbatches * t.micro_batch_size
                                 * parallel_state.get_data_parallel_world_size())
-        return losses, applied, float(norm) if norm is not None else None
+        return losses, applied, float(norm) if norm is not None else None, bad_loss
 
     def eval_step(self, forward_step: Callable, data_iterator, num_microbatches: int):
         """One forward-only iteration; returns the per-micro-batch loss dicts."""
@@ -483,17 +516,22 @@ class DeepSpeedRun:
 
         ck = self.cfg.checkpoint
         tag = _latest_tag(ck.load)
-        if tag is not None:
-            _on_rank0_for_all(lambda: _verify_deepspeed_folder(
-                os.path.join(ck.load, tag), checksums=not ck.no_verify_checkpoint))
+        if tag is None:
+            # Said once, here: DeepSpeed's own load would warn on every rank first.
+            print_rank_0(f"WARNING: --load {ck.load}: no DeepSpeed checkpoint there "
+                         f"('{DEEPSPEED_LATEST_FILE}' file missing); training from scratch")
+            return
+        _on_rank0_for_all(lambda: _verify_deepspeed_folder(
+            os.path.join(ck.load, tag), checksums=not ck.no_verify_checkpoint))
         path, client = self.engine.load_checkpoint(
             ck.load, tag=tag, load_optimizer_states=not (ck.no_load_optim or ck.finetune),
             load_lr_scheduler_states=not (ck.no_load_lr_state or ck.finetune),
             load_module_only=ck.finetune)
         if path is None:
-            print_rank_0(f"WARNING: --load {ck.load}: no DeepSpeed checkpoint there "
-                         f"('{DEEPSPEED_LATEST_FILE}' file missing); training from scratch")
-            return
+            from megatron.checkpointing import CheckpointError
+
+            raise CheckpointError(f"--load {ck.load}: DeepSpeed could not load the checkpoint "
+                                  f"'{DEEPSPEED_LATEST_FILE}' names ({tag})")
         reset = []
         if ck.finetune:
             reset.append("iteration, data position, optimizer (--finetune)")
@@ -512,6 +550,28 @@ class DeepSpeedRun:
         print_rank_0(f" loaded DeepSpeed checkpoint {path} at iteration {state.iteration} "
                      f"(consumed samples {state.consumed_train_samples})"
                      + (f"; starting anew: {', '.join(reset)}" if reset else ""))
+
+
+def _refuse_nonfinite_steps(engine) -> None:
+    """DeepSpeed skips a step whose gradients hold NaN/Inf inside its own optimizers (ZeRO,
+    fp16, bf16), which report it in ``optimizer.overflow``; the torch optimizer it drives bare
+    (ZeRO stage 0 in fp32) would apply it. Give that one the same rule: its step first checks
+    every rank's gradients (one all-reduce: every rank steps together, in both engines), and
+    skips when any is NaN/Inf, setting ``overflow``, which the engine reads (the step is not
+    applied and counted as skipped)."""
+    from megatron.nonfinite import grads_are_finite, ranks_where
+
+    optimizer, model = engine.optimizer, engine.module
+    if hasattr(optimizer, "overflow"):
+        return
+    step = optimizer.step
+
+    def step_if_finite(*args, **kwargs):
+        optimizer.overflow = bool(ranks_where(not grads_are_finite([model])))
+        return None if optimizer.overflow else step(*args, **kwargs)
+
+    optimizer.overflow = False
+    optimizer.step = step_if_finite
 
 
 def _on_rank0_for_all(fn: Callable[[], None]) -> None:
@@ -572,6 +632,23 @@ def _latest_tag(load_dir: str) -> Optional[str]:
         return f.read().strip()
 
 
+def scheduler_state(load_dir: str) -> Optional[tuple[str, dict]]:
+    """The learning-rate schedule our engine stored with DeepSpeed's latest checkpoint in
+    ``load_dir`` (client state of its model-parallel rank 0 file): its folder and state, or
+    None when there is none to read (loading reports a missing or damaged checkpoint)."""
+    tag = _latest_tag(load_dir)
+    if tag is None:
+        return None
+    folder = os.path.join(load_dir, tag)
+    try:
+        state = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"),
+                           map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable here: the load itself says why
+        return None
+    saved = state.get("opt_param_scheduler") if isinstance(state, dict) else None
+    return (folder, saved) if isinstance(saved, dict) else None
+
+
 def _verify_deepspeed_folder(folder: str, checksums: bool) -> None:
     """``folder``'s files against its manifest (sizes; ``checksums``: CRC-32 too), naming the
     first that differs; a folder without one (saved by DeepSpeed elsewhere) with a warning."""
@@ -630,6 +707,8 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
         mpu=None if pipeline else ParallelStateMPU(), config=ds_config)
     if pipeline:
         _check_topology(engine)
+    if cfg.optimizer.check_for_nan_in_loss_and_grad:
+        _refuse_nonfinite_steps(engine)
     scheduler = None
     if ds_scheduler is None:
         scheduler = build_optimizer_param_scheduler(

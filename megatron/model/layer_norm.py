@@ -16,12 +16,19 @@ def _apex_layer_norm_class():
     return FusedLayerNorm
 
 
+def apex_layer_norm_used(config: ModelConfig, device) -> bool:
+    """Whether LayerNorms built on ``device`` are apex's: asked for (``apex_layernorm``), on
+    CUDA, and apex installed. The run records the answer in its config, so the arguments
+    block shows what is really used."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    return config.apex_layernorm and on_cuda and _apex_layer_norm_class() is not None
+
+
 def build_layer_norm(config: ModelConfig, *, device=None) -> nn.Module:
     """A LayerNorm over the hidden size. Under sequence parallelism its parameters see only
     this rank's tokens, so they are marked for a gradient all-reduce over tensor ranks."""
-    on_cuda = device is not None and torch.device(device).type == "cuda"
-    apex_cls = _apex_layer_norm_class() if config.apex_layernorm and on_cuda else None
-    if apex_cls is not None:
+    if apex_layer_norm_used(config, device):
+        apex_cls = _apex_layer_norm_class()
         norm = apex_cls(config.hidden_size, eps=config.layernorm_epsilon).to(
             device=device, dtype=config.params_dtype)
     else:

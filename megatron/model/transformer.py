@@ -16,6 +16,8 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core import tensor_parallel
+from megatron.core.grad_accumulation import refuse_fusion
+from megatron.core.tensor_parallel.layers import compiled_fusion_works
 from megatron.core.utils import divide
 from megatron.model.init import InitRNG
 from megatron.model.kv_cache import KVCache
@@ -46,11 +48,18 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) 
     return F.dropout(x, p, True)
 
 
-# The RNG tracker swaps generator states, which torch.compile cannot trace: under --compile
-# this runs eagerly between compiled graphs, so the masks stay the tracker's.
-@torch.compiler.disable
 def on_tracker_stream(fn: Callable, *args):
     """``fn(*args)`` drawing its randomness from the tensor-parallel RNG tracker's stream."""
+    if torch.compiler.is_compiling():
+        # The tracker swaps generator states, which torch.compile cannot trace: under
+        # --compile this runs eagerly between the compiled graphs, so the masks stay the
+        # tracker's. Disabled here rather than by a decorator: that would import torch._dynamo
+        # (about 2 s) with this module, in every run and every --help.
+        return torch.compiler.disable(_forked_tracker_stream)(fn, *args)
+    return _forked_tracker_stream(fn, *args)
+
+
+def _forked_tracker_stream(fn: Callable, *args):
     with tensor_parallel.get_rng_tracker().fork():
         return fn(*args)
 
@@ -249,6 +258,10 @@ def compile_transformer_layers(module: nn.Module) -> int:
     embedding, the LM head with its fused loss, pipeline exchanges and recomputation stay
     eager around them. Layers share their compiled code (same shapes, same structure)."""
     layers = [m for m in module.modules() if isinstance(m, ParallelTransformerLayer)]
+    keep_fusion = compiled_fusion_works() if layers else True
     for layer in layers:
+        if not keep_fusion:  # this torch cannot: the compiled layers' weights go unfused
+            for param in layer.parameters():
+                refuse_fusion(param)
         layer.compile()
     return len(layers)

@@ -58,14 +58,16 @@ class RankFailure(Exception):
 def run_rank(cfg: RunConfig, tokenizer, callbacks, recorder: Recorder) -> RankResult:
     """This process's rank (its process group exists): set-up and one iteration through the
     training code, recorded by ``recorder`` (which must be ``installed``)."""
-    from megatron.training import start_run
+    from megatron.signals import ShutdownSignals
+    from megatron.training import TrainState, start_run
 
     rank = dist.get_rank()
     out = io.StringIO()
     unknown_before = recorder.shared.unknown_objects
     with recorder.rank_scope(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        signals = ShutdownSignals(cfg.training.exit_signal_handler)
         try:
-            trainer = start_run(cfg, tokenizer, None, callbacks)
+            trainer = start_run(cfg, tokenizer, None, callbacks, TrainState(), signals)
             weights, grads, _ = state_bytes(trainer.chunks, trainer.optimizer)
             recorder.phase = "iteration"
             meter = ActivationMeter(trainer.chunks)
@@ -73,6 +75,8 @@ def run_rank(cfg: RunConfig, tokenizer, callbacks, recorder: Recorder) -> RankRe
                 trainer.train()
         except Exception as error:  # noqa: BLE001 - reported as the rehearsal's finding
             raise RankFailure(rank, recorder.phase, error, out.getvalue()) from error
+        finally:
+            signals.restore()
         optimizer = state_bytes(trainer.chunks, trainer.optimizer)[2]
         history = trainer.state.history
         skipped = bool(history and history[-1]["skipped"])

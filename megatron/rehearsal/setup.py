@@ -61,7 +61,8 @@ def rehearsal_config(cfg: RunConfig) -> RunConfig:
     t = cfg.training
     cfg = _shrunk_model(cfg)
     training = dataclasses.replace(
-        t, exit_interval=1, use_cpu=True, distributed_backend="gloo", compile=False,
+        t, exit_interval=1, use_cpu=True, device="cpu", distributed_backend="gloo",
+        xla_processes=None, compile=False,
         rampup_batch_size=None if t.rehearse_full_batch else t.rampup_batch_size,
         rehearse=False, dry_run=False)
     data = dataclasses.replace(cfg.data, mock_data=True, num_workers=0, data_path=None,

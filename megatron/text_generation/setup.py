@@ -146,8 +146,9 @@ def setup_generation(args: argparse.Namespace) -> GenerationModel:
     except Exception as e:  # noqa: BLE001 - CheckpointError, InferenceLoadingError, ConfigError
         raise SetupError(str(e)) from e
     tokenizer = build_generation_tokenizer(args, config)
-    device = compute_device(args.use_cpu, env["local_rank"])
-    initialize_distributed(resolve_backend("auto", args.use_cpu), 10, device)
+    # Generation runs on a GPU or the CPU, also where PJRT_DEVICE is set (XLA is training's).
+    device = compute_device(args.use_cpu, env["local_rank"], xla_allowed=False)
+    initialize_distributed(resolve_backend("auto", args.use_cpu, xla_allowed=False), 10, device)
     parallel_state.set_default_device(device)
     p = config.parallel
     parallel_state.initialize_model_parallel(p.tensor_model_parallel_size,

@@ -264,13 +264,16 @@ def test_a_damaged_file_of_one_rank_fails_the_load_on_every_rank(runs):
                            "model_optim_rng.pt")
     assert messages[1].startswith("CheckpointCorruptError: checkpoint file " + damaged +
                                   " is damaged: its CRC-32 is"), messages[1]
-    assert "failed on another rank" in messages[0], messages[0]
+    # Rank 0 (which prints for all) names rank 1's file and what is wrong with it.
+    assert messages[0].startswith(f"CheckpointError: on rank 1: checkpoint file {damaged} is "
+                                  "damaged: its CRC-32 is"), messages[0]
 
 
 def test_a_failing_rank_fails_the_whole_save(runs):
     messages = [r["tp"]["failure"] for r in runs["ranks"]]
     assert "disk full on rank 1" in messages[1]
-    assert "another rank" in messages[0]
+    # Rank 0 speaks for all: its message names the failing rank and the real cause.
+    assert "on rank 1: disk full on rank 1" in messages[0]
     assert runs["ranks"][0]["tp"]["folders"] == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 

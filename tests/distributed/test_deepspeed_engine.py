@@ -115,7 +115,8 @@ def two_rank_launch(tmp_path_factory):
     dropout = {"--tensor-model-parallel-size": 2, "--hidden-dropout": 0.1,
                "--attention-dropout": 0.1}
     runs = {
-        "zero1": zero(1), "zero2": zero(2), "zero3": zero(3),
+        # ZeRO-2 starts with --load of a folder that does not exist yet (a first run).
+        "zero1": zero(1), "zero2": zero(2, **{"--load": tmp_path / "not_yet"}), "zero3": zero(3),
         # Stopped (and saved) at iteration 3, then the same command with --load.
         "zero1_first3": zero(1, **{"--exit-interval": 3, "--save": ckpt,
                                    "--save-interval": 100}),
@@ -157,6 +158,9 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, two_rank_launch):
                          log), stage
         assert re.search(rf"> DeepSpeed engine \S+: ZeRO stage {stage}, plain model", log)
     assert "[Rank 0] step=5, skipped=0" in log  # DeepSpeed's engine stepped
+    # The first start with --load: one line of ours, none of DeepSpeed's (one per rank).
+    assert log.count("no DeepSpeed checkpoint there ('latest' file missing)") == 1
+    assert "Unable to find latest file" not in log
     # Pipeline engine: DeepSpeed's PipelineModule at pp 2 against the built-in 1F1B at pp 2.
     # DeepSpeed's partition: stage 0 holds the embedding and the first layer.
     assert "pipeline engine (PipelineModule)" in log and "STAGE=0 LAYERS=2 [0, 2)" in log

@@ -126,18 +126,18 @@ def _skip_second_forward_send():
 def _reduce_a_shorter_bucket():
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
-    original = buffers._reduce_scatter_flat
+    original = buffers.reduce_scatter_flat
 
-    def shorter(output, data, **kwargs):
+    def shorter(output, data, group, async_op=False):
         # The planted fault: this rank's reduce-scatter covers one element per rank fewer.
-        n = dist.get_world_size(kwargs["group"])
-        return original(output[:-1], data[:-n], **kwargs)
+        n = dist.get_world_size(group)
+        return original(output[:-1], data[:-n], group, async_op)
 
-    buffers._reduce_scatter_flat = shorter
+    buffers.reduce_scatter_flat = shorter
     try:
         yield
     finally:
-        buffers._reduce_scatter_flat = original
+        buffers.reduce_scatter_flat = original
 
 
 @pytest.mark.slow

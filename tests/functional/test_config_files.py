@@ -76,18 +76,25 @@ def test_pretrain_reads_a_toml_config_and_dumps_the_effective_one(corpus, tmp_pa
     assert f"{bad}: [model] hidden_size must be an integer, got 'wide'" in refused.stderr
 
 
-def test_the_gpt2_small_example_builds_gpt2_and_trains(corpus, tmp_path):
-    """examples/configs/gpt2-small.toml as a user starts it, in a folder holding data/ as its
-    comment says; only the length and batch of the run are cut for the CPU."""
-    data = tmp_path / "data"
+GPT2_SMALL = REPO / "examples" / "configs" / "gpt2-small.toml"
+
+
+def _gpt2_small_data(corpus, folder: Path) -> None:
+    """folder/data/ as the example's comment asks for it."""
+    data = folder / "data"
     data.mkdir()
     for suffix in (".bin", ".idx"):
         shutil.copy(corpus["prefix"] + suffix, data / f"openwebtext_text_document{suffix}")
     flags = corpus["tokenizer_flags"]
     shutil.copy(flags[flags.index("--vocab-file") + 1], data / "gpt2-vocab.json")
     shutil.copy(flags[flags.index("--merge-file") + 1], data / "gpt2-merges.txt")
-    run = _run([sys.executable, REPO / "pretrain_gpt.py", "--config",
-                REPO / "examples" / "configs" / "gpt2-small.toml", "--use-cpu",
+
+
+def test_the_gpt2_small_example_builds_gpt2_and_trains(corpus, tmp_path):
+    """examples/configs/gpt2-small.toml as a user starts it, in a folder holding data/ as its
+    comment says; only the length and batch of the run are cut for the CPU."""
+    _gpt2_small_data(corpus, tmp_path)
+    run = _run([sys.executable, REPO / "pretrain_gpt.py", "--config", GPT2_SMALL, "--use-cpu",
                 "--train-iters", "2", "--micro-batch-size", "1", "--global-batch-size", "1",
                 "--seq-length", "32", "--eval-iters", "0", "--num-workers", "0",
                 "--log-interval", "1"], cwd=tmp_path, timeout=900)
@@ -135,3 +142,21 @@ def test_tensorboard_interval_and_params_norm(corpus, tmp_path):
     assert [e.step for e in events.Scalars("lm loss")] == [2, 4]
     assert [e.step for e in events.Scalars("params-norm")] == [2, 4]
     assert abs(events.Scalars("params-norm")[-1].value - norms[0]) < 1e-3 * norms[0]
+
+
+def test_the_gpt2_small_examples_advice_shows_every_value_without_training(
+        corpus, tmp_path, monkeypatch, capsys):
+    """What the example's comment advises for seeing every value writes them and trains
+    nothing (``--dump-config`` alone would start a 124M run)."""
+    from megatron.training import pretrain
+
+    advice = re.search(r"add (--dump-config FILE --dry-run)", " ".join(
+        line.lstrip("# ") for line in GPT2_SMALL.read_text().splitlines()))
+    assert advice, "gpt2-small.toml no longer advises --dump-config FILE --dry-run"
+    _gpt2_small_data(corpus, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", str(GPT2_SMALL)] + advice.group(1).replace("FILE", "all.toml").split()
+    state = pretrain(None, None, None, argv=argv)
+    assert state.iteration == 0 and not state.history
+    assert "[model]\nnum_layers = 12\n" in (tmp_path / "all.toml").read_text()
+    assert "training from iteration" not in capsys.readouterr().out

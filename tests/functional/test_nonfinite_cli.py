@@ -84,6 +84,9 @@ def test_exploding_run_stops_nonzero_and_keeps_the_last_finite_checkpoint(
     assert (f"error: 10 iterations in a row ({first_bad}-{first_bad + 9}) had a NaN/Inf loss "
             "or grad norm and were skipped; stopping without saving") in done.stderr
     assert "--max-consecutive-nonfinite-iterations" in done.stderr
+    # The way on it advises is one that resumes (tests/functional/test_resume_messages.py).
+    assert (f"resume with --load {save} --override-opt_param-scheduler and a lower --lr"
+            in done.stderr)
     assert "Traceback" not in log
 
     # Checkpoints only at finite iterations, the tracker at the last of them, all finite.
@@ -97,3 +100,28 @@ def test_exploding_run_stops_nonzero_and_keeps_the_last_finite_checkpoint(
                 state = torch.load(os.path.join(root, name), weights_only=True)
                 assert _nonfinite_tensors(state) == [], (it, name)
     assert not [d for d in os.listdir(save) if ".tmp-" in d]
+
+
+@pytest.mark.slow
+def test_fp16_overflowing_every_step_warns_and_stops_like_the_nan_guard():
+    """``--fp16 --loss-scale 1e9``: every step overflows and the static scale cannot back off.
+    It used to skip all 30 steps and exit 0; now it warns at each and stops at 10."""
+    argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--train-iters", "30", "--lr", "1e-3",
+            "--log-interval", "1", "--eval-iters", "0", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "127", "--make-vocab-size-divisible-by", "64",
+            "--use-cpu", "--fp16", "--loss-scale", "1e9"]
+    done = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *argv],
+                          capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
+    assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]
+    lines = parse_log_lines(done.stdout)
+    assert [line["iteration"] for line in lines] == list(range(1, 11))
+    assert all(line["number of skipped iterations"] == 1 for line in lines)
+    warnings = re.findall(r"WARNING: iteration (\d+): fp16 overflow; the loss scaler skipped "
+                          r"the step and cannot back off: its scale is fixed at 1e\+09 "
+                          r"\(--loss-scale\)\. (\d+) in a row", done.stdout)
+    assert warnings == [(str(i), str(i)) for i in range(1, 11)]
+    assert done.stderr.splitlines()[-1].startswith(
+        "error: 10 iterations in a row (1-10) overflowed in fp16 and were skipped")
+    assert "Drop --loss-scale" in done.stderr and "Traceback" not in done.stderr

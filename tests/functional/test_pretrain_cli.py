@@ -126,6 +126,11 @@ def test_log_lines_have_every_field(two_runs):
     assert first[-1]["lm loss"] < first[0]["lm loss"]
 
 
+def test_arguments_block_shows_what_the_device_uses(two_runs):
+    """On the CPU no LayerNorm is apex's, whatever is installed: the block says False."""
+    assert re.search(r"\n  apex_layernorm \.+ False\n", two_runs["first"])
+
+
 def test_evaluation_lines(two_runs):
     pattern = r"validation loss at iteration (\d+) \| lm loss value: (\S+) \| lm loss PPL: (\S+)"
     first = re.findall(pattern, two_runs["first"])
@@ -257,6 +262,15 @@ def test_user_error_exits_2_naming_the_flag(dataset, overrides, extra, named):
     assert named in done.stderr
     assert done.stderr.startswith("error: ")
     assert "iteration" not in done.stdout
+
+
+def test_help_does_not_import_the_compiler():
+    """--help (and every start-up) skips torch._dynamo, about 2 s of imports on a CPU; a run
+    imports it only when it compiles. Timings: benchmarks' business, not a test's."""
+    done = _run([sys.executable, "-X", "importtime", "pretrain_gpt.py", "--help"], timeout=60)
+    assert done.returncode == 0 and "--tensor-model-parallel-size" in done.stdout
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()}
+    assert "torch" in imported and "torch._dynamo" not in imported
 
 
 # Example launch scripts: run with stand-in launchers that record what they were asked -----

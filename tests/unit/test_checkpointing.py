@@ -421,11 +421,18 @@ def test_layout_mismatch_names_both_layouts(tmp_path):
     os.replace(iter_dir / "mp_rank_00" / "model_optim_rng.pt",
                iter_dir / "mp_rank_00_000" / "model_optim_rng.pt")
     os.rmdir(iter_dir / "mp_rank_00")
+    # Without a manifest (Megatron-LM's folders) the layout is told from the folder names.
+    (iter_dir / "manifest.json").unlink()
     with pytest.raises(ckpt.CheckpointLayoutError) as info:
         ckpt.load_checkpoint(model, optimizer, scheduler, config)
     message = str(info.value)
     assert "tp=2, pp=2" in message and "tp=1, pp=1" in message
     assert "saved with" in message and "tools/checkpoint/convert.py" in message
+    # The converter command is runnable as printed: real paths and this run's sizes.
+    assert (f"`python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver "
+            f"megatron --load-dir {tmp_path} --save-dir {tmp_path}_tp1_pp1 "
+            "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1`, then --load "
+            f"{tmp_path}_tp1_pp1") in message
     assert (Path(__file__).resolve().parents[2] / "tools" / "checkpoint" / "convert.py").is_file()
 
 

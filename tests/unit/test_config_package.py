@@ -54,6 +54,11 @@ NEW_FLAGS = {
     # The rehearsal over a fake process group (issue 25).
     "--rehearse", "--rehearse-hidden-size", "--rehearse-seq-length", "--rehearse-ranks",
     "--rehearse-full-batch",
+    # XLA devices through torch_xla (issue 26)
+    "--device",
+    "--xla-processes",
+    "--mp-start-method",
+    "--use-syncfree-optim",
 }
 
 
@@ -73,6 +78,9 @@ def test_every_flag_has_a_description_and_a_default():
         takes_value = action.nargs != 0
         if takes_value:
             assert re.search(r"\((default: .+|required)\)", action.help), action.option_strings
+        # One default, said once, and never Python's None.
+        assert action.help.count("(default:") <= 1, action.help
+        assert "(default: None)" not in action.help, action.help
 
 
 def test_each_field_declares_its_flags_once():
@@ -269,6 +277,9 @@ def test_dump_config_covers_every_settable_field(tmp_path):
                                                   "a list of 3"]),
     ("[data]\ndata_path = \"corpus\"\n", ["run.toml", "data_path", "a list"]),
     ("model = 3\n", ["run.toml", "model", "table"]),
+    # A top-level key is a key, not a table: say so, with its line and where it belongs.
+    ("log_dir = \"runs\"\n[model]\n", ["run.toml, line 1: key 'log_dir' is outside any table"]),
+    ("# shape\nhidden_size = 64\n", ["run.toml, line 2: key 'hidden_size'", "belongs in [model]"]),
     ("[model\nhidden_size = 64\n", ["run.toml", "not valid TOML", "line 1"]),
     ("[model]\nhidden_size = 64\nhidden_size = 65\n", ["run.toml", "not valid TOML", "line 3"]),
     ("[model]\nnum_layers_per_virtual_pipeline_stage = 2\n",

@@ -12,6 +12,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,
+    OverflowGuard,
     _ranges,
     check_finite_for_save,
     first_nonfinite,
@@ -115,3 +116,26 @@ def test_grads_are_finite_reads_the_data_parallel_buffer():
     assert grads_are_finite([model])
     model.module[0].weight.main_grad[0, 0] = NAN
     assert not grads_are_finite([model])
+
+
+def test_overflow_guard_counts_only_overflows_the_scaler_cannot_back_off_from():
+    dynamic = OverflowGuard(3, static_scale=None, min_scale=1.0)
+    # Backing off from 2**32 (the first iterations of an fp16 run) is not counted.
+    for it, scale in enumerate((2.0**32, 2.0**31, 4.0, 2.0), start=1):
+        assert dynamic.observe(it, overflowed=True, scale=scale) is None
+    warning = dynamic.observe(5, overflowed=True, scale=1.0)
+    assert ("iteration 5: fp16 overflow; the loss scaler skipped the step and cannot back off: "
+            "its scale is at the minimum, 1 (--min-loss-scale). 1 in a row; the run stops at 3 "
+            "(--max-consecutive-nonfinite-iterations)") in warning
+    assert dynamic.observe(6, overflowed=False, scale=1.0) is None  # an applied step resets
+    for it in (7, 8, 9):
+        dynamic.observe(it, overflowed=True, scale=1.0)
+    assert dynamic.must_stop
+    message = str(dynamic.stop_error(9))
+    assert "3 iterations in a row (7-9) overflowed in fp16" in message
+    assert "no update has been applied since iteration 6" in message and "--bf16" in message
+
+    static = OverflowGuard(2, static_scale=1e9, min_scale=1.0)
+    assert "its scale is fixed at 1e+09 (--loss-scale)" in static.observe(1, True, 1e9)
+    static.observe(2, True, 1e9)
+    assert static.must_stop and "Drop --loss-scale" in str(static.stop_error(2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -29,3 +30,24 @@ def test_layout_equivalence_claim_names_the_vocabulary_padding():
     assert "`--make-vocab-size-divisible-by 256` at tp 1 against the default at tp 2" in claim
     assert ModelConfig(vocab_size=50257, make_vocab_size_divisible_by=256).padded_vocab_size \
         == padded[2]
+
+
+def _setup_extras() -> dict[str, list[str]]:
+    """setup.py's extras_require, read from its syntax tree (running setup.py would build)."""
+    tree = ast.parse((README.parent / "setup.py").read_text(encoding="utf-8"))
+    call = next(node for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    extras = next(k.value for k in call.keywords if k.arg == "extras_require")
+    return ast.literal_eval(extras)
+
+
+def test_every_extra_the_readme_installs_exists_and_none_names_the_index_apex():
+    extras = _setup_extras()
+    # PyPI's "apex" is an unrelated web toolkit; NVIDIA's apex is built from source.
+    assert not any(re.fullmatch(r"apex\b.*", req) for reqs in extras.values() for req in reqs)
+    named = set(re.findall(r"pip install -e '\.\[([\w-]+)\]'", README.read_text(encoding="utf-8")))
+    assert named and named <= set(extras), named - set(extras)
+    apex = _paragraph_with("What we use of each")
+    for used in ("apex.normalization.FusedLayerNorm", "apex.optimizers.FusedAdam",
+                 "flash_attn_func"):
+        assert used in apex

@@ -20,23 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-
-# torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
-# Looked up at each call, not bound at import, so that a wrapper of torch.distributed (the
-# rehearsal's recorder, megatron/rehearsal) sees these calls too.
-def _all_gather_flat(output: torch.Tensor, shard: torch.Tensor, **kwargs: Any) -> Any:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, shard, **kwargs)
-
-
-def _reduce_scatter_flat(output: torch.Tensor, data: torch.Tensor, **kwargs: Any) -> Any:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, data, **kwargs)
-
-
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
-    """``output`` (numel = shard.numel() x group size) <- every rank's ``shard`` in rank order."""
-    _all_gather_flat(output, shard, group=group)
+from megatron.core.collectives import all_gather_flat, reduce_scatter_flat
 
 
 @dataclass(eq=False)
@@ -156,8 +140,8 @@ class ParamAndGradBuffer:
             # A separate output: gloo does not promise in-place reduce-scatter.
             bucket.scattered = torch.empty(bucket.numel // self.dp_size, dtype=data.dtype,
                                            device=data.device)
-            bucket.handle = _reduce_scatter_flat(bucket.scattered, data,
-                                                 group=self.dp_group, async_op=async_op)
+            bucket.handle = reduce_scatter_flat(bucket.scattered, data, self.dp_group,
+                                                async_op=async_op)
         else:
             bucket.handle = dist.all_reduce(data, group=self.dp_group, async_op=async_op)
 

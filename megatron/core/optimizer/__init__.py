@@ -34,7 +34,6 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import (
     ConstantGradScaler,
     DynamicGradScaler,
-    LossScaleAtMinimumError,
     MegatronGradScaler,
 )
 from megatron.core.optimizer.optimizer import (
@@ -91,6 +90,16 @@ def build_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.
     """The torch optimizer for ``groups`` (the main parameters) from ``--optimizer`` flags."""
     params = [p for g in groups for p in g["params"]]
     on_cuda = bool(params) and all(p.is_cuda for p in params)
+    if config.use_syncfree_optim:  # an XLA device's: the NaN/Inf skip stays on the device
+        from megatron import xla
+
+        if config.optimizer == "adam":
+            return xla.syncfree_optimizer(
+                "adam", groups, lr=config.lr, weight_decay=config.weight_decay,
+                betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        return xla.syncfree_optimizer("sgd", groups, lr=config.lr,
+                                      weight_decay=config.weight_decay,
+                                      momentum=config.sgd_momentum)
     if config.optimizer == "adam":
         betas = (config.adam_beta1, config.adam_beta2)
         fused_adam = _apex_fused_adam() if on_cuda else None
@@ -120,7 +129,6 @@ def build_grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
             initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
             growth_factor=2.0, backoff_factor=0.5, growth_interval=config.loss_scale_window,
             hysteresis=config.hysteresis,
-            max_skips_at_min_scale=config.max_skips_at_min_loss_scale,
         )
     return None
 
@@ -153,7 +161,6 @@ __all__ = [
     "DistributedOptimizer",
     "DynamicGradScaler",
     "FP32Optimizer",
-    "LossScaleAtMinimumError",
     "MegatronGradScaler",
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",

@@ -71,13 +71,23 @@ def _chunked_norm_power(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
 def get_grad_norm_fp32(grads: Sequence[torch.Tensor], groups: Groups = None,
                        norm_type: float = 2.0) -> float:
     """The norm of all ``grads`` of every rank in ``groups``, computed in fp32."""
+    return float(grad_norm_on_device(grads, groups, norm_type))
+
+
+def grad_norm_on_device(grads: Sequence[torch.Tensor], groups: Groups = None,
+                        norm_type: float = 2.0) -> torch.Tensor:
+    """``get_grad_norm_fp32`` as a 1-element tensor on the compute device, read by no one
+    (an XLA step keeps it in its graph)."""
     norm_type = float(norm_type)
     device = parallel_state.get_default_device()  # what the collective can carry
     if norm_type == math.inf:
-        local = max((g.detach().abs().max().float() for g in grads), default=None)
-        total = torch.zeros(1, device=device) if local is None else local.reshape(1).to(device)
+        if grads:
+            local = torch.stack([g.detach().abs().max().float() for g in grads]).max()
+            total = local.reshape(1).to(device)
+        else:
+            total = torch.zeros(1, device=device)
         all_reduce_over(total, groups, dist.ReduceOp.MAX)
-        return float(total)
+        return total
     # On CUDA the fp32 reduction is a tree and accurate. The CPU kernel accumulates long
     # runs in fp32 (a 38M-element embedding's norm came out 3e-3 low), and how a tensor is
     # split over tensor ranks changes the rounding: there each run of _NORM_CHUNK elements is
@@ -93,7 +103,17 @@ def get_grad_norm_fp32(grads: Sequence[torch.Tensor], groups: Groups = None,
                       torch._foreach_norm([g.detach().float() for g in grads], norm_type)]
         total += torch.stack(powers).to(device=device, dtype=total.dtype).sum()
     all_reduce_over(total, groups)
-    return float(total.pow(1.0 / norm_type))
+    return total.pow(1.0 / norm_type)
+
+
+def clip_grads_by_norm_on_device(parameters: Iterable[torch.Tensor], max_norm: float,
+                                 total_norm: torch.Tensor) -> None:
+    """``clip_grads_by_total_norm`` with the norm a device tensor: every gradient is scaled
+    by ``min(1, max_norm / (total_norm + 1e-6))`` in the graph, so no host read decides."""
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    if grads:
+        coeff = (max_norm / (total_norm.float() + 1.0e-6)).clamp(max=1.0).reshape(())
+        torch._foreach_mul_(grads, coeff.to(grads[0].dtype))
 
 
 def clip_grads_by_total_norm(parameters: Iterable[torch.Tensor], max_norm: float,

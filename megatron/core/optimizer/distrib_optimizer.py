@@ -35,8 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config import ConfigError, OptimizerConfig
+from megatron.core.collectives import all_gather_flat
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
-from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer, all_gather_flat
+from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.core.optimizer.clip_grads import Groups, all_reduce_over
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import (

@@ -9,10 +9,6 @@ from __future__ import annotations
 import torch
 
 
-class LossScaleAtMinimumError(RuntimeError):
-    """Steps keep overflowing although the loss scale cannot shrink any further."""
-
-
 class MegatronGradScaler:
     """Holds the current loss scale; ``update(found_inf)`` is called once per optimizer step."""
 
@@ -59,14 +55,13 @@ class DynamicGradScaler(MegatronGradScaler):
     On an overflow the growth count restarts and the hysteresis count drops by one; once it
     reaches zero every further overflow multiplies the scale by ``backoff_factor`` (never below
     ``min_scale``). After ``growth_interval`` clean steps in a row the scale grows by
-    ``growth_factor`` and the hysteresis count is restored. If ``max_skips_at_min_scale``
-    overflows in a row happen at the minimum scale, ``update`` raises
-    ``LossScaleAtMinimumError`` instead of letting the run skip every step from then on.
+    ``growth_factor`` and the hysteresis count is restored. Overflows that go on at the
+    minimum scale are the training loop's to stop (megatron/nonfinite.py OverflowGuard).
     """
 
     def __init__(self, initial_scale: float, min_scale: float, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2,
-                 max_skips_at_min_scale: int | None = None) -> None:
+                 backoff_factor: float = 0.5, growth_interval: int = 1000,
+                 hysteresis: int = 2) -> None:
         super().__init__(initial_scale)
         if not 0.0 < min_scale <= initial_scale:
             raise ValueError(f"min loss scale must be in (0, {initial_scale}], got {min_scale}")
@@ -79,14 +74,11 @@ class DynamicGradScaler(MegatronGradScaler):
         self.backoff_factor = torch.tensor([float(backoff_factor)], dtype=torch.float32)
         self.growth_interval = growth_interval
         self.hysteresis = hysteresis
-        self.max_skips_at_min_scale = max_skips_at_min_scale
         self._growth_tracker = 0
         self._hysteresis_tracker = hysteresis
-        self._skips_at_min_scale = 0
 
     def update(self, found_inf: bool) -> None:
         if not found_inf:
-            self._skips_at_min_scale = 0
             self._growth_tracker += 1
             if self._growth_tracker == self.growth_interval:
                 self._growth_tracker = 0
@@ -95,23 +87,8 @@ class DynamicGradScaler(MegatronGradScaler):
             return
         self._growth_tracker = 0
         self._hysteresis_tracker -= 1
-        at_min = bool(self._scale <= self.min_scale)
         if self._hysteresis_tracker <= 0:
             self._scale = torch.max(self._scale * self.backoff_factor, self.min_scale)
-        self._count_skip_at_min(at_min)
-
-    def _count_skip_at_min(self, at_min: bool) -> None:
-        # Only overflows that happen when the scale was already at its floor count: those are
-        # the ones that no further backoff can fix.
-        self._skips_at_min_scale = self._skips_at_min_scale + 1 if at_min else 0
-        limit = self.max_skips_at_min_scale
-        if limit is not None and self._skips_at_min_scale >= limit:
-            raise LossScaleAtMinimumError(
-                f"{self._skips_at_min_scale} consecutive steps overflowed (inf/nan gradients) "
-                f"with the loss scale at its minimum ({float(self.min_scale):g}, "
-                "--min-loss-scale); the run is diverging. Lower --lr, raise --min-loss-scale, "
-                "or switch to --bf16 (limit: --max-skips-at-min-loss-scale)."
-            )
 
     def state_dict(self) -> dict:
         return {

@@ -34,9 +34,11 @@ from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import (
     Groups,
     all_reduce_over,
+    clip_grads_by_norm_on_device,
     clip_grads_by_total_norm,
     count_zeros_fp32,
     get_grad_norm_fp32,
+    grad_norm_on_device,
     grads_for_norm,
 )
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
@@ -222,6 +224,42 @@ class MegatronOptimizer(ABC):
         self.optimizer.step()
         self._copy_main_params_to_model_params()
         return True, grad_norm, num_zeros
+
+    @torch.no_grad()
+    def step_on_device(self, loss_nonfinite: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``step()`` decided on the device, for a traced (XLA) step: nothing is read on the
+        host. Returns ``(skipped, grad_norm)`` as device tensors (``grad_norm`` None when
+        neither clipping nor the NaN check needs it).
+
+        With ``check_for_nan_in_loss_and_grad`` the update is skipped where
+        ``loss_nonfinite`` or the gradient norm says NaN/Inf: the torch optimizer must take
+        ``found_inf`` (torch_xla's sync-free optimizers, ``--use-syncfree-optim``). Clipping
+        scales by ``min(1, clip / norm)`` in the graph. fp16 loss scaling is not offered here
+        (its skip and scale update are host decisions).
+        """
+        if self.grad_scaler is not None:
+            raise RuntimeError("a device-decided step has no fp16 loss scaling: use --bf16")
+        self._copy_model_grads_to_main_grads()
+        check = self.config.check_for_nan_in_loss_and_grad
+        grad_norm = None
+        if self.config.clip_grad > 0 or check:
+            grad_norm = grad_norm_on_device(grads_for_norm(self.get_main_params()),
+                                            self.norm_groups())
+        skipped = torch.zeros((), dtype=torch.float32, device=parallel_state.get_default_device())
+        if check:
+            skipped = (~torch.isfinite(grad_norm)).float().reshape(())
+            if loss_nonfinite is not None:
+                skipped = torch.maximum(skipped, loss_nonfinite.float().reshape(()))
+        if self.config.clip_grad > 0:
+            clip_grads_by_norm_on_device(self.get_main_params(), self.config.clip_grad,
+                                         grad_norm)
+        if check:
+            self.optimizer.step(found_inf=skipped)
+        else:
+            self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        return skipped, grad_norm
 
 
 class FP32Optimizer(MegatronOptimizer):

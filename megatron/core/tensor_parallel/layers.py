@@ -144,6 +144,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return _Linear.apply(x, weight, bias, main_grad_of(weight))
 
 
+_COMPILED_FUSION: dict[str, bool] = {}
+
+
+def compiled_fusion_works() -> bool:
+    """Whether torch.compile'd layers can keep gradient-accumulation fusion on this torch.
+
+    Weights' ``main_grad`` buffers are views of one flat buffer, so they share one version
+    counter: torch 2.9's compiled autograd checks the version of the ``main_grad`` that a
+    compiled forward captured and fails the backward once another layer has added into the
+    buffer (2.13 does not). Tried once per process on two tiny compiled linears (a few
+    seconds of compiling, paid only under --compile)."""
+    if "works" not in _COMPILED_FUSION:
+        _COMPILED_FUSION["works"] = _try_compiled_fusion()
+    return _COMPILED_FUSION["works"]
+
+
+def _try_compiled_fusion() -> bool:
+    g = torch.Generator().manual_seed(0)
+    weights = [nn.Parameter(torch.randn(4, 4, generator=g)) for _ in range(2)]
+    flat = torch.zeros(32)
+    for i, w in enumerate(weights):
+        w.main_grad = flat[16 * i:16 * (i + 1)].view(4, 4)
+        w.fuse_grad_accumulation = True
+    step = torch.compile(lambda x, w: linear(x, w).tanh())
+    x = torch.randn(3, 4, generator=g)
+    try:
+        step(step(x, weights[0]), weights[1]).sum().backward()
+    except RuntimeError:
+        return False
+    return bool(flat.abs().sum() > 0)
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A^T + b`` with A split along its output dim: rank i computes ``Y_i = X A_i^T + b_i``.
 

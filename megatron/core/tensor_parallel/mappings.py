@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.collectives import all_gather_flat, reduce_scatter_flat
 
 
 def _group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -68,7 +69,7 @@ def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return x
     out = torch.empty((x.size(0) * world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_flat(out, x.contiguous(), group)
     return out
 
 
@@ -77,7 +78,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return x
     out = torch.empty((x.size(0) // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    reduce_scatter_flat(out, x.contiguous(), group)
     return out
 
 

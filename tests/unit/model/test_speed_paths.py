@@ -309,6 +309,7 @@ def test_compiled_layers_keep_gradient_accumulation_fusion(monkeypatch):
     the backward (a custom operator inside the compiled graph), to eager's values."""
     import megatron.core.grad_accumulation as ga
     from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.tensor_parallel.layers import compiled_fusion_works
     from megatron.model.gpt_model import GPTModel
     from megatron.model.transformer import compile_transformer_layers
 
@@ -325,7 +326,10 @@ def test_compiled_layers_keep_gradient_accumulation_fusion(monkeypatch):
         model.zero_grad_buffer()
         calls.clear()
         model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
-        assert len(calls) == 4 * config.num_layers  # qkv, dense, h->4h, 4h->h per layer
+        # qkv, dense, h->4h, 4h->h per layer; none where this torch cannot keep the fusion
+        # in compiled code (torch 2.9: compiled_fusion_works says so, the weights go unfused).
+        fused = not compiled or compiled_fusion_works()
+        assert len(calls) == (4 * config.num_layers if fused else 0)
         grads.append({n: p.main_grad.clone() for n, p in model.module.named_parameters()})
     for name, grad in grads[0].items():
         _assert_close_to_scale(grads[1][name], grad, name)

@@ -9,7 +9,6 @@ from megatron.config import ConfigError, OptimizerConfig
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads, unwrap_model
 from megatron.core.optimizer import (
     FP32Optimizer,
-    LossScaleAtMinimumError,
     MixedPrecisionOptimizer,
     get_megatron_optimizer,
     get_param_groups,
@@ -229,17 +228,6 @@ def test_fp16_overflow_is_still_the_loss_scalers():
     opt = get_megatron_optimizer(config, model)
     assert _step_with_inf(model, opt, inject=True) == (False, None, None)
     assert float(opt.get_loss_scale()) == 512.0
-
-
-def test_repeated_overflow_at_min_scale_raises():
-    config = OptimizerConfig(lr=0.01, fp16=True, initial_loss_scale=2.0, min_loss_scale=1.0,
-                             hysteresis=1, max_skips_at_min_loss_scale=2)
-    model = DistributedDataParallel(build_model(torch.float16))
-    opt = get_megatron_optimizer(config, model)
-    _step_with_inf(model, opt, inject=True)  # 2 -> 1
-    _step_with_inf(model, opt, inject=True)  # first skip at the minimum
-    with pytest.raises(LossScaleAtMinimumError, match="--max-skips-at-min-loss-scale"):
-        _step_with_inf(model, opt, inject=True)
 
 
 @pytest.mark.parametrize("flags", [dict(), dict(fp16=True, initial_loss_scale=256.0),

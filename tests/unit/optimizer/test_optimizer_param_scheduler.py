@@ -6,6 +6,7 @@ import torch
 from megatron.config import ConfigError, OptimizerConfig, SchedulerConfig
 from megatron.optimizer_param_scheduler import (
     OptimizerParamScheduler,
+    ScheduleMismatchError,
     build_optimizer_param_scheduler,
 )
 
@@ -86,8 +87,9 @@ def test_checkpoint_values_and_flags():
     saved.step(37)
     sd = saved.state_dict()
 
-    with pytest.raises(ValueError, match="learning rate.*--override-opt_param-scheduler.*"
-                                         "--use-checkpoint-opt_param-scheduler"):
+    with pytest.raises(ScheduleMismatchError, match="learning rate 2 here, 1 in the checkpoint "
+                       r"\(--lr\).*--use-checkpoint-opt_param-scheduler.*"
+                       "--override-opt_param-scheduler"):
         make(max_lr=2.0).load_state_dict(sd)
 
     overridden = make(max_lr=2.0, override_opt_param_scheduler=True)
@@ -165,3 +167,32 @@ def test_config_validation_names_flags():
     with pytest.raises(ConfigError, match="--adam-beta2"):
         OptimizerConfig(adam_beta2=1.0)
     assert torch.float16 == OptimizerConfig(fp16=True).params_dtype
+
+
+def test_a_longer_run_resumes_where_the_schedule_is_unchanged():
+    """--train-iters 100 -> 200 with --lr-decay-iters 100: only the weight-decay increment
+    length differs, and a constant weight decay does not use it: the resume just works."""
+    first = build(train_iters=100, lr_decay_iters=100)
+    first.step(8 * 60)
+    longer = build(train_iters=200, lr_decay_iters=100)
+    longer.load_state_dict(first.state_dict())
+    assert longer.num_steps == 480 and longer.get_lr() == pytest.approx(first.get_lr())
+    assert longer.wd_incr_steps == 1600  # this run's length
+
+
+def test_a_longer_run_whose_decay_follows_train_iters_names_the_flags():
+    first = build(train_iters=100)
+    first.step(8 * 60)
+    with pytest.raises(ScheduleMismatchError) as info:
+        build(train_iters=200).load_state_dict(first.state_dict())
+    message = str(info.value)
+    assert ("decay length 200 iterations here, 100 in the checkpoint (--lr-decay-iters / "
+            "--lr-decay-samples (default: --train-iters / --train-samples))") in message
+    assert "weight-decay increment length" not in message  # constant: it changes nothing
+    for name, flag in (("use_checkpoint", "--use-checkpoint-opt_param-scheduler"),
+                       ("override", "--override-opt_param-scheduler")):
+        assert flag in message
+        resumed = build(train_iters=200, **{f"{name}_opt_param_scheduler": True})
+        resumed.load_state_dict(first.state_dict())
+        assert resumed.num_steps == 480
+        assert resumed.lr_decay_steps == (800 if name == "use_checkpoint" else 1600)
