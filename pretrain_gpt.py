@@ -9,17 +9,17 @@ import sys
 
 import torch
 
+from megatron.assembly.build import RunContext, gpt_model_provider
 from megatron.core.pipeline_parallel.schedules import StageInfo
 from megatron.model.gpt_model import GPTModel
-from megatron.training import RunContext, pretrain, print_rank_0
+from megatron.training import pretrain, print_rank_0
 from megatron.utils import get_ltor_masks_and_position_ids
 
 
 def model_provider(ctx: RunContext, pre_process: bool = True, post_process: bool = True,
                    first_layer: int = 0, num_layers=None) -> GPTModel:
     print_rank_0("building GPT model ...")
-    return GPTModel(ctx.config.model, pre_process=pre_process, post_process=post_process,
-                    first_layer=first_layer, num_layers=num_layers, device=ctx.device)
+    return gpt_model_provider(ctx, pre_process, post_process, first_layer, num_layers)
 
 
 def get_batch(ctx: RunContext, data_iterator):

@@ -51,11 +51,12 @@ from torch import nn
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 sys.path.insert(0, REPO)
 
-from megatron.config import ModelConfig, layer_range  # noqa: E402
+from megatron.assembly.build import build_gpt_chunk  # noqa: E402
+from megatron.assembly.placement import pipeline_chunks  # noqa: E402
+from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import bubble, schedules  # noqa: E402
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
-from megatron.model.gpt_model import GPTModel  # noqa: E402
 from megatron.timers import Timers  # noqa: E402
 
 LAYERS_PER_STAGE = 2
@@ -87,15 +88,9 @@ def _gpt_chunks(args, p: int, v: int) -> list[nn.Module]:
                          vocab_size=args.vocab, make_vocab_size_divisible_by=64,
                          hidden_dropout=0.0, attention_dropout=0.0)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    chunks = []
-    for c in range(v):
-        parallel_state.set_virtual_pipeline_model_parallel_rank(c if v > 1 else None)
-        first, count = layer_range([LAYERS_PER_STAGE] * p, stage, v if v > 1 else None, c)
-        chunks.append(GPTModel(config, pre_process=parallel_state.is_pipeline_first_stage(),
-                               post_process=parallel_state.is_pipeline_last_stage(),
-                               first_layer=first, num_layers=count))
+    placed = pipeline_chunks(LAYERS_PER_STAGE * p, p, v if v > 1 else None)[stage]
     parallel_state.set_virtual_pipeline_model_parallel_rank(0 if v > 1 else None)
-    return chunks
+    return [build_gpt_chunk(config, chunk) for chunk in placed]
 
 
 def _gpt_data(args, m: int, seed: int):

@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from megatron.assembly.build import build_gpt_chunk
+from megatron.assembly.placement import stage_chunks
 from megatron.config import (
     CheckpointConfig,
     DataConfig,
     ModelConfig,
     ParallelConfig,
     RunConfig,
-    layer_range,
 )
 from megatron.core import parallel_state
 from megatron.model.gpt_model import GPTModel
@@ -196,14 +197,8 @@ def _place() -> tuple[int, int]:
 
 
 def _stage_chunks(cfg: RunConfig) -> list:
-    """The ``megatron.conversion`` chunks (one per virtual stage) of this pipeline rank."""
-    from megatron.conversion.sharding import pipeline_chunks
-
-    p = cfg.parallel
-    return pipeline_chunks(cfg.model.num_layers, p.pipeline_model_parallel_size,
-                           p.virtual_pipeline_model_parallel_size,
-                           p.decoder_first_pipeline_num_layers,
-                           p.decoder_last_pipeline_num_layers)[_place()[1]]
+    """The chunks (one per virtual stage) of this pipeline rank (``megatron.assembly``)."""
+    return stage_chunks(cfg, _place()[1])
 
 
 def load_full_state(chunks: list[nn.Module], cfg: RunConfig,
@@ -330,12 +325,8 @@ def build_inference_model(config: RunConfig, *, device: torch.device,
     """This rank's stage (one chunk) of the model in eval mode, its weights loaded from
     ``full_state_dict`` (unsharded, our names) when given, else from ``hf_model_dir`` or the
     checkpoint ``config.checkpoint.load`` at any saved layout. Every rank calls it."""
-    pp_rank = _place()[1]
-    pp_size = config.parallel.pipeline_model_parallel_size
-    first, count = layer_range(config.pipeline_stage_num_layers, pp_rank)
-    model = GPTModel(inference_model_config(config.model, dtype), pre_process=pp_rank == 0,
-                     post_process=pp_rank == pp_size - 1, first_layer=first, num_layers=count,
-                     device=device)
+    chunk = stage_chunks(config, _place()[1], interleaved=False)[0]
+    model = build_gpt_chunk(inference_model_config(config.model, dtype), chunk, device)
     if full_state_dict is not None:
         load_full_state([model], config, full_state_dict)
         return model.eval()

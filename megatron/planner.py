@@ -31,6 +31,40 @@ bytes from those counts and the formulas below (printed by ``format_plan``)::
 
 Pipeline bubble: ``(p - 1) / (v m)`` of the ideal compute time (Megatron's 1F1B figure).
 FLOPs per iteration: ``megatron.training_log.flops_per_token`` x tokens of the global batch.
+
+Against the published formulas (``tools/plan.py --compare-formulas``, megatron/memory_formulas.py:
+Korthikanti et al. 2022 and Megatron-LM's theoretical_memory_usage.py). For the GPT-3 175B
+recipe (tensor 8 x pipeline 8, micro-batch 1, sequence 2048, fp16, distributed optimizer over
+one replica), first stage, GB = 2^30 bytes, ours / formula:
+
+    layout                      weights+grads+optimizer   activations
+    SP, recompute none          42.06 / 46.88 (-10.3%)    18.05 / 32.09 (-43.8%)
+    SP, recompute selective     42.06 / 46.88 (-10.3%)    17.48 /  9.59 (+82.4%)
+    SP, recompute full          42.06 / 46.88 (-10.3%)     0.80 /  0.59 (+36.0%)
+    no SP, recompute none       42.06 / 46.88 (-10.3%)    30.19 / 54.53 (-44.6%)
+    no SP, recompute selective  42.06 / 46.88 (-10.3%)    29.62 / 30.91  (-4.2%)
+    no SP, recompute full       42.06 / 46.88 (-10.3%)     5.19 /  4.92  (+5.4%)
+
+Every difference above 5%, and why (each is what our code holds, not a miscount; the test
+tests/unit/test_memory_formulas.py keeps this list and the figures in step):
+
+- weights + gradients + optimizer, -10.3% everywhere: the formula's 18 bytes per parameter
+  assume fp32 gradients; an fp16 run without --accumulate-allreduce-grads-in-fp32 keeps its
+  gradient buffers in fp16 (16 bytes per parameter, -11.1%; with the flag the figures agree to
+  1%). We also count what the formula leaves out: learned position embeddings on the first
+  stage and the linear layers' biases (+0.9%).
+- activations without recomputation, -44% (SP and not): the formula keeps attention's
+  scores, softmax and dropout mask (5 a s^2 b / t bytes per layer, 80 sbh/t at s = 2048); we
+  count a fused attention kernel (the recipe's --use-flash-attn, or PyTorch's SDPA flash
+  kernel on a GPU), which keeps none of the s x s tensors.
+- activations with sequence parallelism, +82% under selective recompute (and inside the SP
+  rows above): our column-parallel layers (QKV and FC1) save their all-gathered [s, b, h]
+  input for the weight gradient, 4 sbh bytes per layer, where Megatron-LM keeps the 1/t shard
+  and all-gathers it again in the backward (34/t sbh is the formula's whole layer).
+- activations under full recompute, +36% (SP) and +5.4% (no SP): we add the working set the
+  backward rebuilds, one layer's full activations while it is recomputed (0.19 GB here), and
+  the first stage's embedding output per micro-batch in flight; the formula keeps only each
+  layer's input.
 """
 
 from __future__ import annotations
@@ -41,7 +75,9 @@ from typing import Optional
 
 import torch
 
-from megatron.config import RunConfig, layer_range
+from megatron.assembly.build import build_gpt_chunk, gradients_in_fp32
+from megatron.assembly.placement import stage_chunks
+from megatron.config import RunConfig
 from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
 from megatron.model.gpt_model import GPTModel
 from megatron.training_log import flops_per_token
@@ -101,20 +137,10 @@ class Plan:
 
 def build_rank_on_meta(config: RunConfig, tp_rank: int, pp_rank: int) -> list[GPTModel]:
     """The model chunks rank (``tp_rank``, ``pp_rank``) builds, on the meta device."""
-    p = config.parallel
-    vp = p.virtual_pipeline_model_parallel_size or 1
-    last = p.pipeline_model_parallel_size - 1
     model_config = config.model.replace(perform_initialization=False)
-    chunks = []
-    with assume_tensor_parallel_rank(p.tensor_model_parallel_size, tp_rank):
-        for v in range(vp):
-            first_layer, num_layers = layer_range(config.pipeline_stage_num_layers, pp_rank,
-                                                  vp, v)
-            chunks.append(GPTModel(model_config, pre_process=pp_rank == 0 and v == 0,
-                                   post_process=pp_rank == last and v == vp - 1,
-                                   first_layer=first_layer, num_layers=num_layers,
-                                   device="meta"))
-    return chunks
+    with assume_tensor_parallel_rank(config.parallel.tensor_model_parallel_size, tp_rank):
+        return [build_gpt_chunk(model_config, chunk, torch.device("meta"))
+                for chunk in stage_chunks(config, pp_rank)]
 
 
 def _unique_count(chunks: list[GPTModel], tp_rank: int, pipeline_parallel: bool) -> int:
@@ -173,18 +199,22 @@ def closed_form_parameters(config: RunConfig) -> tuple[int, str]:
 # ----------------------------------------------------------------------------- memory
 
 
-def _bytes(dtype: torch.dtype) -> int:
+def bytes_of(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
+
+
+def grad_bytes(config: RunConfig) -> int:
+    """Bytes per element of the data-parallel gradient buffers."""
+    return 4 if gradients_in_fp32(config.optimizer) else bytes_of(config.model.params_dtype)
 
 
 def _state_memory(config: RunConfig, params: int, zero_stage: int) -> tuple[int, int, int, int]:
     """(weights, gradients, optimizer, step) bytes for ``params`` parameters on one rank."""
     m, o = config.model, config.optimizer
     dp = config.data_parallel_size
-    param_bytes = _bytes(m.params_dtype)
+    param_bytes = bytes_of(m.params_dtype)
     mixed = m.fp16 or m.bf16
-    grad_fp32 = o.accumulate_allreduce_grads_in_fp32 or not mixed
-    grad_bytes = 4 if grad_fp32 else param_bytes
+    grad_fp32 = gradients_in_fp32(o)
     if o.optimizer == "adam":
         state_bytes = 8
     else:
@@ -192,13 +222,13 @@ def _state_memory(config: RunConfig, params: int, zero_stage: int) -> tuple[int,
     state_bytes += 4 if mixed else 0
     shard_optimizer = zero_stage >= 1 or o.use_distributed_optimizer
     weights = params * param_bytes // (dp if zero_stage >= 3 else 1)
-    gradients = params * grad_bytes // (dp if zero_stage >= 2 else 1)
+    gradients = params * grad_bytes(config) // (dp if zero_stage >= 2 else 1)
     optimizer = params * state_bytes // (dp if shard_optimizer else 1)
     step = 0 if grad_fp32 else params * 4 // (dp if shard_optimizer else 1)
     return weights, gradients, optimizer, step
 
 
-def layer_activation_bytes(config: RunConfig) -> int:
+def layer_activationbytes_of(config: RunConfig) -> int:
     """One transformer layer's saved activations for one micro-batch (module docstring)."""
     m, t = config.model, config.parallel.tensor_model_parallel_size
     t_sp = t if config.parallel.sequence_parallel else 1
@@ -209,7 +239,7 @@ def layer_activation_bytes(config: RunConfig) -> int:
     if m.recompute_granularity == "selective":
         elements -= attention_out
     masks = 2 * s * b * h // t_sp if m.hidden_dropout > 0 else 0
-    return elements * _bytes(m.params_dtype) + masks
+    return elements * bytes_of(m.params_dtype) + masks
 
 
 def _in_flight(config: RunConfig, pp_rank: int) -> tuple[int, int]:
@@ -226,11 +256,11 @@ def _in_flight(config: RunConfig, pp_rank: int) -> tuple[int, int]:
 def _chunk_activations(config: RunConfig, layers: int) -> int:
     """Saved activations of ``layers`` layers for one micro-batch, under the recompute
     setting (full recomputation keeps block inputs; one block is live while recomputed)."""
-    m, per_layer = config.model, layer_activation_bytes(config)
+    m, per_layer = config.model, layer_activationbytes_of(config)
     t_sp = config.parallel.tensor_model_parallel_size if config.parallel.sequence_parallel \
         else 1
     block_input = m.seq_length * config.training.micro_batch_size * m.hidden_size // t_sp \
-        * _bytes(m.params_dtype)
+        * bytes_of(m.params_dtype)
     if m.recompute_granularity != "full":
         return layers * per_layer
     k = min(m.recompute_num_layers or 1, layers)
@@ -245,7 +275,7 @@ def _working_set(config: RunConfig, layers: int) -> int:
     if m.recompute_granularity != "full":
         return 0
     k = min(m.recompute_num_layers or 1, layers)
-    return (k if m.recompute_method == "uniform" else 1) * layer_activation_bytes(config)
+    return (k if m.recompute_method == "uniform" else 1) * layer_activationbytes_of(config)
 
 
 def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
@@ -255,7 +285,7 @@ def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
     t_sp = t if p.sequence_parallel else 1
     chunks, layers = _in_flight(config, pp_rank)
     tokens = m.seq_length * config.training.micro_batch_size
-    e = _bytes(m.params_dtype)
+    e = bytes_of(m.params_dtype)
     extras = 0
     if pp_rank == 0:
         extras += tokens * m.hidden_size // t_sp * e
@@ -285,19 +315,30 @@ def flops_per_iteration(config: RunConfig) -> float:
     return flops_per_token(config.model) * tokens
 
 
+def _stage_plan(config: RunConfig, pp_rank: int, params_per_rank: tuple[int, ...],
+                zero_stage: int) -> StagePlan:
+    weights, grads, optimizer, step = _state_memory(config, max(params_per_rank), zero_stage)
+    activations, in_flight = activation_memory(config, pp_rank)
+    return StagePlan(pp_rank, config.pipeline_stage_num_layers[pp_rank], params_per_rank,
+                     Memory(weights, grads, optimizer, activations, step), in_flight)
+
+
+def plan_stage(config: RunConfig, pp_rank: int, zero_stage: int = 0) -> StagePlan:
+    """One pipeline stage's plan (its tensor ranks built on the meta device)."""
+    row = tuple(sum(p.numel() for c in build_rank_on_meta(config, tp_rank, pp_rank)
+                    for p in c.parameters())
+                for tp_rank in range(config.parallel.tensor_model_parallel_size))
+    return _stage_plan(config, pp_rank, row, zero_stage)
+
+
 def build_plan(config: RunConfig, zero_stage: int = 0,
                gpu_memory_gb: Optional[float] = None) -> Plan:
     """Count, size and time ``config``'s layout (see the module docstring)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage}")
     per_rank, total = count_parameters(config)
-    stages = []
-    for pp_rank, row in enumerate(per_rank):
-        weights, grads, optimizer, step = _state_memory(config, max(row), zero_stage)
-        activations, in_flight = activation_memory(config, pp_rank)
-        stages.append(StagePlan(pp_rank, config.pipeline_stage_num_layers[pp_rank], row,
-                                Memory(weights, grads, optimizer, activations, step),
-                                in_flight))
+    stages = [_stage_plan(config, pp_rank, row, zero_stage)
+              for pp_rank, row in enumerate(per_rank)]
     closed, text = closed_form_parameters(config)
     return Plan(config, zero_stage, tuple(stages), total, closed, text,
                 bubble_fraction(config), flops_per_iteration(config), gpu_memory_gb)

@@ -17,31 +17,35 @@ import dataclasses
 import functools
 import gc
 import math
-import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megatron import training_xla, watchdog, xla
+from megatron.assembly.build import (
+    RunContext,
+    build_run_tokenizer,
+    check_dp_topology_or_exit,
+    num_parameters,
+    run_vocab_size,
+    setup_model_and_optimizer,
+)
 from megatron.checkpointing.async_save import AsyncSaver
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ranks import any_true
 from megatron.config import (
     ConfigError,
     RunConfig,
-    layer_range,
     parse_args,
     parse_args_or_exit,
     print_config,
 )
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import bubble
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.dataset_utils import train_valid_test_num_samples as data_sample_counts
@@ -49,7 +53,7 @@ from megatron.initialize import initialize_megatron
 from megatron.integrations.deepspeed import deepspeed_config_or_exit
 from megatron.microbatches import NumMicroBatchesCalculator
 from megatron.model.layer_norm import apex_layer_norm_used
-from megatron.model.transformer import compile_transformer_layers, flash_attn_installed
+from megatron.model.transformer import flash_attn_installed
 from megatron.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,
@@ -61,7 +65,6 @@ from megatron.nonfinite import (
 )
 from megatron.optimizer_param_scheduler import (
     ScheduleMismatchError,
-    build_optimizer_param_scheduler,
     check_resumed_schedule_or_exit,
 )
 from megatron.signals import INTERRUPTED_EXIT_STATUS, TERMINATED_EXIT_STATUS, ShutdownSignals
@@ -83,28 +86,6 @@ from megatron.utils import configure_output, global_rank, print_rank_0
 
 
 @dataclasses.dataclass
-class RunContext:
-    """What the callbacks may need: the resolved config, the tokenizer, the timers."""
-
-    config: RunConfig
-    tokenizer: Any = None
-    timers: Timers = dataclasses.field(default_factory=Timers)
-    device: torch.device = torch.device("cpu")
-    # What this rank is doing now: the hang watchdog and the timeout report name it.
-    progress: watchdog.Progress = dataclasses.field(default_factory=watchdog.Progress)
-    # Under XLA SPMD: the devices' mesh, along which each micro-batch is split.
-    spmd_mesh: Any = None
-
-    def batch_to_device(self, batch: torch.Tensor) -> torch.Tensor:
-        """A micro-batch ``[b, ...]`` from the data loader on the run's device (pinned by the
-        loader on a GPU, so the copy need not wait for the host); under XLA SPMD split along
-        ``b`` over the devices, each holding one data-parallel rank's rows."""
-        if self.spmd_mesh is not None:
-            return xla.to_device_split(batch, self.spmd_mesh)
-        return batch.to(self.device, non_blocking=True)
-
-
-@dataclasses.dataclass
 class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
@@ -118,100 +99,7 @@ class TrainState:
     last_valid_losses: dict = dataclasses.field(default_factory=dict)
 
 
-# Model, optimizer, scheduler ---------------------------------------------------------------
-
-
-def build_model_chunks(model_provider: Callable, ctx: RunContext) -> list[nn.Module]:
-    """This rank's model chunks (one per virtual pipeline stage), each built for its layers."""
-    cfg = ctx.config
-    vp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    last_rank = cfg.parallel.pipeline_model_parallel_size - 1
-    chunks = []
-    for v in range(vp):
-        first_layer, num_layers = layer_range(cfg.pipeline_stage_num_layers, pp_rank, vp, v)
-        chunks.append(model_provider(
-            ctx, pre_process=pp_rank == 0 and v == 0,
-            post_process=pp_rank == last_rank and v == vp - 1,
-            first_layer=first_layer, num_layers=num_layers))
-    if cfg.training.compile:
-        compiled = sum(compile_transformer_layers(chunk) for chunk in chunks)
-        print_rank_0(f"> --compile: {compiled} transformer layers on this rank go through "
-                     "torch.compile (compiled on first use)")
-    return chunks
-
-
-def wrap_data_parallel(chunks: Sequence[nn.Module], cfg: RunConfig) -> list[nn.Module]:
-    opt = cfg.optimizer
-    return [
-        DistributedDataParallel(
-            chunk, accumulate_allreduce_grads_in_fp32=opt.accumulate_allreduce_grads_in_fp32
-            or not (opt.fp16 or opt.bf16),
-            overlap_grad_reduce=opt.overlap_grad_reduce,
-            use_distributed_optimizer=opt.use_distributed_optimizer,
-            bucket_size=opt.ddp_bucket_size,
-            average_gradients=cfg.parallel.dp_mode == "allreduce",
-            gradient_accumulation_fusion=opt.gradient_accumulation_fusion)
-        for chunk in chunks
-    ]
-
-
-def dp_ranks_per_node(cfg: RunConfig) -> int:
-    """Data-parallel ranks of one node for --dp-topology alternating-exp-ring. Ranks go tensor
-    fastest, then data, then pipeline: a node's LOCAL_WORLD_SIZE consecutive ranks hold
-    LOCAL_WORLD_SIZE / tp consecutive data-parallel ranks of one stage."""
-    p = cfg.parallel
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // p.tensor_model_parallel_size
-    return min(max(per_node, 1), p.data_parallel_size)
-
-
-def _check_dp_topology_or_exit(cfg: RunConfig) -> None:
-    """A --dp-topology this run's sizes cannot build ends the run before any process group."""
-    from megatron.core.distributed.gossip import TopologyError, topology_rounds
-
-    p = cfg.parallel
-    if p.dp_mode != "decentralized":
-        return
-    try:
-        topology_rounds(p.dp_topology, p.data_parallel_size, dp_ranks_per_node(cfg))
-    except TopologyError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-
-
-def wrap_decentralized(optimizer, cfg: RunConfig):
-    """--dp-mode decentralized: the optimizer that averages with --dp-topology neighbours."""
-    from megatron.core.distributed.gossip import ParameterGossip, TopologyError
-    from megatron.core.optimizer.decentralized import DecentralizedOptimizer
-
-    p = cfg.parallel
-    groups = parallel_state.build_rank_groups(
-        dist.get_world_size() if dist.is_initialized() else 1,
-        p.tensor_model_parallel_size, p.pipeline_model_parallel_size).data
-    try:
-        gossip = ParameterGossip(p.dp_topology, groups, dp_ranks_per_node(cfg),
-                                 full_group=parallel_state.get_data_parallel_group())
-    except TopologyError as error:
-        raise ConfigError(str(error)) from None
-    when = ("while it computes its gradient (--dp-overlap)" if p.dp_overlap
-            else "after each step")
-    print_rank_0(f"> --dp-mode decentralized: gradients are not all-reduced; {when} "
-                 f"every replica averages its parameters over its --dp-topology {p.dp_topology} "
-                 f"group ({gossip.num_rounds()} round(s), data-parallel size {gossip.dp_size})")
-    return DecentralizedOptimizer(optimizer, gossip, overlap=p.dp_overlap)
-
-
-def setup_model_and_optimizer(model_provider: Callable, ctx: RunContext):
-    cfg = ctx.config
-    chunks = wrap_data_parallel(build_model_chunks(model_provider, ctx), cfg)
-    optimizer = get_megatron_optimizer(cfg.optimizer, chunks)
-    if cfg.parallel.dp_mode == "decentralized":
-        optimizer = wrap_decentralized(optimizer, cfg)
-    scheduler = build_optimizer_param_scheduler(
-        cfg.scheduler, cfg.optimizer, optimizer,
-        global_batch_size=cfg.training.global_batch_size,
-        train_iters=cfg.training.train_iters, train_samples=cfg.training.train_samples)
-    return chunks, optimizer, scheduler
+# Run sizes -------------------------------------------------------------------------------
 
 
 def data_parallel_size(cfg: RunConfig) -> int:
@@ -225,11 +113,6 @@ def run_devices(cfg: RunConfig) -> int:
     times the XLA devices of each under SPMD."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     return world * cfg.parallel.devices_per_process
-
-
-def num_parameters(chunks: Sequence[nn.Module]) -> int:
-    # ZeRO-3 leaves each rank a shard; ds_numel is the whole parameter's size.
-    return sum(getattr(p, "ds_numel", p.numel()) for chunk in chunks for p in chunk.parameters())
 
 
 # Data ------------------------------------------------------------------------------------
@@ -467,6 +350,7 @@ class Trainer:
                                              opt.loss_scale, opt.min_loss_scale)
                                if opt.fp16 else None)
         self._refused_save: Optional[int] = None
+        self.save_lock = None  # rank 0's lock of --save (start_run), released at the end
         self.start_time = time.time()
         self._interval: dict[str, float] = {}
         self._interval_iters = self._skipped = self._nan = 0
@@ -474,8 +358,10 @@ class Trainer:
         self._interval_start = self._last_iteration_end = time.perf_counter()
         self._memory_reported = False
 
-    @property
+    @functools.cached_property
     def train_iters(self) -> int:
+        """The run's length in iterations (fixed by the config; under --train-samples with a
+        batch-size ramp-up counting it walks the whole ramp, so it is computed once)."""
         t = self.cfg.training
         if t.train_iters is not None:
             return t.train_iters
@@ -819,19 +705,6 @@ class Trainer:
 # Entry -----------------------------------------------------------------------------------
 
 
-def build_run_tokenizer(cfg: RunConfig):
-    """The tokenizer named by the data flags; with --mock-data and no files, none (the
-    vocabulary size then comes from --vocab-size or GPT-2's 50257)."""
-    from megatron.tokenizer import build_tokenizer
-
-    d = cfg.data
-    has_files = d.vocab_file or d.tokenizer_name_or_path
-    if d.mock_data and d.tokenizer_type != "NullTokenizer" and not has_files:
-        return None
-    return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file,
-                           d.tokenizer_name_or_path, d.vocab_size)
-
-
 def check_run_inputs(cfg: RunConfig):
     """The run's tokenizer, built and checked with the data files before any process group or
     model exists: bad input ends the run with ``error: ...`` naming the flag or file, and
@@ -852,10 +725,19 @@ def check_run_inputs(cfg: RunConfig):
     return tokenizer
 
 
+class RunCallbacks(NamedTuple):
+    """The user's three callbacks (see the module docstring)."""
+
+    datasets_provider: Callable
+    model_provider: Callable
+    forward_step: Callable
+
+
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: Callable, *, extra_args_provider: Optional[Callable] = None,
              args_defaults: Optional[dict] = None, argv: Optional[list[str]] = None) -> TrainState:
     """Parse flags, initialize, build, train, evaluate and save; returns the final state.
+    With --rehearse, rehearse the launch on this machine instead (megatron/rehearsal).
 
     Ctrl-C (SIGINT) ends it with one line on rank 0 and ``SystemExit(130)``, or, with
     --exit-signal-handler, as SIGTERM does (see megatron/signals.py). A communication that
@@ -863,6 +745,12 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     stall prints the stacks (--hang-timeout-minutes; megatron/watchdog.py)."""
     wall_start = time.perf_counter()
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
+    callbacks = RunCallbacks(train_valid_test_datasets_provider, model_provider,
+                             forward_step_func)
+    if cfg.training.rehearse:
+        from megatron.rehearsal.entry import rehearse_or_exit
+
+        rehearse_or_exit(cfg, callbacks)
     configure_output(cfg.logging.log_all_ranks)
     _check_device_support_or_exit(cfg)
     if training_xla.launches_replicas(cfg):
@@ -881,9 +769,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     progress = watchdog.Progress("start-up (joining the other ranks)")
     try:
         with watchdog.exit_on_communication_timeout(progress):
-            return _pretrain(cfg, state, signals, progress, wall_start,
-                             train_valid_test_datasets_provider, model_provider,
-                             forward_step_func)
+            return _pretrain(cfg, state, signals, progress, wall_start, callbacks)
     except BaseException as error:
         # An interrupted peer leaves its collectives: the errors that follow are the interrupt.
         if not signals.was_interrupted() or (isinstance(error, SystemExit) and error.code == 0):
@@ -898,21 +784,67 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
 
 def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals,
               progress: watchdog.Progress, wall_start: float,
-              train_valid_test_datasets_provider: Callable, model_provider: Callable,
-              forward_step_func: Callable) -> TrainState:
+              callbacks: RunCallbacks) -> TrainState:
     """pretrain() after the flags are parsed; fills ``state`` as it goes."""
     _check_checkpoint_folders_or_exit(cfg)
-    _check_dp_topology_or_exit(cfg)
+    check_dp_topology_or_exit(cfg)
     tokenizer = check_run_inputs(cfg)
     ds_config = deepspeed_config_or_exit(cfg)
     check_resumed_schedule_or_exit(cfg, ds_config)
     if cfg.training.dry_run:
-        return _dry_run(cfg.with_vocab_size(_vocab_size(cfg, tokenizer)))
+        return _dry_run(cfg.with_vocab_size(run_vocab_size(cfg, tokenizer)))
+    trainer = start_run(cfg, tokenizer, ds_config, callbacks, state, signals, progress)
+    if cfg.training.eval_only:
+        trainer.evaluate_only()
+        trainer.tensorboard.close()
+        _finish()
+        return state
+    print_rank_0(f"training from iteration {state.iteration} to {trainer.train_iters} ...")
+    start = _RunStart(wall_start, state.iteration, state.consumed_train_samples)
+    loop_start = time.perf_counter()
+    try:
+        reason = trainer.train()
+        loop_seconds = time.perf_counter() - loop_start
+        if reason == "done":
+            trainer.finish()
+        else:
+            if reason == "signal-while-writing" and any_true(signals.while_writing == "SIGINT"):
+                signals.interrupt()  # Ctrl-C, now that the checkpoint being written is complete
+            print_rank_0(_exit_message(reason, state, trainer.cfg,
+                                       signals.received or signals.while_writing))
+        if reason == "signal-while-writing":  # SIGTERM's own status, once the save is done
+            _end_run(trainer, start, loop_seconds)
+            raise SystemExit(TERMINATED_EXIT_STATUS)
+    except NonFiniteError as error:
+        # Every rank raised it at the same point (its decisions are collective).
+        trainer.finish_writing()  # a checkpoint of a finite iteration being written
+        trainer.tensorboard.close()
+        _finish()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    _end_run(trainer, start, loop_seconds)
+    if trainer.save_lock is not None:
+        trainer.save_lock.release()
+    return state
+
+
+def start_run(cfg: RunConfig, tokenizer, ds_config: Optional[dict], callbacks: RunCallbacks,
+              state: TrainState, signals: ShutdownSignals,
+              progress: Optional[watchdog.Progress] = None) -> Trainer:
+    """This rank's set-up, up to the first iteration: process groups, the --save lock, model
+    chunks, optimizer (or DeepSpeed's engine), checkpoint, data iterators; returns the
+    ``Trainer`` that runs the loop and fills ``state``. ``cfg`` is the parsed config (before
+    the vocabulary is known); ``progress``: what the hang watchdog follows (none watched
+    without it). The rehearsal runs each rank's set-up through here too."""
     device = initialize_megatron(cfg)
     save_lock = _lock_save_folder_or_exit(cfg)
-    progress.mark("start-up (model, checkpoint, data)")
-    progress.watch(cfg.training.hang_timeout_minutes)
-    cfg = cfg.with_vocab_size(_vocab_size(cfg, tokenizer))
+    if progress is None:
+        progress = watchdog.Progress()
+    else:
+        progress.mark("start-up (model, checkpoint, data)")
+        progress.watch(cfg.training.hang_timeout_minutes)
+    cfg = cfg.with_vocab_size(run_vocab_size(cfg, tokenizer))
     # The arguments block shows what this device uses, not what was asked for.
     cfg = cfg.replace(model=cfg.model.replace(
         apex_layernorm=apex_layer_norm_used(cfg.model, device)))
@@ -932,10 +864,10 @@ def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals,
     if ds_config is not None:
         from megatron.integrations import deepspeed as ds_integration
 
-        engine = ds_integration.setup_engine(model_provider, ctx, ds_config)
+        engine = ds_integration.setup_engine(callbacks.model_provider, ctx, ds_config)
         chunks, optimizer, scheduler = engine.chunks, engine.optimizer, engine.scheduler
     else:
-        chunks, optimizer, scheduler = setup_model_and_optimizer(model_provider, ctx)
+        chunks, optimizer, scheduler = setup_model_and_optimizer(callbacks.model_provider, ctx)
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                  f"({parallel_state.get_tensor_model_parallel_rank()}, "
                  f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_parameters(chunks)}")
@@ -948,47 +880,12 @@ def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals,
         if global_rank() == 0:  # every rank has the same state and flags
             print(f"error: --load {cfg.checkpoint.load}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    forward_step = functools.partial(forward_step_func, ctx)
-    iterators = build_data_iterators(train_valid_test_datasets_provider, ctx, state)
+    forward_step = functools.partial(callbacks.forward_step, ctx)
+    iterators = build_data_iterators(callbacks.datasets_provider, ctx, state)
     trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state,
                       signals, engine)
-    if cfg.training.eval_only:
-        trainer.evaluate_only()
-        trainer.tensorboard.close()
-        _finish()
-        return state
-    print_rank_0(f"training from iteration {state.iteration} to {trainer.train_iters} ...")
-    start = _RunStart(wall_start, state.iteration, state.consumed_train_samples)
-    loop_start = time.perf_counter()
-    try:
-        reason = trainer.train()
-        loop_seconds = time.perf_counter() - loop_start
-        if reason == "done":
-            trainer.finish()
-        else:
-            if reason == "signal-while-writing" and any_true(signals.while_writing == "SIGINT"):
-                signals.interrupt()  # Ctrl-C, now that the checkpoint being written is complete
-            print_rank_0(_exit_message(reason, state, cfg,
-                                       signals.received or signals.while_writing))
-        if reason == "signal-while-writing":  # SIGTERM's own status, once the save is done
-            _end_run(trainer, start, loop_seconds)
-            raise SystemExit(TERMINATED_EXIT_STATUS)
-    except NonFiniteError as error:
-        # Every rank raised it at the same point (its decisions are collective).
-        trainer.finish_writing()  # a checkpoint of a finite iteration being written
-        trainer.tensorboard.close()
-        _finish()
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    _end_run(trainer, start, loop_seconds)
-    if save_lock is not None:
-        save_lock.release()
-    return state
-
-
-def _vocab_size(cfg: RunConfig, tokenizer) -> int:
-    return tokenizer.vocab_size if tokenizer is not None else (cfg.data.vocab_size or 50257)
+    trainer.save_lock = save_lock
+    return trainer
 
 
 def _dry_run(cfg: RunConfig) -> TrainState:

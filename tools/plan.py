@@ -10,7 +10,10 @@ pipeline bubble, FLOPs per iteration, and whether it fits the GPUs.
 Takes pretrain_gpt.py's flags (the model, layout, batch, precision, recomputation,
 --use-distributed-optimizer) plus its own: --world-size (default: one model replica,
 tensor x pipeline), --zero-stage (DeepSpeed's ZeRO 0-3 for the memory figures) and
---gpu-memory-gb. The vocabulary is --vocab-size, or the tokenizer's when --vocab-file or
+--gpu-memory-gb, and --compare-formulas (print, instead of the plan, the first stage's memory
+beside Korthikanti et al. 2022 / Megatron-LM's theoretical_memory_usage.py, with and without
+sequence parallelism under each recompute setting: megatron/memory_formulas.py; the
+differences are explained in megatron/planner.py). The vocabulary is --vocab-size, or the tokenizer's when --vocab-file or
 --tokenizer-name-or-path is given, else GPT-2's 50257. Every rank's stage is built on the
 meta device, so nothing is allocated; the formulas are printed with the figures
 (megatron/planner.py). Exit status 0 when the plan fits (or no --gpu-memory-gb), 1 when not,
@@ -36,6 +39,7 @@ def _own_flags() -> argparse.ArgumentParser:
     parser.add_argument("--world-size", type=int, default=None)
     parser.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     parser.add_argument("--gpu-memory-gb", type=float, default=None)
+    parser.add_argument("--compare-formulas", action="store_true")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     return parser
@@ -45,6 +49,7 @@ def plan_config(argv: Sequence[str]) -> tuple[RunConfig, int, Optional[float]]:
     """The run's configuration (vocabulary resolved), ZeRO stage and GPU memory from argv."""
     own, _ = _own_flags().parse_known_args(argv)
     megatron_argv = _without(argv, ("--world-size", "--zero-stage", "--gpu-memory-gb"))
+    megatron_argv = [a for a in megatron_argv if a != "--compare-formulas"]
     world = own.world_size or own.tensor_model_parallel_size * own.pipeline_model_parallel_size
     config = parse_args(megatron_argv, world_size=world, require_training=False)
     return config.with_vocab_size(_vocab_size(config)), own.zero_stage, own.gpu_memory_gb
@@ -55,8 +60,8 @@ def _vocab_size(config: RunConfig) -> int:
     there are tokenizer files or a NullTokenizer; else --vocab-size, else GPT-2's 50257."""
     d = config.data
     if d.vocab_file or d.tokenizer_name_or_path or d.tokenizer_type == "NullTokenizer":
+        from megatron.assembly.build import build_run_tokenizer
         from megatron.tokenizer import TokenizerConfigError
-        from megatron.training import build_run_tokenizer
 
         try:
             return build_run_tokenizer(config).vocab_size
@@ -88,6 +93,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Plan:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    if "--compare-formulas" in argv:
+        from megatron.memory_formulas import compare, format_comparison, variants
+
+        print(format_comparison([compare(c, label) for label, c in variants(config)]))
+        raise SystemExit(0)
     plan = build_plan(config, zero_stage, gpu_memory_gb)
     print(format_plan(plan))
     return plan

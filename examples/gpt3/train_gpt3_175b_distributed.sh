@@ -27,6 +27,13 @@
 #                                 (tensor 2 x pipeline 2), a 4-layer 64-wide GPT, fp32, 2
 #                                 iterations; DATASET_PATH must hold small datasets of the
 #                                 two names (the tests make them)
+#   REHEARSE=1                    rehearse the launch on this machine instead of training: one
+#                                 python process runs every rank's set-up and first iteration
+#                                 over PyTorch's fake process group (WORLD_SIZE =
+#                                 GPUS_PER_NODE x NUM_NODES) and checks that their collectives
+#                                 and sends fit together (megatron/rehearsal); shrink the model
+#                                 for this machine with --rehearse-hidden-size 96
+#                                 --rehearse-seq-length 8 after MERGE_FILE
 # Flags after MERGE_FILE are passed to pretrain_gpt.py; a later flag overrides the script's.
 # Check the memory first: python tools/plan.py with the same model flags --gpu-memory-gb 80.
 set -euo pipefail
@@ -119,6 +126,11 @@ EVAL_AND_LOGGING_ARGS=(
     --exit-signal-handler
 )
 
+if [ "${REHEARSE:-0}" = 1 ]; then
+    WORLD_SIZE=$((GPUS_PER_NODE * NUM_NODES)) exec python "$REPO/pretrain_gpt.py" \
+        "${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" \
+        "${DATA_ARGS[@]}" "${EVAL_AND_LOGGING_ARGS[@]}" "${EXTRA_DS_ARGS[@]}" --rehearse "$@"
+fi
 torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO/pretrain_gpt.py" \
     "${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" \
     "${DATA_ARGS[@]}" "${EVAL_AND_LOGGING_ARGS[@]}" "${EXTRA_DS_ARGS[@]}" "$@"

@@ -62,6 +62,30 @@ class TrainingConfig(Slice):
         default=False, help="Print the plan of this run (parameters per rank, memory per GPU, "
         "pipeline bubble, FLOPs; as tools/plan.py) and exit before any process group exists; "
         "set WORLD_SIZE to the launch's.")
+    # The rehearsal (issue 25): megatron/rehearsal.
+    rehearse: bool = option(
+        default=False, help="Rehearse this run on this machine instead of training: every "
+        "rank of the WORLD_SIZE launch (or one rank of each alike class) runs its set-up and "
+        "one training iteration over PyTorch's fake process group; their collectives and "
+        "point-to-point operations are matched, and each rank's parameters, memory and "
+        "communication volume printed. Exit status 1 when the ranks' communication does not "
+        "fit together.")
+    rehearse_hidden_size: Optional[int] = option(
+        default=None, help="With --rehearse: build the model this wide (a multiple of "
+        "--num-attention-heads; the FFN and attention widths shrink in proportion) when the "
+        "run's own width does not fit this machine; layers, heads, layout and micro-batches "
+        "are kept. The run's own width when unset.")
+    rehearse_seq_length: Optional[int] = option(
+        default=None, help="With --rehearse: sequences of this many tokens (and as many "
+        "positions); the run's --seq-length when unset.")
+    rehearse_ranks: str = option(
+        default="classes", choices=("classes", "all"), help="With --rehearse: classes runs, "
+        "for each pipeline stage, its first rank, and the last rank of the first, a middle and "
+        "the last stage as a check that a stage's ranks are alike, and gives every other rank "
+        "its stage's first rank's operations in its own groups; all runs every rank.")
+    rehearse_full_batch: bool = option(
+        default=False, help="With --rehearse and --rampup-batch-size: rehearse an iteration at "
+        "the full --global-batch-size instead of the run's first (the ramp-up's START).")
     distributed_backend: str = option(
         default="auto", choices=("auto", "nccl", "gloo", "xla"), help="Collectives library: nccl on "
         "a GPU and gloo on the CPU when auto (the backend follows the device; see --use-cpu).")
@@ -127,7 +151,9 @@ class TrainingConfig(Slice):
         positive(self, "micro_batch_size", "eval_interval", "distributed_timeout_minutes",
                  "max_consecutive_nonfinite_iterations")
         optional_positive(self, "global_batch_size", "train_iters", "train_samples",
-                          "train_tokens", "exit_interval", "exit_duration_in_mins")
+                          "train_tokens", "exit_interval", "exit_duration_in_mins",
+                          "rehearse_hidden_size", "rehearse_seq_length")
+        one_of(self, "rehearse_ranks", ("classes", "all"))
         require(self.xla_processes is None or self.xla_processes >= 0,
                 f"--xla-processes must be 0 (every device) or positive, got {self.xla_processes}")
         require(self.train_iters is None or self.train_samples is None,

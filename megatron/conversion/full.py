@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.assembly.placement import Chunk, pipeline_chunks
 from megatron.checkpointing.contents import (
     CONVERTED_KEY,
     check_version,
@@ -50,13 +51,11 @@ from megatron.conversion import optim_state
 from megatron.conversion.sharding import (
     TIED_COPY,
     VOCAB_TENSORS,
-    Chunk,
     chunk_to_full_names,
     chunks_from_layer_counts,
     full_to_chunk_names,
     layer_count,
     merge_tp,
-    pipeline_chunks,
     resize_vocab,
     split_tp,
     tp_piece,

@@ -17,11 +17,11 @@ everything else (layer norms, positions) is replicated.
 from __future__ import annotations
 
 import re
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-from megatron.config.parallel import layer_range, split_pipeline_layers
+from megatron.assembly.placement import Chunk, pipeline_chunks  # noqa: F401 - conversion's names
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 TIED_COPY = "word_embeddings.weight"  # the last stage's copy of the tied word embeddings
@@ -80,34 +80,6 @@ def resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 # Pipeline ----------------------------------------------------------------------------------
-
-
-class Chunk(NamedTuple):
-    """One model chunk of one pipeline stage: its global layers and what else it holds."""
-
-    pp_rank: int
-    virtual_rank: int
-    first_layer: int
-    num_layers: int
-    pre_process: bool
-    post_process: bool
-
-
-def pipeline_chunks(num_layers: int, pp: int, vp: Optional[int] = None,
-                    first_stage_layers: Optional[int] = None,
-                    last_stage_layers: Optional[int] = None) -> list[list[Chunk]]:
-    """Per pipeline rank, its chunks (one per virtual stage), as training builds them."""
-    stages = split_pipeline_layers(num_layers, pp, first_stage_layers, last_stage_layers)
-    vp = vp or 1
-    out = []
-    for p in range(pp):
-        chunks = []
-        for v in range(vp):
-            first, count = layer_range(stages, p, vp, v)
-            chunks.append(Chunk(p, v, first, count, p == 0 and v == 0,
-                                p == pp - 1 and v == vp - 1))
-        out.append(chunks)
-    return out
 
 
 def chunks_from_layer_counts(counts: list[list[int]]) -> list[list[Chunk]]:

@@ -13,17 +13,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Looked up at each call, not bound at import: a wrapper of torch.distributed (the rehearsal's
+# recorder, megatron/rehearsal) must see these calls too.
+def _all_gather() -> Any:
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter() -> Any:
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any,
                     async_op: bool = False) -> Any:
     """``output`` (dim 0 = shard's x group size) <- every rank's ``shard`` in rank order."""
-    return _all_gather(output, shard, group=group, async_op=async_op)
+    return _all_gather()(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group: Any,
                         async_op: bool = False) -> Any:
     """``output`` <- this rank's slice (in rank order, along dim 0) of the sum of ``full``."""
-    return _reduce_scatter(output, full, group=group, async_op=async_op)
+    return _reduce_scatter()(output, full, group=group, async_op=async_op)

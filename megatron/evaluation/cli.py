@@ -116,8 +116,8 @@ def build_task_dataset(cfg: RunConfig, tokenizer: Any):
 def run_task(cfg: RunConfig) -> Union[PerplexityResult, AccuracyResult]:
     """Initialize, build the tokenizer, dataset and model, evaluate, print the result line;
     returns the result (on every rank)."""
+    from megatron.assembly.build import build_run_tokenizer
     from megatron.initialize import initialize_megatron
-    from megatron.training import build_run_tokenizer
 
     try:
         tokenizer = build_run_tokenizer(cfg)

@@ -10,19 +10,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megatron.assembly.build import RunContext, build_model_chunks, gpt_model_provider
 from megatron.config import RunConfig
 from megatron.inference_loading import load_inference_weights
-from megatron.model.gpt_model import GPTModel
 
 
 def _model_chunks(cfg: RunConfig, device: torch.device) -> list[nn.Module]:
-    from megatron.training import RunContext, build_model_chunks
-
-    def provider(ctx, pre_process, post_process, first_layer, num_layers):
-        return GPTModel(ctx.config.model, pre_process=pre_process, post_process=post_process,
-                        first_layer=first_layer, num_layers=num_layers, device=device)
-
-    return build_model_chunks(provider, RunContext(cfg, device=device))
+    return build_model_chunks(gpt_model_provider, RunContext(cfg, device=device))
 
 
 def build_model_for_evaluation(cfg: RunConfig, device: torch.device,

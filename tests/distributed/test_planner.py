@@ -38,8 +38,8 @@ def _config(world_size: int, *extra: str):
 
 
 def _context(cfg):
+    from megatron.assembly.build import RunContext
     from megatron.core import parallel_state
-    from megatron.training import RunContext
 
     p = cfg.parallel
     parallel_state.initialize_model_parallel(p.tensor_model_parallel_size,
@@ -50,8 +50,8 @@ def _context(cfg):
 def _count_built(rank: int, world_size: int, layouts: list[tuple[str, ...]]):
     """For each layout, (pipeline rank, tensor rank, parameters) of this rank's stage (all its
     virtual chunks), built as training builds it."""
+    from megatron.assembly.build import build_model_chunks
     from megatron.core import parallel_state
-    from megatron.training import build_model_chunks
     from pretrain_gpt import model_provider
 
     counts = []
@@ -141,8 +141,9 @@ def _measure_steps(rank: int, world_size: int, extras: list[tuple[str, ...]]) ->
 def _measure_step(extra: tuple[str, ...]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
+    from megatron.assembly.build import setup_model_and_optimizer
     from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.training import setup_model_and_optimizer, train_step
+    from megatron.training import train_step
     from pretrain_gpt import forward_step, model_provider
 
     cfg = _config(1, *extra)

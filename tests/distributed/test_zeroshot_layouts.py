@@ -57,12 +57,12 @@ def _one_process_model(flags: list[str], vocab_size: int):
 
 def _save_and_evaluate(rank, world_size, flags, save_dir, tasks):
     """Save this layout's model, then evaluate each task from that checkpoint."""
+    from megatron.assembly.build import build_run_tokenizer
     from megatron.checkpointing import save_checkpoint
     from megatron.config import parse_args
     from megatron.evaluation.cli import main
     from megatron.evaluation.model import _model_chunks
     from megatron.initialize import initialize_megatron
-    from megatron.training import build_run_tokenizer
 
     cfg = parse_args(flags + ["--save", save_dir, "--save-interval", "1"],
                      require_training=False)

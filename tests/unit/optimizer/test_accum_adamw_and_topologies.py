@@ -121,8 +121,8 @@ def test_decentralized_refuses_what_would_mix_replicas(flag):
 
 
 def test_a_topology_the_nodes_cannot_build_stops_before_any_process_group(monkeypatch, capsys):
+    from megatron.assembly.build import check_dp_topology_or_exit
     from megatron.config import parse_args
-    from megatron.training import _check_dp_topology_or_exit
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
@@ -134,8 +134,8 @@ def test_a_topology_the_nodes_cannot_build_stops_before_any_process_group(monkey
     cfg = parse_args(argv)
     assert cfg.parallel.data_parallel_size == 4
     with pytest.raises(SystemExit) as stop:
-        _check_dp_topology_or_exit(cfg)
+        check_dp_topology_or_exit(cfg)
     assert stop.value.code == 2
     assert "needs a power-of-2 number (at least 2) of nodes" in capsys.readouterr().err
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes of two
-    _check_dp_topology_or_exit(parse_args(argv))
+    check_dp_topology_or_exit(parse_args(argv))

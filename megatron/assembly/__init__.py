@@ -1,0 +1,15 @@
+"""Assembling a run: one owner for what every entry point builds the same way.
+
+- ``placement``: which layers each pipeline chunk holds (``Chunk``, ``pipeline_chunks``,
+  ``run_chunks``, ``stage_chunks``); depends on the config only, so checkpoint conversion
+  uses it without building a model;
+- ``build``: the run context, the model chunks, the data-parallel (or decentralized)
+  wrappers, the optimizer and LR schedule, the tokenizer.
+
+Training (``megatron.training`` keeps the loop), evaluation, text generation (through
+``megatron.inference_loading``), the planner, conversion and the rehearsal all build here.
+"""
+
+from megatron.assembly.placement import Chunk, pipeline_chunks, run_chunks, stage_chunks
+
+__all__ = ["Chunk", "pipeline_chunks", "run_chunks", "stage_chunks"]
