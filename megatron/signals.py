@@ -40,6 +40,9 @@ class ShutdownSignals:
         self._saving = False
         self._writing = False
         self._pending = False
+        # The run stops because a rank received an exit signal: this process's own copy of
+        # it may still be on its way (SLURM and launchers signal each process separately).
+        self.stopping = False
         self._previous: dict[int, Any] = {}
         # Python runs handlers in the main thread only, and only it may install them.
         if threading.current_thread() is not threading.main_thread():
@@ -52,8 +55,12 @@ class ShutdownSignals:
         self._previous[signum] = signal.signal(signum, handler)
 
     def restore(self) -> None:
+        """Put the previous handlers back; after a stop on an exit signal SIGTERM keeps the
+        handler that only records it, so that a copy arriving after the checkpoint was saved
+        cannot turn the clean exit into a kill (exit status -15)."""
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            if not (self.stopping and signum == signal.SIGTERM):
+                signal.signal(signum, handler)
         self._previous.clear()
 
     def _on_exit_signal(self, signum: int, frame: Any) -> None:

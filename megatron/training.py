@@ -808,6 +808,7 @@ def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals,
         if reason == "done":
             trainer.finish()
         else:
+            signals.stopping = reason == "signal"
             if reason == "signal-while-writing" and any_true(signals.while_writing == "SIGINT"):
                 signals.interrupt()  # Ctrl-C, now that the checkpoint being written is complete
             print_rank_0(_exit_message(reason, state, trainer.cfg,

@@ -10,6 +10,7 @@ the one place that holds process-group state.
 from __future__ import annotations
 
 import datetime
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -143,10 +144,19 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
 def new_group(ranks: Sequence[int], description: str):
     """A process group of ``ranks`` (collective: every rank calls it, in the same order) with
     the groups' timeout and ``description`` (the name torch's errors give it)."""
-    group = dist.new_group(list(ranks), timeout=_state.timeout, group_desc=description)
+    # torch_xla replaces dist.new_group, once imported, by one without group_desc (2.9).
+    named = {"group_desc": description} if _takes_group_desc(dist.new_group) else {}
+    group = dist.new_group(list(ranks), timeout=_state.timeout, **named)
     if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
         _state.members[group.group_name] = list(ranks)
     return group
+
+
+def _takes_group_desc(new_group_fn) -> bool:
+    try:
+        return "group_desc" in inspect.signature(new_group_fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def group_members(group_name: str) -> Optional[list[int]]:

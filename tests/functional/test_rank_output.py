@@ -43,7 +43,7 @@ def test_two_ranks_print_each_message_once(corpus, tmp_path):
     lines = _two_ranks(corpus, tmp_path)
     counts = collections.Counter(line for line in lines if set(line.strip()) != {"-"})
     assert [line for line, n in counts.items() if n > 1] == []
-    for text in ("no latest_checkpointed_iteration.txt in", " iteration        3/       3 |",
+    for text in ("starting from scratch", " iteration        3/       3 |",
                  "successfully saved checkpoint at iteration       2", " run summary | "):
         assert sum(text in line for line in lines) == 1, text
 
@@ -54,6 +54,6 @@ def test_log_all_ranks_prefixes_every_line(corpus, tmp_path):
     assert all(ranks), [line for line, m in zip(lines, ranks) if not m]
     for rank in ("0", "1"):
         own = [line for line, m in zip(lines, ranks) if m.group(1) == rank]
-        for text in ("no latest_checkpointed_iteration.txt in", " iteration        3/       3 |",
+        for text in ("starting from scratch", " iteration        3/       3 |",
                      " run summary | "):
             assert sum(text in line for line in own) == 1, (rank, text)
