@@ -51,7 +51,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -114,21 +113,6 @@ def expected_sums(shared: Path) -> dict[str, str]:
     return {f"data/{name}": digest for digest, name in pairs}
 
 
-def commit_info(repo: Path = REPO) -> dict:
-    """The checkout's commit and whether it has uncommitted changes (None where no git)."""
-    def git(*args: str) -> Optional[str]:
-        try:
-            done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
-                                  timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    head = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": head, "dirty": bool(status) if status is not None else None}
-
-
 def prepare(shared: Path, dest: Path) -> int:
     """Copy ``INPUT_FILES`` from ``shared`` into ``dest`` (each written whole, checked against
     SHA256SUMS where listed) and record the commit; 0, or 2 with ``error:`` lines."""
@@ -150,7 +134,9 @@ def prepare(shared: Path, dest: Path) -> int:
         shutil.copyfile(shared / rel, target.with_name(target.name + ".tmp"))
         os.replace(target.with_name(target.name + ".tmp"), target)
         files[rel] = digest
-    record = {**commit_info(), "prepared": datetime.datetime.now().isoformat(timespec="seconds"),
+    from gpu_check_steps import commit_info  # beside this file
+
+    record = {**commit_info(REPO), "prepared": datetime.datetime.now().isoformat(timespec="seconds"),
               "files": files}
     (dest / "prepared.json").write_text(json.dumps(record, indent=1) + "\n")
     size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())

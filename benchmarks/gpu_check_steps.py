@@ -158,10 +158,23 @@ def _nvidia_smi() -> Optional[str]:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def commit_info(repo: Path = REPO) -> dict:
+    """The checkout's commit and whether it has uncommitted changes (None where no git)."""
+    def git(*args: str) -> Optional[str]:
+        try:
+            done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
+                                  timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": head, "dirty": bool(status) if status is not None else None}
+
+
 def _commit(inputs: Path) -> dict:
     """The commit: from git where the checkout has it, else as recorded by --prepare."""
-    from gpu_check import commit_info
-
     found = commit_info(REPO)
     if found["commit"]:
         return {**found, "source": "git"}

@@ -103,7 +103,7 @@ def config_from_checkpoint(load_dir: str, world_size: int = 1, tp: Optional[int]
     """The run configuration to run ``load_dir``'s latest checkpoint on ``world_size``
     processes: its model and tokenizer as saved, the layout of ``launch_layout`` (any, not
     only the saved one), one model chunk per stage, one data-parallel replica."""
-    from megatron.conversion.full import stored_run_config
+    from megatron.checkpointing.run_config import stored_run_config
 
     folder = checkpoint_folder(load_dir)
     stored, saved = stored_run_config(folder), folder.layout()
@@ -233,7 +233,7 @@ def _saved_at_this_layout(cfg: RunConfig) -> bool:
     layout (so each rank reads its own file, as training does). A missing checkpoint answers
     True: the native loader names it."""
     from megatron.checkpointing.folder import find_checkpoint
-    from megatron.conversion.full import is_our_config
+    from megatron.checkpointing.run_config import is_our_config
 
     p = cfg.parallel
     folder = find_checkpoint(cfg.checkpoint.load)
@@ -275,7 +275,7 @@ def _load_resharded(chunks: list[nn.Module], cfg: RunConfig,
     Returns the checkpoint's iteration."""
     from megatron.checkpointing.model_shape import check_model_shape
     from megatron.checkpointing.ranks import raise_together
-    from megatron.conversion.full import with_layout
+    from megatron.checkpointing.run_config import with_layout
 
     p = cfg.parallel
     error, iteration = None, 0

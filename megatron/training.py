@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from megatron.assembly.build import (
 )
 from megatron.checkpointing.async_save import AsyncSaver
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.load import checkpoint_model_settings
 from megatron.checkpointing.ranks import any_true
 from megatron.config import (
     ConfigError,
@@ -744,13 +745,14 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     times out (--distributed-timeout-minutes) ends the process with one line and status 1; a
     stall prints the stacks (--hang-timeout-minutes; megatron/watchdog.py)."""
     wall_start = time.perf_counter()
-    cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults)
+    cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults,
+                             checkpoint_settings=checkpoint_model_settings)
     callbacks = RunCallbacks(train_valid_test_datasets_provider, model_provider,
                              forward_step_func)
     if cfg.training.rehearse:
         from megatron.rehearsal.entry import rehearse_or_exit
 
-        rehearse_or_exit(cfg, callbacks)
+        rehearse_or_exit(cfg, rank_starter(callbacks))
     configure_output(cfg.logging.log_all_ranks)
     _check_device_support_or_exit(cfg)
     if training_xla.launches_replicas(cfg):
@@ -828,6 +830,15 @@ def _pretrain(cfg: RunConfig, state: TrainState, signals: ShutdownSignals,
     if trainer.save_lock is not None:
         trainer.save_lock.release()
     return state
+
+
+def rank_starter(callbacks: RunCallbacks) -> Callable[[RunConfig, Any, ShutdownSignals], Trainer]:
+    """Each rehearsed rank's set-up (megatron/rehearsal): ``start_run`` with the run's
+    providers, a fresh state and no DeepSpeed config."""
+    def start(cfg: RunConfig, tokenizer: Any, signals: ShutdownSignals) -> Trainer:
+        return start_run(cfg, tokenizer, None, callbacks, TrainState(), signals)
+
+    return start
 
 
 def start_run(cfg: RunConfig, tokenizer, ds_config: Optional[dict], callbacks: RunCallbacks,
@@ -997,7 +1008,8 @@ def _with_xla_spmd_or_exit(cfg: RunConfig, argv: Optional[list[str]],
         return cfg
     try:
         return parse_args(argv, extra_args_provider, defaults=args_defaults,
-                          xla_spmd_devices=devices, announce=False)
+                          xla_spmd_devices=devices, announce=False,
+                          checkpoint_settings=checkpoint_model_settings)
     except ConfigError as error:
         print(f"error: XLA SPMD over {devices} devices (--xla-spmd; each device is a "
               f"data-parallel rank): {error}", file=sys.stderr, flush=True)

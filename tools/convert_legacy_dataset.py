@@ -15,12 +15,36 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.data.indexed_dataset import IndexedDatasetError  # noqa: E402
-from megatron.data.legacy_indexed_dataset import convert_to_mmap  # noqa: E402
+from megatron.data.indexed_dataset import (  # noqa: E402
+    IndexedDatasetError,
+    MMapIndexedDatasetBuilder,
+    data_file_path,
+    index_file_path,
+)
+from megatron.data.legacy_indexed_dataset import (  # noqa: E402
+    LegacyIndexedDataset,
+    append_to_builder,
+)
+
+
+def convert_to_mmap(legacy_prefix: str, out_prefix: str,
+                    dtype: Optional[Any] = None) -> None:
+    """Write the legacy pair at ``legacy_prefix`` as an mmap pair at ``out_prefix`` (same
+    sequences and documents; element ``dtype`` kept unless given)."""
+    source = LegacyIndexedDataset(legacy_prefix)
+    builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=dtype or source.dtype)
+    try:
+        append_to_builder(source, builder)
+    except BaseException:
+        builder.abort()
+        raise
+    finally:
+        source.close()
+    builder.finalize(index_file_path(out_prefix))
 
 
 def build_parser() -> argparse.ArgumentParser:

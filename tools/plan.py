@@ -30,6 +30,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron.checkpointing import checkpoint_model_settings  # noqa: E402
 from megatron.config import ConfigError, RunConfig, parse_args  # noqa: E402
 from megatron.planner import Plan, build_plan, format_plan  # noqa: E402
 
@@ -51,7 +52,8 @@ def plan_config(argv: Sequence[str]) -> tuple[RunConfig, int, Optional[float]]:
     megatron_argv = _without(argv, ("--world-size", "--zero-stage", "--gpu-memory-gb"))
     megatron_argv = [a for a in megatron_argv if a != "--compare-formulas"]
     world = own.world_size or own.tensor_model_parallel_size * own.pipeline_model_parallel_size
-    config = parse_args(megatron_argv, world_size=world, require_training=False)
+    config = parse_args(megatron_argv, world_size=world, require_training=False,
+                        checkpoint_settings=checkpoint_model_settings)
     return config.with_vocab_size(_vocab_size(config)), own.zero_stage, own.gpu_memory_gb
 
 

@@ -72,6 +72,7 @@ from megatron.checkpointing.folder import (
 from megatron.checkpointing.load import (
     LoadedCheckpoint,
     LoadReport,
+    checkpoint_model_settings,
     load_checkpoint,
     load_checkpoint_config,
     load_scheduler_state,
@@ -116,6 +117,7 @@ __all__ = [
     "check_load_dir",
     "check_save_dir",
     "checkpoint_at",
+    "checkpoint_model_settings",
     "checkpoint_path",
     "iteration_dir_name",
     "latest_checkpoint",

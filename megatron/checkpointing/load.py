@@ -33,6 +33,7 @@ from megatron.checkpointing.folder import (
     CheckpointFolder,
     Naming,
     check_load_dir,
+    find_checkpoint,
     latest_checkpoint,
     list_iterations,
 )
@@ -52,6 +53,7 @@ from megatron.checkpointing.ranks import (
     raise_together,
 )
 from megatron.checkpointing.rng import restore_rng_state, rng_state_for
+from megatron.config import ConfigError
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -404,3 +406,32 @@ def load_checkpoint_config(load_dir: str) -> Optional[dict]:
     stores none (for ``--use-checkpoint-args``). Read from the manifest when there is one."""
     folder = latest_checkpoint(load_dir)
     return None if folder is None else folder.config()
+
+
+# What --use-checkpoint-args takes from the checkpoint: the model's shape (as Megatron's
+# load_args_from_checkpoint does); the parallel layout and the run stay the user's.
+CHECKPOINT_MODEL_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+    "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
+    "layernorm_epsilon", "untie_embeddings_and_output_weights", "position_embedding_type",
+    "rotary_percent", "rotary_base", "add_bias_linear", "activation",
+)
+
+
+def checkpoint_model_settings(load_dir: str) -> dict[str, Any]:
+    """The model-shape values stored in the latest checkpoint of ``load_dir`` (any kind:
+    ours, Megatron's, DeepSpeed's), for ``parse_args(checkpoint_settings=...)``; a
+    ``ConfigError`` naming --use-checkpoint-args when there is none to read."""
+    try:
+        folder = find_checkpoint(load_dir)
+        stored = None if folder is None else folder.config()
+    except (CheckpointError, OSError) as error:
+        raise ConfigError(f"--use-checkpoint-args: cannot read --load {load_dir}: "
+                          f"{error}") from None
+    if folder is None:
+        raise ConfigError(f"--use-checkpoint-args: --load {load_dir} holds no checkpoint")
+    if not isinstance(stored, dict):
+        raise ConfigError(f"--use-checkpoint-args: {folder.path} stores no run configuration "
+                          "(no 'config' or 'args')")
+    model = stored.get("model", stored)  # ours: nested slices; Megatron's: flat args
+    return {k: model[k] for k in CHECKPOINT_MODEL_FIELDS if model.get(k) is not None}

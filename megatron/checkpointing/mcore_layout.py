@@ -16,7 +16,7 @@ Layers are stacked along a leading axis of size ``--num-layers`` (global layer n
 pipeline stage holds a slab of it). The layer norms sit in the names of the linear layer they
 feed (Transformer Engine fuses them; megatron-core's local spec maps its own names to these).
 The query/key/value rows are grouped per head (``[n, 3, d]``), as ours are. Tensor-parallel
-cuts are ours (``conversion/sharding.py``'s ``tp_split_dim``). With tied embeddings the last
+cuts are ours (``assembly/placement.py``'s ``tp_split_dim``). With tied embeddings the last
 stage's copy of the word embeddings is the same global tensor (not written twice), and there
 is no ``output_layer.weight``.
 """
@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from megatron.assembly.placement import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, tp_split_dim
 
 LAYERS = "decoder.layers."
 # Our per-layer parameter names (after "encoder.layers.{i}.") -> megatron-core's.
@@ -47,14 +49,13 @@ _LAYER_NAMES = {
     "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
     "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
 }
-_WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
-_OTHER_NAMES = {  # conversion/sharding.py names these (WORD_EMBEDDINGS, TIED_COPY, ...)
-    _WORD_EMBEDDINGS: _WORD_EMBEDDINGS,
-    "word_embeddings.weight": _WORD_EMBEDDINGS,  # the last stage's tied copy
+_OTHER_NAMES = {
+    WORD_EMBEDDINGS: WORD_EMBEDDINGS,
+    TIED_COPY: WORD_EMBEDDINGS,  # the last stage's copy of tied embeddings: the same tensor
     "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
     "final_layernorm.weight": "decoder.final_layernorm.weight",
     "final_layernorm.bias": "decoder.final_layernorm.bias",
-    "output_layer.weight": "output_layer.weight",
+    OUTPUT_LAYER: OUTPUT_LAYER,
 }
 # megatron-core keeps an ``_extra_state`` (Transformer Engine's FP8 metadata; None on its
 # local layers) per linear layer of each transformer layer; its loader asks for them.
@@ -89,9 +90,6 @@ def place(name: str, shape: tuple[int, ...], layer: Optional[int], num_layers: i
           tp_rank: int, tp_size: int) -> Place:
     """The place of our parameter ``name`` (chunk name) of local ``shape`` on tensor rank
     ``tp_rank``; ``layer``: its global layer index (0-based) for a layer's parameter."""
-    # Imported here: megatron.conversion imports this package (checkpointing) at its start.
-    from megatron.conversion.sharding import TIED_COPY, tp_split_dim
-
     dim = tp_split_dim(name)
     full = list(shape)
     offset = [0] * len(shape)

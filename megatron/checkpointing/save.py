@@ -14,7 +14,6 @@ import copy
 import dataclasses
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
@@ -42,16 +41,10 @@ from megatron.checkpointing.files import (
 from megatron.checkpointing.folder import (
     iteration_dir_name,
     make_tmp_folder,
-    publish_checkpoint,
 )
-from megatron.checkpointing.manifest import build_manifest
 from megatron.checkpointing.paths import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME
+from megatron.checkpointing.publish import PublishedSave
 from megatron.checkpointing.ranks import RankLayout, broadcast_from_rank0, current_layout
-from megatron.checkpointing.retention import (
-    prune_checkpoints,
-    remove_leftover_folders,
-    update_best_checkpoint,
-)
 from megatron.checkpointing.rng import gather_rng_states
 from megatron.core import parallel_state
 from megatron.core.optimizer.distrib_optimizer import GATHERED_FORMAT, DistributedOptimizer
@@ -175,38 +168,6 @@ def _transfer(layout: RankLayout, saver: Optional[AsyncSaver]) -> _Transfer:
         return _Transfer(saver.group, ranks, torch.device("cpu"))
     return _Transfer(layout.dp_group, ranks, parallel_state.get_default_device()
                      if dist.is_initialized() else torch.device("cpu"))
-
-
-@dataclasses.dataclass
-class PublishedSave:
-    """What every format's ``SaveJob`` shares: where the save goes and how global rank 0
-    publishes it (manifest, rename, tracker, best, pruning) or abandons it."""
-
-    iteration: int
-    save_dir: str
-    tmp_dir: str
-    manifest_layout: dict
-    config: dict
-    checkpoint: Any  # the CheckpointConfig slice
-    valid_loss: Optional[float]
-
-    @property
-    def folder(self) -> str:
-        return os.path.join(self.save_dir, iteration_dir_name(self.iteration))
-
-    def publish(self, digests: dict[str, FileDigest]) -> None:
-        ckpt = self.checkpoint
-        manifest = build_manifest(self.iteration, self.manifest_layout, self.config, digests)
-        publish_checkpoint(self.save_dir, self.tmp_dir, self.iteration, manifest)
-        remove_leftover_folders(self.save_dir)
-        if ckpt.save_best and self.valid_loss is not None:
-            update_best_checkpoint(self.save_dir, self.iteration, self.valid_loss)
-        if ckpt.keep_last_n_checkpoints is not None:
-            prune_checkpoints(self.save_dir, ckpt.keep_last_n_checkpoints,
-                              protect=[self.iteration])
-
-    def abandon(self) -> None:
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
 @dataclasses.dataclass

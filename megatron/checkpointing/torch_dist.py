@@ -56,6 +56,7 @@ from megatron.checkpointing.contents import (
     consumed_samples,
     parallel_layout_dict,
 )
+from megatron.checkpointing.contents import stored_config as contents_stored_config
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import (
     FileDigest,
@@ -74,8 +75,9 @@ from megatron.checkpointing.mcore_layout import (
     rng_key,
 )
 from megatron.checkpointing.paths import CHECKPOINT_VERSION
+from megatron.checkpointing.publish import PublishedSave
 from megatron.checkpointing.ranks import RankLayout, all_true, raise_together
-from megatron.checkpointing.save import PublishedSave
+from megatron.checkpointing.run_config import config_from_stored
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.nonfinite import first_nonfinite_of
@@ -174,10 +176,9 @@ def read_common(iter_dir: str) -> dict:
 def stored_config(common: dict, where: str) -> dict:
     """The run configuration of a torch_dist checkpoint as ours (``{"model": ..., ...}``):
     ours from ``config``, Megatron-LM's mapped from ``args``."""
-    from megatron.conversion.full import source_config
-
     try:
-        return source_config(common, not isinstance(common.get("config"), dict), None, where)
+        return config_from_stored(contents_stored_config(common),
+                                  not isinstance(common.get("config"), dict), None, where)
     except ValueError as error:
         raise CheckpointError(f"{where}: {error}") from None
 

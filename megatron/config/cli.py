@@ -40,6 +40,8 @@ from megatron.config.run import SLICE_CLASSES, RunConfig
 from megatron.config.toml_io import dump_config, toml_settings
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], Optional[argparse.ArgumentParser]]
+# --load -> the model-shape values stored with its latest checkpoint (--use-checkpoint-args).
+CheckpointSettings = Callable[[str], Mapping[str, Any]]
 
 _TITLES = {
     "model": "model", "parallel": "parallelism", "optimizer": "optimizer and mixed precision",
@@ -135,6 +137,7 @@ def parse_args(
     require_training: bool = True,
     xla_spmd_devices: Optional[int] = None,
     announce: bool = True,
+    checkpoint_settings: Optional[CheckpointSettings] = None,
 ) -> RunConfig:
     """Parse Megatron flags (and ``--config FILE``) into a validated RunConfig.
 
@@ -147,6 +150,9 @@ def parse_args(
     a data source, tokenizer files). xla_spmd_devices: the XLA devices each process trains
     over with SPMD (each a data-parallel rank; megatron.training_xla decides). announce=False
     keeps the no-op flags' notices for a second reading of the same flags.
+    checkpoint_settings: what --use-checkpoint-args reads (the entry points that take the flag
+    pass ``megatron.checkpointing.checkpoint_model_settings``; the config package reads no
+    checkpoint itself).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -162,7 +168,7 @@ def parse_args(
         parser.set_defaults(**toml_settings(files.config, extra_defaults))
         files, _ = parser.parse_known_args(argv)
     if files.use_checkpoint_args:
-        parser.set_defaults(**checkpoint_model_settings(files.load))
+        parser.set_defaults(**_checkpoint_settings(files.load, checkpoint_settings))
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         raise ConfigError(_unknown_flags_message(parser, unknown))
@@ -177,36 +183,15 @@ def parse_args(
     return config
 
 
-# What --use-checkpoint-args takes from the checkpoint: the model's shape (as Megatron's
-# load_args_from_checkpoint does); the parallel layout and the run stay the user's.
-CHECKPOINT_MODEL_FIELDS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
-    "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
-    "layernorm_epsilon", "untie_embeddings_and_output_weights", "position_embedding_type",
-    "rotary_percent", "rotary_base", "add_bias_linear", "activation",
-)
-
-
-def checkpoint_model_settings(load_dir: Optional[str]) -> dict[str, Any]:
-    """The model-shape values stored in the latest checkpoint of ``load_dir``."""
+def _checkpoint_settings(load_dir: Optional[str],
+                         reader: Optional[CheckpointSettings]) -> Mapping[str, Any]:
     if load_dir is None:
         raise ConfigError("--use-checkpoint-args needs --load (the checkpoint to read)")
-    from megatron.checkpointing import CheckpointError
-    from megatron.checkpointing.folder import find_checkpoint
-
-    try:  # any kind: ours, Megatron's, DeepSpeed's
-        folder = find_checkpoint(load_dir)
-        stored = None if folder is None else folder.config()
-    except (CheckpointError, OSError) as error:
-        raise ConfigError(f"--use-checkpoint-args: cannot read --load {load_dir}: "
-                          f"{error}") from None
-    if folder is None:
-        raise ConfigError(f"--use-checkpoint-args: --load {load_dir} holds no checkpoint")
-    if not isinstance(stored, dict):
-        raise ConfigError(f"--use-checkpoint-args: {folder.path} stores no run configuration "
-                          "(no 'config' or 'args')")
-    model = stored.get("model", stored)  # ours: nested slices; Megatron's: flat args
-    return {k: model[k] for k in CHECKPOINT_MODEL_FIELDS if model.get(k) is not None}
+    if reader is None:
+        raise ConfigError("--use-checkpoint-args: this caller of parse_args reads no checkpoint "
+                          "(it passes no checkpoint_settings, such as "
+                          "megatron.checkpointing.checkpoint_model_settings)")
+    return reader(load_dir)
 
 
 def parse_args_or_exit(*args: Any, **kwargs: Any) -> RunConfig:

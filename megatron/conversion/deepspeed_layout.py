@@ -48,10 +48,10 @@ from megatron.checkpointing.folder import (
     deepspeed_model_state_files,
     latest_checkpoint,
 )
+from megatron.checkpointing.run_config import is_our_config
 from megatron.conversion import megatron_deepspeed as mds
-from megatron.conversion.full import (
+from megatron.conversion.full_state import (
     FullCheckpoint,
-    is_our_config,
     model_config_from_dict,
     repad_vocab,
     source_config,

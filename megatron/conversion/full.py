@@ -4,12 +4,10 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
 import os
 import shutil
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -21,7 +19,6 @@ from megatron.checkpointing.contents import (
     extra_entries,
     layout_dict,
     rank_file_state,
-    stored_config,
 )
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import read_torch, write_torch
@@ -45,9 +42,16 @@ from megatron.checkpointing.paths import (
     TRACKER_FILENAME,
     mp_rank_dir_name,
 )
+from megatron.checkpointing.run_config import with_layout
 from megatron.config import ConfigError, ModelConfig, ParallelConfig
 from megatron.conversion import megatron_deepspeed as mds
 from megatron.conversion import optim_state
+from megatron.conversion.full_state import (
+    FullCheckpoint,
+    model_config_from_dict,
+    repad_vocab,
+    source_config,
+)
 from megatron.conversion.sharding import (
     TIED_COPY,
     VOCAB_TENSORS,
@@ -67,40 +71,6 @@ logger = logging.getLogger(__name__)
 # from. Its files hold no random-generator state (one rank's generators mean nothing on another
 # layout), and loading such a checkpoint starts the generators from --seed instead of asking
 # for --no-load-rng.
-
-
-@dataclasses.dataclass
-class FullCheckpoint:
-    """A checkpoint as one tensor-parallel-size-1, single-stage state.
-
-    ``config``: the run configuration as plain dicts (``{"model": {...}, "parallel": {...},
-    ...}``) with tp 1 / pp 1; ``model``: ``GPTModel``'s state dict (vocabulary padded for tp 1);
-    ``optimizer``: see ``optim_state`` (None when the source had none); ``scheduler``: the
-    LR scheduler's state dict; ``extra``: the checkpoint's other top-level entries.
-    """
-
-    config: dict
-    model: dict
-    optimizer: Optional[dict] = None
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    scheduler: Optional[dict] = None
-    extra: dict = dataclasses.field(default_factory=dict)
-    release: bool = False
-    distributed_optimizer: bool = False  # the source's optimizer kind
-
-    def model_config(self, tp: int = 1) -> ModelConfig:
-        """The model's ``ModelConfig`` at tensor-parallel size ``tp``."""
-        return model_config_from_dict(self.config.get("model", {}), tp)
-
-
-def model_config_from_dict(fields: dict, tp: int = 1) -> ModelConfig:
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    kwargs = {k: v for k, v in fields.items() if k in known}
-    kwargs.update(tensor_model_parallel_size=tp,
-                  sequence_parallel=bool(kwargs.get("sequence_parallel")) and tp > 1)
-    return ModelConfig(**kwargs)
 
 
 # Reading -----------------------------------------------------------------------------------
@@ -207,64 +177,6 @@ def _iteration_folder(load_dir: str, iteration: Optional[int]) -> CheckpointFold
     return folder
 
 
-def source_config(state: dict, theirs: bool, true_vocab_size: Optional[int],
-                  where: str) -> dict:
-    """The run configuration a file stores, as ours (``{"model": ..., ...}``), at tp 1/pp 1;
-    Megatron's flat argparse fields are mapped to our model and tokenizer fields."""
-    return config_from_stored(stored_config(state), theirs, true_vocab_size, where)
-
-
-def is_our_config(saved: Any) -> bool:
-    """Whether a stored run configuration is ours (nested slices), not Megatron's flat
-    argparse fields."""
-    return isinstance(saved, dict) and isinstance(saved.get("model"), dict)
-
-
-def stored_run_config(folder: CheckpointFolder) -> dict:
-    """The run configuration stored with ``folder`` (any format) as ours, Megatron's flags
-    mapped to our model and tokenizer fields at tensor/pipeline size 1; a ``CheckpointError``
-    when it stores none."""
-    saved = folder.config()
-    return config_from_stored(saved, not is_our_config(saved), None, folder.path)
-
-
-def config_from_stored(saved: Optional[dict], theirs: bool, true_vocab_size: Optional[int],
-                       where: str) -> dict:
-    """``source_config`` of a stored configuration (ours, or Megatron's flat argparse fields)
-    already read from a file or a manifest."""
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{where} stores no run configuration (no 'config' or 'args')")
-    if not theirs and is_our_config(saved):
-        config = copy.deepcopy(saved)
-    else:
-        config = {"model": mds.model_fields_from_args(saved, true_vocab_size),
-                  "data": {k: saved.get(k) for k in ("tokenizer_type", "vocab_file",
-                                                     "merge_file")}}
-    return with_layout(config, 1, 1)
-
-
-def with_layout(config: dict, tp: int, pp: int, layers_per_virtual_stage: Optional[int] = None,
-                distributed_optimizer: Optional[bool] = None) -> dict:
-    """``config`` (a copy) describing the (tp, pp, virtual) layout."""
-    config = copy.deepcopy(config)
-    model = config.setdefault("model", {})
-    num_layers = model.get("num_layers")
-    vp = None
-    if layers_per_virtual_stage and num_layers:  # checked to divide by _target_chunks
-        vp = num_layers // pp // layers_per_virtual_stage
-    parallel = config.setdefault("parallel", {})
-    parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                    world_size=tp * pp, decoder_first_pipeline_num_layers=None,
-                    decoder_last_pipeline_num_layers=None,
-                    num_layers_per_virtual_pipeline_stage=layers_per_virtual_stage if vp and vp > 1
-                    else None, virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
-                    sequence_parallel=bool(parallel.get("sequence_parallel")) and tp > 1)
-    model.update(tensor_model_parallel_size=tp, sequence_parallel=parallel["sequence_parallel"])
-    if distributed_optimizer is not None:
-        config.setdefault("optimizer", {})["use_distributed_optimizer"] = distributed_optimizer
-    return config
-
-
 def _chunk_states(state: dict, theirs: bool, path: str) -> list[dict]:
     """The model chunks of one file under our chunk names (checked to number their layers
     from 0)."""
@@ -300,10 +212,6 @@ def _rank_full_names(per_rank: dict, layout: list[list[Chunk]], t: int, pp: int)
             named.pop(TIED_COPY, None)
             out.update(named)
     return out
-
-
-def repad_vocab(tensors: dict, rows: int) -> dict:
-    return {k: resize_vocab(v, rows) if k in VOCAB_TENSORS else v for k, v in tensors.items()}
 
 
 def _merge_optimizer(states: dict, chunk_states: dict, layout: list[list[Chunk]], tp: int,

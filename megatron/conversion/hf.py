@@ -18,8 +18,9 @@ from typing import Optional
 
 import torch
 
+from megatron.checkpointing.run_config import with_layout
 from megatron.config import to_dict
-from megatron.conversion.full import FullCheckpoint, save_full_checkpoint, with_layout
+from megatron.conversion.full import FullCheckpoint, save_full_checkpoint
 from megatron.model.hf_gpt2 import (
     hf_to_megatron_state_dict,
     megatron_to_hf_state_dict,

@@ -7,40 +7,28 @@ untied embeddings, ``output_layer.weight``. A pipeline chunk numbers its layers 
 it is the last chunk but not the first, holds its own copy of the tied word embeddings as
 ``word_embeddings.weight``.
 
-Tensor parallelism (Megatron's): the QKV projection and ``dense_h_to_4h`` are column-parallel
-(rows split; our QKV rows are grouped per head, so a contiguous split gives whole heads), the
-attention output ``dense`` and ``dense_4h_to_h`` weights are row-parallel (columns split, bias
-replicated), word embeddings and the output layer are split over the padded vocabulary, and
-everything else (layer norms, positions) is replicated.
+Which dimension each tensor is cut along over tensor-parallel ranks (``tp_split_dim``) and
+which layers a chunk holds are ``megatron/assembly/placement.py``'s rules; this module
+merges, splits and renames by them.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import torch
 
-from megatron.assembly.placement import Chunk, pipeline_chunks  # noqa: F401 - conversion's names
+from megatron.assembly.placement import (  # noqa: F401 - conversion's names
+    OUTPUT_LAYER,
+    TIED_COPY,
+    VOCAB_TENSORS,
+    WORD_EMBEDDINGS,
+    Chunk,
+    pipeline_chunks,
+    tp_split_dim,
+)
 
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
-TIED_COPY = "word_embeddings.weight"  # the last stage's copy of the tied word embeddings
-OUTPUT_LAYER = "output_layer.weight"
-VOCAB_TENSORS = (WORD_EMBEDDINGS, TIED_COPY, OUTPUT_LAYER)
-_COLUMN_SUFFIXES = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
-                    "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
-_ROW_SUFFIXES = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
 _LAYER_RE = re.compile(r"encoder\.layers\.(\d+)\.(.+)")
-
-
-def tp_split_dim(name: str) -> Optional[int]:
-    """The dimension ``name`` is split along over tensor-parallel ranks (None: replicated)."""
-    if name in VOCAB_TENSORS or name.endswith(_COLUMN_SUFFIXES):
-        return 0
-    if name.endswith(_ROW_SUFFIXES):
-        return 1
-    return None
-
 
 def merge_tp(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
     """The full tensor from each tensor-parallel rank's piece, in rank order."""

@@ -23,7 +23,7 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.folder import CheckpointFolder
 from megatron.checkpointing.mcore_layout import Place, full_places, optimizer_key
 from megatron.config import ModelConfig
-from megatron.conversion.full import FullCheckpoint, model_config_from_dict, source_config
+from megatron.conversion.full_state import FullCheckpoint, model_config_from_dict, source_config
 
 logger = logging.getLogger(__name__)
 

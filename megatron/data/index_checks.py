@@ -12,19 +12,29 @@ No torch import.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from megatron.data.indexed_dataset import MMapIndex
+
+class IndexArrays(Protocol):
+    """What the checks read of an opened index (an ``indexed_dataset.MMapIndex``)."""
+
+    path: str
+    code: int
+    dtype: np.dtype
+    sizes: np.ndarray
+    pointers: np.ndarray
+    doc_idx: np.ndarray
+
+    def __len__(self) -> int: ...
 
 # Index entries per vectorised step: bounded memory on indexes of billions of sequences.
 _CHECK_CHUNK = 1 << 24
 _ITEMSIZES = (1, 2, 4, 8)
 
 
-def index_problems(index: MMapIndex, bin_path: str, bin_bytes: int) -> list[str]:
+def index_problems(index: IndexArrays, bin_path: str, bin_bytes: int) -> list[str]:
     """What is structurally wrong with an opened .idx and its .bin of ``bin_bytes`` bytes
     (empty when consistent); each problem names its file.
 
@@ -41,12 +51,12 @@ def index_problems(index: MMapIndex, bin_path: str, bin_bytes: int) -> list[str]
     return problems
 
 
-def layout_problems(index: MMapIndex) -> list[str]:
+def layout_problems(index: IndexArrays) -> list[str]:
     """The problems of the index arrays alone (pointers, sizes, document index)."""
     return _pointer_problems(index) + _doc_idx_problems(index)
 
 
-def sequences_end(index: MMapIndex) -> int:
+def sequences_end(index: IndexArrays) -> int:
     """The byte of the .bin where the last sequence ends (what its length must be)."""
     if len(index) == 0:
         return 0
@@ -58,7 +68,7 @@ def _chunks(n: int):
         yield start, min(start + _CHECK_CHUNK, n)
 
 
-def _pointer_problems(index: MMapIndex) -> list[str]:
+def _pointer_problems(index: IndexArrays) -> list[str]:
     sizes, pointers, n = index.sizes, index.pointers, len(index)
     if n == 0:
         return []
@@ -79,7 +89,7 @@ def _pointer_problems(index: MMapIndex) -> list[str]:
     return []
 
 
-def _pointer_problem(index: MMapIndex, i: int) -> str:
+def _pointer_problem(index: IndexArrays, i: int) -> str:
     """Sequence ``i`` does not start where sequence ``i - 1`` ends."""
     itemsize = index.dtype.itemsize
     previous, step = int(index.sizes[i - 1]), int(index.pointers[i] - index.pointers[i - 1])
@@ -92,7 +102,7 @@ def _pointer_problem(index: MMapIndex, i: int) -> str:
     return text
 
 
-def _doc_idx_problems(index: MMapIndex) -> list[str]:
+def _doc_idx_problems(index: IndexArrays) -> list[str]:
     doc_idx, n = index.doc_idx, len(index)
     if len(doc_idx) == 0 or int(doc_idx[0]) != 0:
         first = int(doc_idx[0]) if len(doc_idx) else None
@@ -110,7 +120,7 @@ def _doc_idx_problems(index: MMapIndex) -> list[str]:
     return []
 
 
-def _bin_length_problems(index: MMapIndex, bin_path: str, bin_bytes: int) -> list[str]:
+def _bin_length_problems(index: IndexArrays, bin_path: str, bin_bytes: int) -> list[str]:
     itemsize, end = index.dtype.itemsize, sequences_end(index)
     if bin_bytes == end:
         return []
@@ -175,7 +185,7 @@ def _nonempty_documents(doc_idx: np.ndarray, first: bool, limit: int) -> list[in
     return sorted(found)
 
 
-def _eods_after_documents(index: MMapIndex, bin_path: str) -> dict[int, int]:
+def _eods_after_documents(index: IndexArrays, bin_path: str) -> dict[int, int]:
     """{document: the token that follows it in the .bin} for the first and last EOD_SAMPLE
     non-empty documents, placing each where it was written: after k earlier EODs."""
     doc_idx, itemsize = index.doc_idx, index.dtype.itemsize
@@ -194,7 +204,7 @@ def _eods_after_documents(index: MMapIndex, bin_path: str) -> dict[int, int]:
     return dict(zip(docs, (int(v) for v in values)))
 
 
-def _uncounted_eod_problems(index: MMapIndex, bin_path: str, text: str,
+def _uncounted_eod_problems(index: IndexArrays, bin_path: str, text: str,
                            nonempty: int) -> list[str]:
     """No problem when the one extra token per non-empty document is the same id after every
     sampled document: Megatron-DeepSpeed's --append-eod index, read as it reads it."""
@@ -208,7 +218,7 @@ def _uncounted_eod_problems(index: MMapIndex, bin_path: str, text: str,
             "index"]
 
 
-def find_uncounted_eod(index: MMapIndex, bin_path: str, bin_bytes: int
+def find_uncounted_eod(index: IndexArrays, bin_path: str, bin_bytes: int
                        ) -> Optional[UncountedEod]:
     """The Megatron-DeepSpeed --append-eod quirk of an opened pair, or None for any other
     pair (a consistent one, or one with problems)."""
@@ -217,7 +227,7 @@ def find_uncounted_eod(index: MMapIndex, bin_path: str, bin_bytes: int
     return uncounted_eod_of_sound_pair(index, bin_path, bin_bytes)
 
 
-def uncounted_eod_of_sound_pair(index: MMapIndex, bin_path: str, bin_bytes: int
+def uncounted_eod_of_sound_pair(index: IndexArrays, bin_path: str, bin_bytes: int
                                  ) -> Optional[UncountedEod]:
     """For a pair without ``index_problems``: a .bin longer than the index can only be the
     quirk (``_bin_length_problems`` accepts nothing else)."""

@@ -42,6 +42,15 @@ from megatron.data.index_checks import (  # the reader's API too
     layout_problems,
     sequences_end,
 )
+from megatron.data.index_format import (  # the reader's and builder's API too
+    DTYPE_CODES,
+    DTypeLike,
+    IndexedDatasetError,
+    as_numpy,
+    data_file_path,
+    dtype_code,
+    index_file_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,52 +59,11 @@ INDEX_VERSION = 1
 HEADER_SIZE = 9 + 8 + 1 + 8 + 8  # 34 bytes: magic, version, dtype code, n, d
 _LEGACY_MAGIC = b"TNTIDX\x00\x00"  # Megatron's old 'lazy'/'cached' format
 
-# Code -> dtype as written by Megatron-LM (megatron/core/datasets) and Megatron-DeepSpeed.
-# Both agree on 1-6 and 8.  Code 7 is float32 in Megatron-LM but float64 in older
-# Megatron-DeepSpeed; the reader settles it from the pointer spacing (see _resolve_code_7).
-DTYPE_CODES: dict[int, np.dtype] = {
-    1: np.dtype(np.uint8),
-    2: np.dtype(np.int8),
-    3: np.dtype(np.int16),
-    4: np.dtype(np.int32),
-    5: np.dtype(np.int64),
-    6: np.dtype(np.float64),
-    7: np.dtype(np.float32),
-    8: np.dtype(np.uint16),
-}
-_CODE_OF = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3,
-            np.dtype(np.int32): 4, np.dtype(np.int64): 5, np.dtype(np.float64): 6,
-            np.dtype(np.float32): 7, np.dtype(np.uint16): 8}
-
-DTypeLike = Union[np.dtype, type, str]
-
-
-class IndexedDatasetError(ValueError):
-    """An .idx/.bin pair is missing, corrupt or inconsistent; the message names the file."""
-
-
-def dtype_code(dtype: DTypeLike) -> int:
-    """The .idx code of a numpy dtype (raises for dtypes the format cannot store)."""
-    dt = np.dtype(dtype)
-    if dt not in _CODE_OF:
-        raise ValueError(f"dtype {dt} cannot be stored in an .idx file; use one of "
-                         f"{sorted(str(d) for d in _CODE_OF)}")
-    return _CODE_OF[dt]
-
-
 def best_fitting_dtype(vocab_size: Optional[int] = None) -> np.dtype:
     """uint16 when every token id fits (vocab < 65500, Megatron's threshold), else int32."""
     if vocab_size is not None and vocab_size < 65500:
         return np.dtype(np.uint16)
     return np.dtype(np.int32)
-
-
-def data_file_path(prefix_path: str) -> str:
-    return prefix_path + ".bin"
-
-
-def index_file_path(prefix_path: str) -> str:
-    return prefix_path + ".idx"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,15 +396,6 @@ class _GrowableArray:
         return self._data[: self._len]
 
 
-def _as_numpy(item: Any) -> np.ndarray:
-    """A 1-D numpy view of a numpy array, a list of ints or a (CPU or GPU) torch tensor."""
-    if isinstance(item, np.ndarray):
-        return item.reshape(-1)
-    if hasattr(item, "detach") and hasattr(item, "cpu"):  # torch.Tensor, without importing torch
-        return item.detach().cpu().numpy().reshape(-1)
-    return np.asarray(item).reshape(-1)
-
-
 class MMapIndexedDatasetBuilder:
     """Writes a ``.bin`` / ``.idx`` pair; sequences go straight to a buffered file.
 
@@ -484,13 +443,13 @@ class MMapIndexedDatasetBuilder:
 
     def add_item(self, item: Any) -> None:
         """Append one sequence (numpy array, list of ints or torch tensor)."""
-        tokens = _as_numpy(item)
+        tokens = as_numpy(item)
         self._write_tokens(tokens)
         self._sizes.append(tokens.size)
 
     def add_doc(self, tokens: Any, sentence_lengths: Any) -> None:
         """Append a whole document: its tokens back to back, split into the given sentences."""
-        tokens = _as_numpy(tokens)
+        tokens = as_numpy(tokens)
         lengths = np.asarray(sentence_lengths, dtype=np.int64).reshape(-1)
         if int(lengths.sum()) != tokens.size:
             raise ValueError(f"add_doc: sentence lengths sum to {int(lengths.sum())} but the "

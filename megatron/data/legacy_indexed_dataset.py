@@ -20,7 +20,7 @@ whole ``.bin`` into memory when the dataset opens. Little-endian::
 Token datasets hold 1-D items, so ``s == n`` and ``sizes`` are the token counts; an index with
 multi-dimensional items is refused by name. Without the doc section each item is one document.
 Files are written as Megatron-DeepSpeed writes them (int32 elements) under temporary names and
-renamed when complete. ``convert_to_mmap`` turns a pair into the mmap format.
+renamed when complete. ``tools/convert_legacy_dataset.py`` turns a pair into the mmap format.
 
 No torch import, as in ``indexed_dataset``.
 """
@@ -34,11 +34,10 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from megatron.data.indexed_dataset import (
+from megatron.data.index_format import (
     DTYPE_CODES,
     IndexedDatasetError,
-    MMapIndexedDatasetBuilder,
-    _as_numpy,
+    as_numpy,
     data_file_path,
     dtype_code,
     index_file_path,
@@ -233,7 +232,7 @@ class LegacyIndexedDatasetBuilder:
         self._file.write(np.ascontiguousarray(tokens, dtype=self._dtype).tobytes())
 
     def add_item(self, item: Any) -> None:
-        tokens = _as_numpy(item)
+        tokens = as_numpy(item)
         self._write(tokens)
         self._sizes.append(int(tokens.size))
 
@@ -241,7 +240,7 @@ class LegacyIndexedDatasetBuilder:
         self._doc_idx.append(len(self._sizes))
 
     def add_doc(self, tokens: Any, sentence_lengths: Any) -> None:
-        tokens = _as_numpy(tokens)
+        tokens = as_numpy(tokens)
         lengths = [int(n) for n in np.asarray(sentence_lengths).reshape(-1)]
         if sum(lengths) != tokens.size:
             raise ValueError(f"add_doc: sentence lengths sum to {sum(lengths)} but the "
@@ -287,24 +286,9 @@ class LegacyIndexedDatasetBuilder:
             os.remove(self._bin_tmp)
 
 
-def convert_to_mmap(legacy_prefix: str, out_prefix: str,
-                    dtype: Optional[Any] = None) -> None:
-    """Write the legacy pair at ``legacy_prefix`` as an mmap pair at ``out_prefix`` (same
-    sequences and documents; element ``dtype`` kept unless given)."""
-    source = LegacyIndexedDataset(legacy_prefix)
-    builder = MMapIndexedDatasetBuilder(data_file_path(out_prefix), dtype=dtype or source.dtype)
-    try:
-        append_to_builder(source, builder)
-    except BaseException:
-        builder.abort()
-        raise
-    finally:
-        source.close()
-    builder.finalize(index_file_path(out_prefix))
-
-
-def append_to_builder(source: LegacyIndexedDataset, builder: MMapIndexedDatasetBuilder) -> None:
-    """Append every sequence and document of ``source`` to ``builder``, as the mmap builder's
+def append_to_builder(source: LegacyIndexedDataset, builder: Any) -> None:
+    """Append every sequence and document of ``source`` to ``builder`` (an mmap
+    ``MMapIndexedDatasetBuilder``), as the mmap builder's
     ``merge_file_`` appends an mmap pair (items after the last document end stay outside any
     document)."""
     doc_idx = source.doc_idx
@@ -317,5 +301,5 @@ def append_to_builder(source: LegacyIndexedDataset, builder: MMapIndexedDatasetB
 
 
 __all__ = ["LEGACY_IMPLS", "LEGACY_MAGIC", "LegacyIndex", "LegacyIndexedDataset",
-           "LegacyIndexedDatasetBuilder", "append_to_builder", "convert_to_mmap",
+           "LegacyIndexedDatasetBuilder", "append_to_builder",
            "is_legacy_index"]

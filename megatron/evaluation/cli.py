@@ -20,6 +20,7 @@ import os
 import sys
 from typing import Any, Optional, Union
 
+from megatron.checkpointing import checkpoint_model_settings
 from megatron.config import RunConfig, parse_args_or_exit, print_config
 from megatron.evaluation.datasets import (
     EvaluationDataError,
@@ -86,7 +87,8 @@ def parse_task_args(argv: Optional[list[str]] = None) -> RunConfig:
         defaults = _hf_defaults(argv)
     except (InferenceLoadingError, OSError, ValueError) as error:
         _fail(str(error))
-    cfg = parse_args_or_exit(argv, add_task_args, defaults=defaults, require_training=False)
+    cfg = parse_args_or_exit(argv, add_task_args, defaults=defaults, require_training=False,
+                             checkpoint_settings=checkpoint_model_settings)
     extra = cfg.extra
     if not extra["valid_data"] or len(extra["valid_data"]) != 1:
         _fail("--valid-data takes exactly one file")

@@ -59,7 +59,7 @@ def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
     """What the checkpoint in ``load_dir`` can tell that ``rest`` does not: model shape,
     tokenizer files, tensor/pipeline layout."""
     from megatron.checkpointing import CheckpointError
-    from megatron.conversion.full import stored_run_config
+    from megatron.checkpointing.run_config import stored_run_config
     from megatron.inference_loading import checkpoint_folder
 
     try:

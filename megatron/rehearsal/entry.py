@@ -19,7 +19,13 @@ from megatron.rehearsal.facts import (
     launch_facts,
 )
 from megatron.rehearsal.ranks import RankGrid, RankPlan, plan_ranks
-from megatron.rehearsal.runner import AroundRank, RankFailure, RankResult, run_planned_ranks
+from megatron.rehearsal.runner import (
+    AroundRank,
+    RankFailure,
+    RankResult,
+    StartRank,
+    run_planned_ranks,
+)
 from megatron.rehearsal.setup import check_rehearsable, rehearsal_config
 
 GB = 2**30
@@ -99,8 +105,9 @@ def _header(cfg: RunConfig, rehearsed: RunConfig, plan: RankPlan) -> str:
         f"{size}, {str(m.params_dtype).replace('torch.', '')}"])
 
 
-def rehearse(cfg: RunConfig, callbacks, around_rank: Optional[AroundRank] = None) -> int:
-    """Run, check and report; returns the exit status. ``around_rank``: see
+def rehearse(cfg: RunConfig, start: StartRank, around_rank: Optional[AroundRank] = None) -> int:
+    """Run, check and report; returns the exit status. ``start``: each rank's set-up
+    (``megatron.training.rank_starter``). ``around_rank``: see
     ``runner.run_planned_ranks`` (tests plant faults with it)."""
     real, rehearsed, tokenizer = _prepare(cfg)
     small_plan = build_plan(rehearsed)
@@ -111,15 +118,15 @@ def rehearse(cfg: RunConfig, callbacks, around_rank: Optional[AroundRank] = None
     mode = cfg.training.rehearse_ranks if p.dp_mode == "allreduce" else "all"
     plan = plan_ranks(grid, mode)
     print(_header(real, rehearsed, plan), flush=True)
-    start = time.perf_counter()
+    began = time.perf_counter()
 
     def progress(done: int, result: RankResult) -> None:
         if done == len(plan.run) or done % max(1, len(plan.run) // 8) == 0:
-            print(f"  {done}/{len(plan.run)} ranks rehearsed ({time.perf_counter() - start:.1f} s)",
+            print(f"  {done}/{len(plan.run)} ranks rehearsed ({time.perf_counter() - began:.1f} s)",
                   flush=True)
 
     try:
-        results = run_planned_ranks(rehearsed, tokenizer, callbacks, plan, progress,
+        results = run_planned_ranks(rehearsed, tokenizer, start, plan, progress,
                                     around_rank)
     except RankFailure as failure:
         tail = "\n".join(failure.output.strip().splitlines()[-5:])
@@ -159,5 +166,5 @@ def report(real: RunConfig, rehearsed: RunConfig, plan: RankPlan,
     return 0
 
 
-def rehearse_or_exit(cfg: RunConfig, callbacks) -> None:
-    raise SystemExit(rehearse(cfg, callbacks))
+def rehearse_or_exit(cfg: RunConfig, start: StartRank) -> None:
+    raise SystemExit(rehearse(cfg, start))

@@ -1,7 +1,7 @@
 """Run ranks of a launch one after another in this process, each over PyTorch's fake process
 group (``torch.testing._internal.distributed.fake_pg``: a world of any size whose collectives
-return at once), through the training code's own set-up and first iteration
-(``megatron.training.start_run`` and ``Trainer.train``).
+return at once), through the training code's own set-up and first iteration: a ``StartRank`` (given by
+``megatron.training.rank_starter``: its ``start_run``) and ``Trainer.train``.
 
 ``run_rank`` is the part that does not care which backend the group has: a real gloo run of
 the same command calls it too, so its records can be compared with the rehearsal's.
@@ -14,7 +14,7 @@ import dataclasses
 import io
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -24,6 +24,10 @@ from megatron.rehearsal.memory import ActivationMeter, MeasuredMemory, state_byt
 from megatron.rehearsal.ranks import RankPlan
 from megatron.rehearsal.recorder import Recorder, installed
 from megatron.rehearsal.records import CommOp
+from megatron.signals import ShutdownSignals
+
+# (cfg, tokenizer, signals) -> the rank's trainer after its set-up (training.rank_starter).
+StartRank = Callable[[RunConfig, Any, ShutdownSignals], Any]
 
 
 @dataclasses.dataclass
@@ -55,19 +59,16 @@ class RankFailure(Exception):
         super().__init__(f"{type(error).__name__}: {error}")
 
 
-def run_rank(cfg: RunConfig, tokenizer, callbacks, recorder: Recorder) -> RankResult:
-    """This process's rank (its process group exists): set-up and one iteration through the
-    training code, recorded by ``recorder`` (which must be ``installed``)."""
-    from megatron.signals import ShutdownSignals
-    from megatron.training import TrainState, start_run
-
+def run_rank(cfg: RunConfig, tokenizer, start: StartRank, recorder: Recorder) -> RankResult:
+    """This process's rank (its process group exists): set-up (``start``) and one iteration
+    through the training code, recorded by ``recorder`` (which must be ``installed``)."""
     rank = dist.get_rank()
     out = io.StringIO()
     unknown_before = recorder.shared.unknown_objects
     with recorder.rank_scope(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         signals = ShutdownSignals(cfg.training.exit_signal_handler)
         try:
-            trainer = start_run(cfg, tokenizer, None, callbacks, TrainState(), signals)
+            trainer = start(cfg, tokenizer, signals)
             weights, grads, _ = state_bytes(trainer.chunks, trainer.optimizer)
             recorder.phase = "iteration"
             meter = ActivationMeter(trainer.chunks)
@@ -103,7 +104,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 AroundRank = Callable[[int], contextlib.AbstractContextManager]
 
 
-def run_planned_ranks(cfg: RunConfig, tokenizer, callbacks, plan: RankPlan,
+def run_planned_ranks(cfg: RunConfig, tokenizer, start: StartRank, plan: RankPlan,
                       progress: Optional[Callable[[int, RankResult], None]] = None,
                       around_rank: Optional[AroundRank] = None) -> list[RankResult]:
     """Every rank ``plan`` runs, in its order, each in a fresh fake world. ``around_rank``
@@ -115,7 +116,7 @@ def run_planned_ranks(cfg: RunConfig, tokenizer, callbacks, plan: RankPlan,
         for rank in plan.run:
             around = around_rank(rank) if around_rank is not None else contextlib.nullcontext()
             with fake_world(rank, plan.grid.world), around:
-                result = run_rank(cfg, tokenizer, callbacks, recorder)
+                result = run_rank(cfg, tokenizer, start, recorder)
             results.append(result)
             if progress is not None:
                 progress(len(results), result)

@@ -20,7 +20,7 @@ from megatron.rehearsal.ranks import RankGrid, plan_ranks
 from megatron.rehearsal.recorder import Recorder, installed
 from megatron.rehearsal.runner import run_planned_ranks, run_rank
 from megatron.rehearsal.setup import rehearsal_config
-from megatron.training import RunCallbacks
+from megatron.training import RunCallbacks, rank_starter
 from tests.dist_utils import run_distributed
 
 FLAGS = [
@@ -35,6 +35,10 @@ FLAGS = [
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
            "--sequence-parallel"]
 PP2_DP2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+
+
+def _start():
+    return rank_starter(_callbacks())
 
 
 def _callbacks() -> RunCallbacks:
@@ -64,7 +68,7 @@ def _record_over_gloo(rank: int, world: int, layouts: list[list[str]]):
         cfg, rehearsed = _rehearsed(world, layout)
         recorder = Recorder()
         with installed(recorder):
-            out.append(run_rank(rehearsed, _tokenizer(cfg), _callbacks(), recorder).ops)
+            out.append(run_rank(rehearsed, _tokenizer(cfg), _start(), recorder).ops)
         parallel_state.destroy_model_parallel()
     return out
 
@@ -80,7 +84,7 @@ def test_the_fake_backend_records_what_a_gloo_run_of_the_same_command_issues():
         grid = RankGrid(p.tensor_model_parallel_size, cfg.data_parallel_size,
                         p.pipeline_model_parallel_size)
         fake = {r.rank: r.ops for r in run_planned_ranks(
-            rehearsed, _tokenizer(cfg), _callbacks(), plan_ranks(grid, "all"))}
+            rehearsed, _tokenizer(cfg), _start(), plan_ranks(grid, "all"))}
         for rank in range(4):
             assert len(fake[rank]) > 25
             assert fake[rank] == real[rank][i], (layout, rank)
@@ -91,7 +95,7 @@ def test_the_fake_backend_records_what_a_gloo_run_of_the_same_command_issues():
 
 def _rehearse_with(world: int, layout: list[str], around_rank, capsys) -> tuple[int, str]:
     cfg = parse_args([*FLAGS, *layout, "--rehearse"], world_size=world)
-    status = rehearse(cfg, _callbacks(), around_rank)
+    status = rehearse(cfg, _start(), around_rank)
     out = capsys.readouterr()
     return status, out.out + out.err
 
@@ -224,7 +228,7 @@ def test_a_rank_whose_own_code_fails_is_named(capsys):
 
     with pytest.raises(SystemExit) as exit_info:
         cfg = parse_args([*FLAGS, *TP2_PP2, "--rehearse"], world_size=4)
-        rehearse(cfg, _callbacks(), _on_rank(3, broken_loss))
+        rehearse(cfg, _start(), _on_rank(3, broken_loss))
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert ("error: rank 3 (stage 1, tensor 1, data 0) failed in its iteration: "

@@ -5,8 +5,9 @@ pipeline 2 generates the same greedy tokens at its layout and read whole in one 
 import pytest
 import torch
 
+from megatron.checkpointing.run_config import with_layout
 from megatron.config import to_dict
-from megatron.conversion.full import FullCheckpoint, save_full_checkpoint, with_layout
+from megatron.conversion.full import FullCheckpoint, save_full_checkpoint
 from megatron.core import parallel_state
 from megatron.inference_loading import build_inference_model, config_from_checkpoint
 from megatron.text_generation import SamplingParams, generate_tokens

@@ -28,7 +28,12 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.checkpointing import CheckpointError, load_checkpoint, read_manifest
+from megatron.checkpointing import (
+    CheckpointError,
+    checkpoint_model_settings,
+    load_checkpoint,
+    read_manifest,
+)
 from megatron.checkpointing.mcore_layout import chunk_places
 from megatron.config import parse_args
 from megatron.core import parallel_state
@@ -130,7 +135,7 @@ def mcore(trained, tmp_path_factory):
 def _load(load: str, world: int, tp: int, pp: int, vocab: list[str], *extra: str):
     argv = ["--use-checkpoint-args", "--load", load, "--train-iters", str(ITERS), *RUN[:-1],
             *vocab, *_layout_flags(tp, pp), *extra]
-    cfg = parse_args(argv, world_size=world)
+    cfg = parse_args(argv, world_size=world, checkpoint_settings=checkpoint_model_settings)
     cfg = cfg.with_vocab_size(build_run_tokenizer(cfg).vocab_size)
     device = initialize_megatron(cfg)
     chunks, optimizer, scheduler = setup_model_and_optimizer(

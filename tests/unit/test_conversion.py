@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from megatron.checkpointing import read_manifest
+from megatron.checkpointing.run_config import with_layout
 from megatron.config import ModelConfig, OptimizerConfig, to_dict
 from megatron.conversion import FullCheckpoint, load_full_checkpoint, save_full_checkpoint
 from megatron.conversion import full as full_module
-from megatron.conversion.full import with_layout
 from megatron.conversion.sharding import (
     Chunk,
     chunks_from_layer_counts,

@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
+from megatron.checkpointing.run_config import with_layout
 from megatron.config import DataConfig, ModelConfig, to_dict
-from megatron.conversion.full import FullCheckpoint, save_full_checkpoint, with_layout
+from megatron.conversion.full import FullCheckpoint, save_full_checkpoint
 from megatron.conversion.hf import TOKENIZER_DIR
 from megatron.inference_loading import (
     InferenceLoadingError,

@@ -17,8 +17,8 @@ import torch
 
 from megatron.checkpointing import CheckpointError, dcp, torch_dist
 from megatron.checkpointing.mcore_layout import place
+from megatron.checkpointing.run_config import model_fields_from_args
 from megatron.config import ModelConfig
-from megatron.conversion.megatron_deepspeed import model_fields_from_args
 
 
 def test_flat_ranges_become_boxes_that_are_their_elements_in_order():

@@ -54,8 +54,6 @@ class PreprocessConfig:
 
     @property
     def hf_inputs(self) -> bool:
-        from megatron.data.preprocess.hf_reading import is_hf_input
-
         return any(is_hf_input(p) for p in self.inputs)
 
     @property
@@ -67,10 +65,20 @@ class PreprocessConfig:
         return f"{prefix}_{key}_{self.level}"
 
 
+# What makes an input a local Hugging Face dataset (read by hf_reading).
+HF_FILE_SUFFIXES = (".parquet", ".arrow")
+_FOLDER_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
+
+
+def is_hf_input(path: str) -> bool:
+    """A Parquet/Arrow file, or a folder written by ``save_to_disk``."""
+    if os.path.isdir(path):
+        return any(os.path.isfile(os.path.join(path, m)) for m in _FOLDER_MARKERS)
+    return path.endswith(HF_FILE_SUFFIXES)
+
+
 def resolve_inputs(patterns: Sequence[str]) -> tuple[str, ...]:
     """Expand files and globs in order; raises naming --input when a path or glob is empty."""
-    from megatron.data.preprocess.hf_reading import is_hf_input
-
     files: list[str] = []
     for pattern in patterns:
         if os.path.isdir(pattern) and is_hf_input(pattern):

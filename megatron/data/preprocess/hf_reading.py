@@ -21,8 +21,6 @@ from typing import Any, Optional
 from megatron.data.preprocess.config import InputError
 from megatron.data.preprocess.reading import Chunk, Span
 
-HF_FILE_SUFFIXES = (".parquet", ".arrow")
-_FOLDER_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
 BATCH_ROWS = 1024
 
 
@@ -31,13 +29,6 @@ class HFSpan(Span):
     """Rows ``[start, end)`` of one HF input; ``split`` picks a DatasetDict's split."""
 
     split: Optional[str] = None
-
-
-def is_hf_input(path: str) -> bool:
-    """A Parquet/Arrow file, or a folder written by ``save_to_disk``."""
-    if os.path.isdir(path):
-        return any(os.path.isfile(os.path.join(path, m)) for m in _FOLDER_MARKERS)
-    return path.endswith(HF_FILE_SUFFIXES)
 
 
 def _import(module: str):

@@ -20,12 +20,12 @@ from megatron.data.preprocess.config import (
     PreprocessConfig,
     PreprocessError,
     config_from_args,
+    is_hf_input,
 )
 from megatron.data.preprocess.encoding import ChunkEncoder
 from megatron.data.preprocess.hf_reading import (
     HFSpan,
     check_hf_input,
-    is_hf_input,
     iter_input_chunks,
     plan_hf_partitions,
 )
