@@ -721,8 +721,7 @@ def check_run_inputs(cfg: RunConfig):
         check_training_data(cfg.data, tokenizer.vocab_size if tokenizer is not None else None,
                             samples[0], cfg.model.seq_length, (samples[1], samples[2]))
     except (TokenizerConfigError, DataConfigError, IndexedDatasetError) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        _refuse(str(error))
     return tokenizer
 
 
@@ -1011,9 +1010,8 @@ def _with_xla_spmd_or_exit(cfg: RunConfig, argv: Optional[list[str]],
                           xla_spmd_devices=devices, announce=False,
                           checkpoint_settings=checkpoint_model_settings)
     except ConfigError as error:
-        print(f"error: XLA SPMD over {devices} devices (--xla-spmd; each device is a "
-              f"data-parallel rank): {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        _refuse(f"XLA SPMD over {devices} devices (--xla-spmd; each device is a data-parallel "
+                f"rank): {error}")
 
 
 def _check_device_support_or_exit(cfg: RunConfig, replica: bool = False) -> None:
@@ -1029,8 +1027,7 @@ def _check_device_support_or_exit(cfg: RunConfig, replica: bool = False) -> None
     else:
         problem = training_xla.unsupported_off_xla(cfg)
     if problem is not None:
-        print(f"error: {problem}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        _refuse(problem)
 
 
 def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
@@ -1044,8 +1041,7 @@ def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
         if cfg.checkpoint.save:
             checkpointing.check_save_dir(cfg.checkpoint.save)
     except checkpointing.CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        _refuse(str(error))
 
 
 def _lock_save_folder_or_exit(cfg: RunConfig):
@@ -1084,3 +1080,11 @@ def _finish() -> None:
     sys.stdout.flush()
     if dist.is_initialized():
         dist.barrier(group=parallel_state.get_control_group())
+
+
+def _refuse(message: str) -> None:
+    """End the run before its work starts: ``error: message`` on global rank 0 (every rank
+    checks the same flags and files and comes here alike), exit status 2."""
+    if global_rank() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None

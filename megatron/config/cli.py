@@ -38,6 +38,7 @@ from megatron.config.base import (
 from megatron.config.data import DataConfig, canonical_tokenizer_type
 from megatron.config.run import SLICE_CLASSES, RunConfig
 from megatron.config.toml_io import dump_config, toml_settings
+from megatron.utils import global_rank
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], Optional[argparse.ArgumentParser]]
 # --load -> the model-shape values stored with its latest checkpoint (--use-checkpoint-args).
@@ -178,7 +179,7 @@ def parse_args(
         compat.announce_no_ops(ns)
     config = _build_run_config(ns, _resolve_world_size(world_size), extra_dests,
                                xla_spmd_devices)
-    if ns.dump_config is not None and _rank() == 0:
+    if ns.dump_config is not None and global_rank() == 0:
         dump_config(config, ns.dump_config)
     return config
 
@@ -195,11 +196,13 @@ def _checkpoint_settings(load_dir: Optional[str],
 
 
 def parse_args_or_exit(*args: Any, **kwargs: Any) -> RunConfig:
-    """``parse_args`` for entry scripts: on bad input print ``error: ...`` and exit with 2."""
+    """``parse_args`` for entry scripts: on bad input print ``error: ...`` (on global rank 0
+    only: every rank of a launch reads the same flags) and exit with 2."""
     try:
         return parse_args(*args, **kwargs)
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        if global_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
@@ -296,14 +299,6 @@ def flatten_config(config: RunConfig) -> dict[str, Any]:
     return flat
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
 def print_config(config: RunConfig, print_fn: Optional[Callable[[str], None]] = None) -> str:
     """Log the resolved config as Megatron's ``arguments`` block (on rank 0); returns the text."""
     flat = flatten_config(config)
@@ -317,7 +312,7 @@ def print_config(config: RunConfig, print_fn: Optional[Callable[[str], None]] = 
         lines.append(f"  {name} {'.' * (48 - len(name))} {value}")
     lines.append("-------------------- end of arguments ---------------------")
     text = "\n".join(lines)
-    if _rank() == 0:
+    if global_rank() == 0:
         (print_fn or (lambda s: print(s, flush=True)))(text)
     return text
 

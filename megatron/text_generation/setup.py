@@ -138,6 +138,11 @@ def _precision(choice: str, device: torch.device) -> Optional[str]:
     return None if device.type == "cuda" else "fp32"
 
 
+# How long a collective of generation waits for the other ranks (every group, the default one
+# included) before it fails instead of hanging.
+TIMEOUT_MINUTES = 10
+
+
 def setup_generation(args: argparse.Namespace) -> GenerationModel:
     """Check the inputs, join the process group, build this rank's model and the tokenizer."""
     env = distributed_env()
@@ -148,11 +153,13 @@ def setup_generation(args: argparse.Namespace) -> GenerationModel:
     tokenizer = build_generation_tokenizer(args, config)
     # Generation runs on a GPU or the CPU, also where PJRT_DEVICE is set (XLA is training's).
     device = compute_device(args.use_cpu, env["local_rank"], xla_allowed=False)
-    initialize_distributed(resolve_backend("auto", args.use_cpu, xla_allowed=False), 10, device)
+    initialize_distributed(resolve_backend("auto", args.use_cpu, xla_allowed=False),
+                           TIMEOUT_MINUTES, device)
     parallel_state.set_default_device(device)
     p = config.parallel
     parallel_state.initialize_model_parallel(p.tensor_model_parallel_size,
-                                             p.pipeline_model_parallel_size)
+                                             p.pipeline_model_parallel_size,
+                                             distributed_timeout_minutes=TIMEOUT_MINUTES)
     try:
         model = build_inference_model(config, device=device, full_state_dict=full,
                                       dtype=_precision(args.precision, device))

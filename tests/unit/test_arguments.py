@@ -573,3 +573,17 @@ def test_mock_data_needs_no_tokenizer_files_and_srun_world_size(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "4")
     assert parse_args(argv + ["--tensor-model-parallel-size", "2"]).parallel.data_parallel_size == 2
+
+
+@pytest.mark.parametrize("env,printed", [({}, True), ({"RANK": "0"}, True), ({"RANK": "1"}, False),
+                                         ({"SLURM_PROCID": "3"}, False)])
+def test_a_flag_error_is_printed_by_global_rank_0_only(monkeypatch, capsys, env, printed):
+    for name in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        parse_args_or_exit([*BASE, "--num-layers", "x"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("error: " in err and "--num-layers" in err) if printed else err == ""
