@@ -12,9 +12,10 @@ bytes from those counts and the formulas below (printed by ``format_plan``)::
                 4 for SGD's momentum)          (/ dp with --use-distributed-optimizer or ZeRO >= 1)
     activations per micro-batch in flight, per layer, in elements (t: tensor parallel size,
                 t_sp: t under --sequence-parallel else 1, f: FFN width, a: kv_channels x heads)
-                    s b (2h/t_sp + 2h + (3a + a + a)/t + 2f/t)
-                    LN inputs, QKV/FC1 inputs (gathered), QKV out, attention out and its
-                    copy, FC1 out, GeLU out; attention in a fused kernel (no s^2 term)
+                    s b (2h/t_sp + 2h/t_sp + (3a + a + a)/t + 2f/t)
+                    LN inputs, QKV/FC1 inputs (this rank's part of the sequence: the
+                    backward all-gathers it again), QKV out, attention out and its copy,
+                    FC1 out, GeLU out; attention in a fused kernel (no s^2 term)
                 + 2 s b h / t_sp bytes of dropout masks when --hidden-dropout > 0
                 selective recompute: less the attention output (s b a / t)
                 full recompute: s b h / t_sp per checkpointed block, plus one block's layers
@@ -38,9 +39,9 @@ recipe (tensor 8 x pipeline 8, micro-batch 1, sequence 2048, fp16, distributed o
 one replica), first stage, GB = 2^30 bytes, ours / formula:
 
     layout                      weights+grads+optimizer   activations
-    SP, recompute none          42.06 / 46.88 (-10.3%)    18.05 / 32.09 (-43.8%)
-    SP, recompute selective     42.06 / 46.88 (-10.3%)    17.48 /  9.59 (+82.4%)
-    SP, recompute full          42.06 / 46.88 (-10.3%)     0.80 /  0.59 (+36.0%)
+    SP, recompute none          42.06 / 46.88 (-10.3%)    10.17 / 32.09 (-68.3%)
+    SP, recompute selective     42.06 / 46.88 (-10.3%)     9.61 /  9.59  (+0.2%)
+    SP, recompute full          42.06 / 46.88 (-10.3%)     0.71 /  0.59 (+22.0%)
     no SP, recompute none       42.06 / 46.88 (-10.3%)    30.19 / 54.53 (-44.6%)
     no SP, recompute selective  42.06 / 46.88 (-10.3%)    29.62 / 30.91  (-4.2%)
     no SP, recompute full       42.06 / 46.88 (-10.3%)     5.19 /  4.92  (+5.4%)
@@ -53,15 +54,11 @@ tests/unit/test_memory_formulas.py keeps this list and the figures in step):
   gradient buffers in fp16 (16 bytes per parameter, -11.1%; with the flag the figures agree to
   1%). We also count what the formula leaves out: learned position embeddings on the first
   stage and the linear layers' biases (+0.9%).
-- activations without recomputation, -44% (SP and not): the formula keeps attention's
+- activations without recomputation, -68% (SP) and -45% (no SP): the formula keeps attention's
   scores, softmax and dropout mask (5 a s^2 b / t bytes per layer, 80 sbh/t at s = 2048); we
   count a fused attention kernel (the recipe's --use-flash-attn, or PyTorch's SDPA flash
   kernel on a GPU), which keeps none of the s x s tensors.
-- activations with sequence parallelism, +82% under selective recompute (and inside the SP
-  rows above): our column-parallel layers (QKV and FC1) save their all-gathered [s, b, h]
-  input for the weight gradient, 4 sbh bytes per layer, where Megatron-LM keeps the 1/t shard
-  and all-gathers it again in the backward (34/t sbh is the formula's whole layer).
-- activations under full recompute, +36% (SP) and +5.4% (no SP): we add the working set the
+- activations under full recompute, +22% (SP) and +5.4% (no SP): we add the working set the
   backward rebuilds, one layer's full activations while it is recomputed (0.19 GB here), and
   the first stage's embedding output per micro-batch in flight; the formula keeps only each
   layer's input.
@@ -235,7 +232,7 @@ def layer_activationbytes_of(config: RunConfig) -> int:
     s, b, h, f, a = m.seq_length, config.training.micro_batch_size, m.hidden_size, \
         m.ffn_hidden_size, m.projection_size
     attention_out = s * b * a // t
-    elements = s * b * (2 * h // t_sp + 2 * h) + s * b * (5 * a + 2 * f) // t
+    elements = s * b * 4 * h // t_sp + s * b * (5 * a + 2 * f) // t
     if m.recompute_granularity == "selective":
         elements -= attention_out
     masks = 2 * s * b * h // t_sp if m.hidden_dropout > 0 else 0

@@ -18,8 +18,10 @@ params dtype, m the iteration's micro-batches, L the rank's layers, and t_sp = t
                             layer recomputed under --recompute-granularity full; the first
                             stage's embedding s b h e; the last stage's LM-head input gradient
                             s b h e and the cross entropy's 3 s b x 4 bytes
-    tensor all-gather and   SP: 4 s b h e each per layer per micro-batch (+ 2 each recomputed);
-    reduce-scatter          the LM head's input s b h e each; the cross entropy as above (an
+    tensor all-gather and   SP: 4 s b h e each per layer per micro-batch (+ 2 each recomputed),
+    reduce-scatter          and 2 more all-gathers per layer (the QKV and FC1 inputs, gathered
+                            again in the backward); the LM head's input s b h e each; the
+                            cross entropy as above (an
                             all-reduce); once per iteration the all-reduce of the sequence-
                             parallel parameters' gradients (LayerNorms, row-parallel biases)
     pipeline send / recv    s b h e / t_sp per micro-batch and direction, for each chunk of the
@@ -154,7 +156,8 @@ def comm_volume(cfg: RunConfig, pp_rank: int, stage: StageParams,
         per_layer = 4 * layers + 2 * recomputed
         first, last = pp_rank == 0, pp_rank == p - 1
         if sp:  # the embedding's sequence split gathers its gradient back on the first stage
-            out["tp all-gather"] = n * act * (per_layer + first + last)
+            # QKV and FC1 gather their input again in the backward (they keep only its part).
+            out["tp all-gather"] = n * act * (per_layer + 2 * layers + first + last)
             out["tp reduce-scatter"] = n * act * (per_layer + last)
             out["tp all-reduce"] = n * act * first + stage.sequence_parallel * g
         else:

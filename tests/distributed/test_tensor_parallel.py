@@ -136,3 +136,40 @@ def _linear_layers(rank, world_size):
 
 def test_column_row_parallel_linear():
     assert all(run_distributed(_linear_layers, 2))
+
+
+def _sequence_parallel_column_layer(rank, world_size):
+    parallel_state.initialize_model_parallel(world_size)
+    s, b, h, out = 8, 2, 16, 12
+    torch.manual_seed(0)
+    full_x = torch.randn(s, b, h)
+    full = torch.nn.Linear(h, out)
+    sp = ColumnParallelLinear(h, out, init_method=None, sequence_parallel=True)
+    rows = out // world_size
+    with torch.no_grad():
+        sp.weight.copy_(full.weight[rank * rows:(rank + 1) * rows])
+        sp.bias.copy_(full.bias[rank * rows:(rank + 1) * rows])
+    part = full_x.chunk(world_size)[rank].clone().requires_grad_()
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = sp(part)  # [s, b, out/t]
+    y.square().sum().backward()
+    # Only this rank's part of the input is kept for the backward, besides the weight.
+    assert sorted(saved) == sorted([part.numel(), sp.weight.numel()]), saved
+    x = full_x.clone().requires_grad_()
+    # The reference: the same rows of the whole layer, every rank's rows summed into x.grad.
+    full(x)[..., rank * rows:(rank + 1) * rows].square().sum().backward()
+    grads = [torch.zeros_like(x.grad) for _ in range(world_size)]
+    torch.distributed.all_gather(grads, x.grad)
+    torch.testing.assert_close(part.grad, sum(grads).chunk(world_size)[rank])
+    torch.testing.assert_close(sp.weight.grad, full.weight.grad[rank * rows:(rank + 1) * rows])
+    torch.testing.assert_close(sp.bias.grad, full.bias.grad[rank * rows:(rank + 1) * rows])
+
+
+def test_a_sequence_parallel_column_layer_keeps_only_its_part_of_the_input():
+    run_distributed(_sequence_parallel_column_layer, 2)

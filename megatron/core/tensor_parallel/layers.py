@@ -121,21 +121,55 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
-        main_grad = ctx.main_grad
         g = grad_y.reshape(-1, grad_y.size(-1))  # [tokens, out]
-        grad_x = grad_weight = grad_bias = None
+        grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = matmul_nt(g, weight.t()).view(x.shape)  # [.., in]
-        if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.size(-1))  # [tokens, in]
-            if main_grad is None:
-                grad_weight = g.t().mm(x2)  # [out, in]
-            else:
-                accumulate_weight_grad(main_grad, g, x2)
-                grad_weight = torch.empty_like(weight)  # the stand-in
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = g.sum(dim=0)
-        return grad_x, grad_weight, grad_bias, None
+        return (grad_x, *_weight_and_bias_grads(ctx, g, x, weight), None)
+
+
+def _weight_and_bias_grads(ctx, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    """The weight and bias gradients of ``y = x W^T + b`` from ``g`` (``[tokens, out]``) and
+    the layer's whole input ``x``; the weight's is added into ``ctx.main_grad`` when there is
+    one (autograd gets an unfilled stand-in)."""
+    grad_weight = grad_bias = None
+    if ctx.needs_input_grad[1]:
+        x2 = x.reshape(-1, x.size(-1))  # [tokens, in]
+        if ctx.main_grad is None:
+            grad_weight = g.t().mm(x2)  # [out, in]
+        else:
+            accumulate_weight_grad(ctx.main_grad, g, x2)
+            grad_weight = torch.empty_like(weight)  # the stand-in
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = g.sum(dim=0)
+    return grad_weight, grad_bias
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """Sequence parallelism's column-parallel matmul: ``x`` is this rank's ``[s/t, b, in]``
+    part of the sequence; the forward all-gathers it and multiplies as ``_Linear`` does. Only
+    the part is kept for the backward, which all-gathers it again for the weight gradient and
+    reduce-scatters the input gradient (as Megatron-LM does: ``1/t`` of the gathered input's
+    memory per layer, for one more all-gather)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad, group):
+        ctx.save_for_backward(x, weight)
+        ctx.main_grad, ctx.group, ctx.has_bias = main_grad, group, bias is not None
+        whole = mappings.gather_sequence(x, group)  # [s, b, in]
+        y = matmul_nt(whole.reshape(-1, whole.size(-1)), weight, bias)  # [tokens, out]
+        return y.view(*whole.shape[:-1], weight.size(0))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        whole = mappings.gather_sequence(x, ctx.group)
+        g = grad_y.reshape(-1, grad_y.size(-1))  # [tokens, out]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_whole = matmul_nt(g, weight.t()).view(whole.shape)  # partial sums
+            grad_x = mappings.reduce_scatter_sequence(grad_whole, ctx.group)
+        return (grad_x, *_weight_and_bias_grads(ctx, g, whole, weight), None, None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -210,11 +244,12 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``weight`` overrides the layer's own (the tied LM head passes the embedding)."""
         weight = self.weight if weight is None else weight
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, in]
+        if self.sequence_parallel:  # all-gathers x ([s/tp, b, in]) to [s, b, in]
+            y = _SequenceParallelLinear.apply(x, weight, self.bias, main_grad_of(weight),
+                                              mappings.tensor_parallel_group(self.tp_group))
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
-        y = linear(x, weight, self.bias)  # [s, b, out/tp]
+            y = linear(x, weight, self.bias)  # [s, b, out/tp]
         if self.gather_output:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y

@@ -82,6 +82,22 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def tensor_parallel_group(group: Optional[dist.ProcessGroup] = None):
+    """``group``, or this rank's tensor-parallel group (None before there is one)."""
+    return _group(group)
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """The whole sequence from each rank's ``[s/t, ...]`` part (no autograd: for autograd
+    functions that do their own backward, such as the sequence-parallel linear layer)."""
+    return _gather_first_dim(x, group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's ``[s/t, ...]`` part of the sum of every rank's ``x`` (no autograd)."""
+    return _reduce_scatter_first_dim(x, group)
+
+
 class _CopyToRegion(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce (each rank's branch contributes a partial grad)."""
 
