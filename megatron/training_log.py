@@ -136,7 +136,7 @@ def format_load_report(report: Any, ckpt: Any, consumed_train_samples: int) -> s
               whole or ("--no-load-optim" if ckpt.no_load_optim else "--no-load-lr-state"
                         if ckpt.no_load_lr_state else "not in the checkpoint")),
              ("RNG state", report.rng,
-              whole or ("converted checkpoint, generators start from --seed"
+              whole or ("none stored for this layout, generators start from --seed"
                         if report.rng_from_seed else "--no-load-rng"))]
     for name, loaded, reason in parts:
         if loaded:

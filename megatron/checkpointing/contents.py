@@ -28,6 +28,7 @@ RESERVED_KEYS = frozenset({
     "consumed_train_samples", "consumed_valid_samples", "optimizer", "distributed_optimizer",
     "opt_param_scheduler", "lr_scheduler", "rng_state", "random_rng_state", "np_rng_state",
     "torch_rng_state", "cuda_rng_state", "rng_tracker_states", "tokens",
+    "content_metadata",  # torch_dist's common.pt (megatron-core's sharding settings)
     CONVERTED_KEY,
 })
 

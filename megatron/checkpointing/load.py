@@ -75,7 +75,8 @@ class LoadReport(NamedTuple):
     optimizer: bool  # optimizer state restored
     scheduler: bool  # LR/weight-decay schedule restored
     rng: bool  # random generators restored
-    # a converted checkpoint without RNG state: the generators start from --seed
+    # RNG state wanted but none for this layout (a converted checkpoint, or torch_dist saved
+    # at another layout): the generators start from --seed
     rng_from_seed: bool = False
 
 

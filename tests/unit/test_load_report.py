@@ -69,5 +69,5 @@ def test_converted_checkpoint_says_generators_start_from_seed(tmp_path):
     line = format_load_report(loaded.report, config.checkpoint, loaded.consumed_train_samples)
     assert line == (f"successfully loaded checkpoint from {tmp_path} at iteration 2 ({folder}, "
                     "4 samples consumed); restored: model, optimizer state, LR schedule; reset "
-                    "(converted checkpoint, generators start from --seed): RNG state")
+                    "(none stored for this layout, generators start from --seed): RNG state")
     assert not loaded.report.rng and loaded.report.rng_from_seed
