@@ -108,6 +108,16 @@ def config_from_checkpoint(load_dir: str, world_size: int = 1, tp: Optional[int]
     folder = checkpoint_folder(load_dir)
     stored, saved = stored_run_config(folder), folder.layout()
     tp, pp = launch_layout(saved, world_size, tp, pp)
+    return run_config_from_stored(
+        stored, saved, world_size, tp, pp,
+        CheckpointConfig(load=load_dir, finetune=True, no_load_optim=True, no_load_rng=True))
+
+
+def run_config_from_stored(stored: dict, saved: tuple[int, int], world_size: int, tp: int,
+                           pp: int, checkpoint: CheckpointConfig) -> RunConfig:
+    """A stored run configuration (ours, ``checkpointing.run_config``) of a model saved at
+    (tp, pp) ``saved``, to run on ``world_size`` processes at (``tp``, ``pp``): its model
+    and tokenizer, one model chunk per stage, one data-parallel replica, ``checkpoint``."""
     saved_parallel = dict(stored.get("parallel", {}))
     if (tp, pp) != saved:  # an uneven stage split was chosen for the saved pp
         saved_parallel.pop("decoder_first_pipeline_num_layers", None)
@@ -119,10 +129,8 @@ def config_from_checkpoint(load_dir: str, world_size: int = 1, tp: Optional[int]
                                 sequence_parallel=False)
     model = _slice_from_dict(ModelConfig, stored["model"], tensor_model_parallel_size=tp,
                              sequence_parallel=False)
-    return RunConfig(
-        model=model, parallel=parallel, data=tokenizer_data_config(stored.get("data", {})),
-        checkpoint=CheckpointConfig(load=load_dir, finetune=True, no_load_optim=True,
-                                    no_load_rng=True))
+    return RunConfig(model=model, parallel=parallel,
+                     data=tokenizer_data_config(stored.get("data", {})), checkpoint=checkpoint)
 
 
 def hf_model_settings(hf_model_dir: str) -> dict[str, Any]:

@@ -123,9 +123,18 @@ def mcore(trained, tmp_path_factory):
     """megatron-core's checkpoints and logits (tests/mcore_driver.py's reference.pt)."""
     out = str(tmp_path_factory.mktemp("mcore"))
     ours = os.path.join(trained[0], f"iter_{SAVED_AT:07d}")
+    # Ours again, through the converter's torch_dist saver (one process, tp 1): megatron-core
+    # reads both (reference["ours"][0] and [1]).
+    converted = os.path.join(out, "converted")
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "checkpoint", "convert.py"),
+                           "--model-type", "GPT", "--loader", "megatron", "--saver", "core",
+                           "--load-dir", trained[0], "--save-dir", converted],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-I", os.path.join(REPO, "tests", "mcore_driver.py"),
-                           out, ours], cwd=out, env={**env, "OMP_NUM_THREADS": "1"},
+                           out, ours, os.path.join(converted, f"iter_{SAVED_AT:07d}")], cwd=out,
+                          env={**env, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     reference = torch.load(os.path.join(out, "reference.pt"), weights_only=False)
@@ -300,6 +309,22 @@ def test_our_checkpoint_loads_into_megatron_core(layouts, mcore, name):
     ours = _first(layouts[name], "ours")
     print(f"megatron-core vs ours at {name}: max |difference|", (got - ours).abs().max().item())
     torch.testing.assert_close(got, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_the_converters_torch_dist_saver_writes_what_megatron_core_reads(trained, mcore):
+    from megatron.conversion import load_full_checkpoint
+
+    out, reference = mcore
+    original, converted = reference["ours"]  # megatron-core's logits from each
+    torch.testing.assert_close(converted, original, rtol=0, atol=1e-6)
+    source = load_full_checkpoint(trained[0])
+    written = load_full_checkpoint(os.path.join(out, "converted"))
+    assert (written.iteration, written.consumed_train_samples) == \
+        (source.iteration, source.consumed_train_samples)
+    assert written.optimizer is None  # model only: said by the converter's last line
+    assert set(written.model) == set(source.model)
+    for name, tensor in source.model.items():
+        assert torch.equal(written.model[name], tensor), name
 
 
 def test_resume_at_the_saved_layout_is_bit_for_bit(trained):

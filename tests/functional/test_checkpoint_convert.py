@@ -177,6 +177,9 @@ def test_bad_arguments_are_named(hf_model, tmp_path, capsys):
          "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
         (["--loader", "hf", "--saver", "hf", "--load-dir", path,
           "--target-tensor-parallel-size", "2"], "--saver hf writes one unsharded model"),
+        (["--loader", "hf", "--saver", "core", "--load-dir", path,
+          "--target-distributed-optimizer", "yes"],
+         "--saver core writes torch_dist, which every layout reads: drop"),
         (["--loader", "hf", "--saver", "hf", "--load-dir", path, "--vocab-file",
           str(tmp_path / "v.json")], "--vocab-file"),
     ]

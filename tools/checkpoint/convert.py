@@ -17,7 +17,10 @@ Megatron-LM's converter's name for that and does the same),
 model at ZeRO 0-2, ZeRO-3 at tp 1, or the pipeline engine's layer files; model, iteration and
 LR schedule, and at ZeRO 1/2 the optimizer state (plain model; the pipeline engine at tp 1);
 else train on with --no-load-optim or --finetune). Savers: ``megatron`` (ours, at the
-target layout; optimizer state goes along, the distributed optimizer's too) and ``hf``.
+target layout; optimizer state goes along, the distributed optimizer's too), ``hf``, and
+``core``: Megatron-LM's torch_dist format (``--ckpt-format torch_dist``), the model with its
+iteration and sample counters, which Megatron-LM, NeMo and our ``--load`` read at any layout
+(no optimizer or RNG state: load it with --no-load-optim --no-load-rng, or --finetune).
 The logic lives in ``megatron/conversion/``.
 """
 
@@ -39,7 +42,7 @@ from megatron.conversion.hf import (  # noqa: E402
 )
 
 LOADERS = ("megatron", "core", "hf", "megatron_deepspeed", "deepspeed")
-SAVERS = ("megatron", "hf")
+SAVERS = ("megatron", "hf", "core")
 
 
 
@@ -88,12 +91,16 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConversionError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
         raise ConversionError("--save-dir must differ from --load-dir")
-    if args.saver == "hf" and ((args.target_tensor_parallel_size or 1) *
-                               (args.target_pipeline_parallel_size or 1) != 1
-                               or args.target_num_layers_per_virtual_pipeline_stage):
-        raise ConversionError("--saver hf writes one unsharded model: drop "
+    if args.saver in ("hf", "core") and ((args.target_tensor_parallel_size or 1) *
+                                         (args.target_pipeline_parallel_size or 1) != 1
+                                         or args.target_num_layers_per_virtual_pipeline_stage
+                                         or args.target_distributed_optimizer is not None):
+        what = "one unsharded model" if args.saver == "hf" else \
+            "torch_dist, which every layout reads"
+        raise ConversionError(f"--saver {args.saver} writes {what}: drop "
                               "--target-tensor-parallel-size/--target-pipeline-parallel-size/"
-                              "--target-num-layers-per-virtual-pipeline-stage")
+                              "--target-num-layers-per-virtual-pipeline-stage/"
+                              "--target-distributed-optimizer")
     for flag in ("vocab_file", "merge_file"):
         path = getattr(args, flag)
         if path is not None and not os.path.isfile(path):
@@ -110,7 +117,41 @@ def load(args: argparse.Namespace):
                                 true_vocab_size=args.true_vocab_size)
 
 
+def save_torch_dist(full, save_dir: str) -> str:
+    """``full`` written by this one process as a torch_dist checkpoint under ``save_dir``
+    (tensor/pipeline size 1: the format is read at any layout), through the same writer as
+    ``pretrain_gpt.py --ckpt-format torch_dist``. Returns the iteration folder."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.checkpointing import check_save_dir, save_checkpoint
+    from megatron.config import CheckpointConfig
+    from megatron.core import parallel_state
+    from megatron.inference_loading import build_inference_model, run_config_from_stored
+
+    check_save_dir(save_dir)
+    cfg = run_config_from_stored(full.config, (1, 1), 1, 1, 1, CheckpointConfig(
+        save=save_dir, save_interval=1, ckpt_format="torch_dist", no_save_optim=True,
+        no_save_rng=True))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        model = build_inference_model(cfg, device=torch.device("cpu"), full_state_dict=full.model)
+        return save_checkpoint(full.iteration, [model], None, None, cfg,
+                               consumed_train_samples=full.consumed_train_samples,
+                               consumed_valid_samples=full.consumed_valid_samples,
+                               extra=full.extra)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def save(args: argparse.Namespace, full) -> str:
+    if args.saver == "core":
+        folder = save_torch_dist(full, args.save_dir)
+        return (f"wrote the model (torch_dist, iteration {full.iteration}) to {folder}; "
+                f"Megatron-LM reads it with --ckpt-format torch_dist --load {args.save_dir} "
+                "--no-load-optim --no-load-rng (or --finetune), as does pretrain_gpt.py")
     if args.saver == "hf":
         files = save_hf_checkpoint(full, args.save_dir, args.vocab_file, args.merge_file)
         return f"wrote {', '.join(files)} to {args.save_dir}"
