@@ -12,8 +12,9 @@ Each mode runs ``pretrain_gpt.py`` (``--mock-data``, fp32, ``--use-distributed-o
 ``--log-interval 1``) on ``--dp`` CPU ranks over gloo, started directly with RANK/WORLD_SIZE so
 that this script can sample each rank's resident memory (``/proc/PID/status`` VmRSS, every
 10 ms). The run saves every ``--save-at`` iterations, ``--saves`` times, and trains ``--iters-after``
-more iterations; each of those saves is measured (the first copies into fresh host memory,
-later ones into the buffers --async-save keeps). Modes: ``torch`` (Megatron's folder, saved synchronously),
+more iterations; each of those saves is measured (--async-save allocates its host buffers in
+the background after the run's first iteration and keeps them, so every save copies into
+mapped memory, and a --async-save mode's "own" includes those buffers). Modes: ``torch`` (Megatron's folder, saved synchronously),
 ``torch-async`` (the same with ``--async-save``), ``torch_dist`` / ``torch_dist-async``
 (``--ckpt-format torch_dist``: a slot, reported as unavailable where the tree refuses the
 flag). ``--tree DIR`` runs DIR's ``pretrain_gpt.py`` with DIR first on PYTHONPATH: pass a

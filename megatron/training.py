@@ -345,6 +345,7 @@ class Trainer:
         # --async-save: checkpoints written in the background (built on every rank: a group).
         self.saver = AsyncSaver(t.distributed_timeout_minutes) \
             if self.cfg.checkpoint.async_save else None
+        self._host_buffers_reserved = False
         self.guard = NonFiniteGuard(t.max_consecutive_nonfinite_iterations)
         opt = self.cfg.optimizer
         self.overflow_guard = (OverflowGuard(t.max_consecutive_nonfinite_iterations,
@@ -598,6 +599,14 @@ class Trainer:
         t, ck = cfg.training, cfg.checkpoint
         if self.saver is not None and self.saver.poll() is not None:
             self.signals.writing_in_background(False)
+        if self.saver is not None and not self._host_buffers_reserved:
+            # After this run's first step (the optimizer's state exists): the first save then
+            # copies into memory mapped in the background, as later saves do.
+            from megatron import checkpointing
+
+            checkpointing.reserve_host_buffers(it, self.chunks, self.optimizer, self.scheduler,
+                                               self.cfg, self.saver)
+            self._host_buffers_reserved = True
         if t.eval_interval and it % t.eval_interval == 0 and self.has_valid:
             losses = self.run_evaluation(f"validation loss at iteration {it}", self.valid_iter,
                                          t.eval_iters)

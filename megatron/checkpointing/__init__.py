@@ -95,7 +95,7 @@ from megatron.checkpointing.retention import (
     remove_leftover_folders,
     update_best_checkpoint,
 )
-from megatron.checkpointing.save import save_checkpoint
+from megatron.checkpointing.save import reserve_host_buffers, save_checkpoint
 from megatron.checkpointing.torch_dist import TORCH_DIST  # noqa: F401 - registers the format
 
 __all__ = [
@@ -132,6 +132,7 @@ __all__ = [
     "read_tracker",
     "register_format",
     "remove_leftover_folders",
+    "reserve_host_buffers",
     "save_checkpoint",
     "update_best_checkpoint",
 ]

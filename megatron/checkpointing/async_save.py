@@ -115,10 +115,32 @@ class HostBuffers:
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
         self._next = 0
+        self._reserving: Optional[threading.Thread] = None
+        self.fresh = 0  # buffers the current save had to allocate (none after ``reserve``)
 
     def restart(self) -> None:
-        """Before a save: copies go into the buffers from the start again."""
-        self._next = 0
+        """Before a save: copies go into the buffers from the start again (once a
+        reservation still under way has finished)."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+        self._next = self.fresh = 0
+
+    def reserve(self, specs: list[tuple[torch.Size, torch.dtype, bool]]) -> None:
+        """Allocate and touch, in a background thread, the buffers a save of tensors of
+        ``specs`` (shape, dtype, pinned; in copy order) will copy into, so that the first
+        save finds mapped memory as later ones do. Training goes on meanwhile."""
+        def allocate() -> None:
+            for shape, dtype, pinned in specs:
+                buffer = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
+                buffer.zero_()  # the pages are mapped here, not in the save
+                self._buffers.append(buffer)
+
+        self.restart()
+        self._buffers = []
+        self._reserving = threading.Thread(target=allocate, name="checkpoint-buffers",
+                                           daemon=True)
+        self._reserving.start()
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of ``tensor`` (detached, contiguous)."""
@@ -127,6 +149,7 @@ class HostBuffers:
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
                                  pin_memory=tensor.is_cuda)
+            self.fresh += 1
             if i < len(self._buffers):
                 self._buffers[i] = buffer
             else:

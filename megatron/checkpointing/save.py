@@ -112,8 +112,28 @@ def _torch_job(iteration: int, chunks: list, optimizer: Any, opt_param_scheduler
     """Take the state a torch-format save writes (host copies for a background save)."""
     ckpt = config.checkpoint
     copy_to_host = saver.buffers.copy if saver is not None else None
+    shards, model_state, problem = _torch_state(iteration, chunks, optimizer,
+                                                opt_param_scheduler, config, layout,
+                                                rng_states, consumed, extra, copy_to_host)
+    return TorchSaveJob(
+        iteration=iteration, save_dir=ckpt.save,
+        tmp_dir=_make_tmp_dir(ckpt.save, iteration, layout), layout=layout,
+        manifest_layout=parallel_layout_dict(layout, len(chunks)),
+        config=config_dict(config), checkpoint=ckpt, valid_loss=valid_loss,
+        model_state=model_state, shards=shards,
+        transfer=_transfer(layout, saver), problem=problem,
+        refuse_nonfinite=refuse_nonfinite)
+
+
+def _torch_state(iteration: int, chunks: list, optimizer: Any, opt_param_scheduler: Any,
+                 config: Any, layout: RankLayout, rng_states: Optional[list[dict]],
+                 consumed: tuple[int, int], extra: Optional[dict],
+                 copy_to_host: Optional[Callable[[torch.Tensor], torch.Tensor]]
+                 ) -> tuple[Any, Optional[dict], Optional[Exception]]:
+    """What a torch-format save takes: the distributed optimizer's shard snapshot, and on
+    data-parallel rank 0 the model file's dict (or the error making it)."""
     shards = None
-    if isinstance(optimizer, DistributedOptimizer) and not ckpt.no_save_optim:
+    if isinstance(optimizer, DistributedOptimizer) and not config.checkpoint.no_save_optim:
         shards = optimizer.shard_snapshot(copy_to_host)  # collective over data parallel
     model_state, problem = None, None
     if layout.dp_rank == 0:  # the replicas' model files would be the same
@@ -126,14 +146,34 @@ def _torch_job(iteration: int, chunks: list, optimizer: Any, opt_param_scheduler
                 model_state = host_copy(model_state, copy_to_host)
         except Exception as error:  # noqa: BLE001 - raised by write(), so the ranks vote
             problem = error
-    return TorchSaveJob(
-        iteration=iteration, save_dir=ckpt.save,
-        tmp_dir=_make_tmp_dir(ckpt.save, iteration, layout), layout=layout,
-        manifest_layout=parallel_layout_dict(layout, len(chunks)),
-        config=config_dict(config), checkpoint=ckpt, valid_loss=valid_loss,
-        model_state=model_state, shards=shards,
-        transfer=_transfer(layout, saver), problem=problem,
-        refuse_nonfinite=refuse_nonfinite)
+    return shards, model_state, problem
+
+
+def reserve_host_buffers(iteration: int, model_chunks: ModelChunks, optimizer: Any,
+                         opt_param_scheduler: Any, config: Any, saver: AsyncSaver) -> None:
+    """--async-save: allocate the host memory of this run's saves now, in the background
+    (``HostBuffers.reserve``), so that the first save stops the loop no longer than later
+    ones. Every rank calls it at the same point (it takes the state as a save does, a
+    collective), after the optimizer's state exists; nothing is copied or written."""
+    specs: list[tuple[torch.Size, torch.dtype, bool]] = []
+
+    def record(tensor: torch.Tensor) -> torch.Tensor:
+        specs.append((tensor.shape, tensor.dtype, tensor.is_cuda))
+        return tensor
+
+    chunks = as_chunks(model_chunks)
+    layout = current_layout()
+    saver.buffers.restart()  # the previous reservation's thread, if any, has finished
+    rng_states = None if config.checkpoint.no_save_rng else gather_rng_states(layout)
+    if config.checkpoint.ckpt_format == "torch_dist":
+        from megatron.checkpointing.torch_dist import prepare_save
+
+        prepare_save(iteration, chunks, optimizer, opt_param_scheduler, config, layout,
+                     rng_states, (0, 0), None, copy_to_host=record)
+    else:
+        _torch_state(iteration, chunks, optimizer, opt_param_scheduler, config, layout,
+                     rng_states, (0, 0), None, record)
+    saver.buffers.reserve(specs)
 
 
 def host_copy(obj: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -222,15 +222,19 @@ def _streamed_and_background(rank: int, root: str) -> dict:
     ckpt.save_checkpoint(STEPS_BEFORE, [model], optimizer, scheduler, sync_config,
                          consumed_train_samples=STEPS_BEFORE * GLOBAL_BATCH)
     saver = AsyncSaver()
+    # As the training loop does after its first step: the host memory is allocated in the
+    # background, and the save copies into it without allocating any.
+    ckpt.reserve_host_buffers(STEPS_BEFORE, [model], optimizer, scheduler, async_config, saver)
     ckpt.save_checkpoint(STEPS_BEFORE, [model], optimizer, scheduler, async_config,
                          consumed_train_samples=STEPS_BEFORE * GLOBAL_BATCH, saver=saver)
+    fresh_buffers = saver.buffers.fresh
     unpublished = (saver.pending, ckpt.read_tracker(os.path.join(root, "async")))
     losses = [ddp_step(model, optimizer, scheduler, STEPS_BEFORE + i) for i in range(2)]
     folder = saver.wait()
     failures = _model_file_failing_on_rank0(rank, root, model, optimizer, scheduler, saver)
     parallel_state.destroy_model_parallel()
     return {"unpublished": unpublished, "folder": folder, "after": losses,
-            "pending_after": saver.pending, "failures": failures}
+            "pending_after": saver.pending, "failures": failures, "fresh": fresh_buffers}
 
 
 def _model_file_failing_on_rank0(rank, root, model, optimizer, scheduler, saver) -> list[str]:
@@ -433,6 +437,7 @@ def test_optimizer_state_streams_to_rank0_and_background_saves_equal_synchronous
     assert ckpt.read_tracker(os.path.join(root, "async")).iteration == 2
     for result in (r["stream"] for r in runs["ranks"]):
         assert result["unpublished"] == (2, None)  # written behind the returned call
+        assert result["fresh"] == 0  # every copy went into the reserved buffers
         assert result["folder"] == background and result["pending_after"] is None
         # the steps taken while it was written are the uninterrupted run's
         assert result["after"] == runs["ranks"][0]["dp"]["reference"][:2]
