@@ -139,9 +139,9 @@ def kill_all(agents: list[subprocess.Popen]) -> None:
 def _descendants(pid: int) -> list[int]:
     found, todo = [], [pid]
     while todo:
-        children = _children(todo.pop())
-        found += children
-        todo += children
+        below = children(todo.pop())
+        found += below
+        todo += below
     return found
 
 
@@ -174,8 +174,10 @@ def logged_losses(log: str) -> dict[int, set]:
 # Finding and killing a worker -------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    children = []
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid``, from /proc (tests/distributed/test_preemption.py uses it
+    too)."""
+    found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -184,8 +186,8 @@ def _children(pid: int) -> list[int]:
             except OSError:
                 continue
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(entry))
-    return children
+                found.append(int(entry))
+    return found
 
 
 def _rank_of(pid: int) -> Optional[int]:
@@ -200,7 +202,7 @@ def _rank_of(pid: int) -> Optional[int]:
 
 def worker_pid(agents: list[subprocess.Popen], rank: int) -> Optional[int]:
     for agent in agents:
-        for pid in _children(agent.pid):
+        for pid in children(agent.pid):
             if _rank_of(pid) == rank:
                 return pid
     return None

@@ -26,7 +26,7 @@ from megatron.conversion import load_full_checkpoint
 from megatron.core import parallel_state
 from megatron.model.gpt_model import GPTModel
 from tests.dist_utils import free_port, run_distributed
-from tests.distributed.training_utils import parse_log_lines
+from tests.distributed.training_utils import flags_to_argv, parse_log_lines
 from tools.checkpoint import convert
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,13 +49,7 @@ def argv(**overrides) -> list[str]:
         "--make-vocab-size-divisible-by": 64, "--seed": 1234, "--use-cpu": True,
     }
     flags.update(overrides)
-    out = []
-    for name, value in flags.items():
-        if value is True:
-            out.append(name)
-        elif value is not None and value is not False:
-            out += [name, str(value)]
-    return out
+    return flags_to_argv(flags)
 
 
 def zero(stage: int, **more) -> list[str]:

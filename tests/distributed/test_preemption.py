@@ -37,7 +37,7 @@ import torch
 
 from megatron.checkpointing import list_iterations, read_tracker
 from tests.dist_utils import free_port
-from tests.distributed.training_utils import base_argv, build_small_corpus
+from tests.distributed.training_utils import base_argv, build_small_corpus, load_benchmark
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORDED = os.path.join(REPO, "tests", "distributed", "pretrain_recorded.py")
@@ -122,20 +122,7 @@ def _wait(procs, timeout: float = 300.0) -> list[int]:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid``, from /proc."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            children.append(int(entry))
-    return children
+_children = load_benchmark("torchrun_restarts").children
 
 
 def _cmdline(pid: int) -> str:

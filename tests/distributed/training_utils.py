@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import io
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,16 @@ def load_tool(name: str):
     """A module of tools/ by file name (tools/ is scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_benchmark(name: str):
+    """A module of benchmarks/ by file name, registered in ``sys.modules`` under it (the
+    dataclasses of a module look themselves up there)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -80,13 +91,19 @@ def base_argv(corpus: dict, cache_dir: str, **overrides) -> list[str]:
         "--data-path": corpus["prefix"], "--data-cache-path": cache_dir, "--use-cpu": True,
     }
     flags.update(overrides)
+    return flags_to_argv(flags) + corpus["tokenizer_flags"]
+
+
+def flags_to_argv(flags: dict) -> list[str]:
+    """Command-line flags from ``{flag: value}``: True gives the bare flag, None and False
+    leave it out, anything else gives ``flag str(value)``."""
     argv = []
     for name, value in flags.items():
         if value is True:
             argv.append(name)
         elif value is not None and value is not False:
             argv += [name, str(value)]
-    return argv + corpus["tokenizer_flags"]
+    return argv
 
 
 @contextlib.contextmanager

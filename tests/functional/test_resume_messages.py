@@ -23,7 +23,7 @@ import pretrain_gpt
 from megatron.checkpointing import CheckpointError, CheckpointLayoutError
 from megatron.core import parallel_state
 from tests.dist_utils import run_distributed
-from tests.distributed.training_utils import parse_log_lines
+from tests.distributed.training_utils import flags_to_argv, parse_log_lines
 from tools.checkpoint import convert
 
 pytestmark = pytest.mark.slow
@@ -42,13 +42,7 @@ def _argv(**overrides) -> list[str]:
         "--make-vocab-size-divisible-by": 64, "--use-cpu": True,
     }
     flags.update(overrides)
-    out = []
-    for name, value in flags.items():
-        if value is True:
-            out.append(name)
-        elif value is not None:
-            out += [name, str(value)]
-    return out
+    return flags_to_argv(flags)
 
 
 def _run(argv: list[str]) -> dict:

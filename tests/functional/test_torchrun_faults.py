@@ -16,30 +16,19 @@ a stopped worker is named by the others instead of hanging them.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
-import sys
 import time
 
 import pytest
 
-from tests.distributed.training_utils import REPO
+from tests.distributed.training_utils import load_benchmark
 
 pytestmark = pytest.mark.slow
 
 
-def _harness():
-    path = REPO / "benchmarks" / "torchrun_restarts.py"
-    spec = importlib.util.spec_from_file_location("torchrun_restarts", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["torchrun_restarts"] = module  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
-
-
-restarts = _harness()
+restarts = load_benchmark("torchrun_restarts")
 
 
 @pytest.fixture(scope="module")

@@ -2,29 +2,16 @@
 fp32 on CPU at a tiny shape, ours' command and log parsing are checked on text, and the driver
 runs end to end with its subprocesses replaced by canned output."""
 
-import importlib.util
 import json
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+from tests.distributed.training_utils import load_benchmark
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks",
-                                                                     f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
-
-
-throughput = _load("train_throughput")
-peers = _load("gpu_peers")
+throughput = load_benchmark("train_throughput")
+peers = load_benchmark("gpu_peers")
 
 
 def _tiny_run(device: str = "cpu", autocast=None):

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.distributed.training_utils import flags_to_argv
+
 pytestmark = [pytest.mark.xla, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,16 +40,6 @@ TINY = {
     "--num-workers": 0, "--seed": 1234, "--mock-data": True, "--vocab-size": 128,
     "--save-interval": 5,
 }
-
-
-def _argv(flags: dict) -> list[str]:
-    argv = []
-    for name, value in flags.items():
-        if value is True:
-            argv.append(name)
-        elif value is not None and value is not False:
-            argv += [name, str(value)]
-    return argv
 
 
 def _env(on_xla: bool, devices: int = 1) -> dict:
@@ -77,7 +69,7 @@ def _train(tmp: Path, name: str, on_xla: bool, load: Path | None = None, devices
     history.mkdir()
     run_flags = {**TINY, "--save": tmp / f"{name}-ckpt", "--load": load,
                  "--use-syncfree-optim": on_xla}
-    result = _run(RECORDED, _argv(run_flags), on_xla, devices=devices,
+    result = _run(RECORDED, flags_to_argv(run_flags), on_xla, devices=devices,
                   MEGATRON_TEST_HISTORY=str(history), **extra_env)
     return {"history": json.loads((history / "rank0.json").read_text()),
             "log": result.stdout, "save": tmp / f"{name}-ckpt"}
@@ -234,7 +226,7 @@ def test_seed_workflow_npy_syncfree_bf16_on_two_devices_then_sampling_on_the_cpu
              "--train-iters": 20, "--eval-interval": 20, "--save-interval": 20,
              "--save": save, "--bf16": True, "--use-syncfree-optim": True,
              "--mp-start-method": "spawn", "--lr": 1e-2, "--make-vocab-size-divisible-by": 64}
-    train = _run(REPO / "run_pretrain_xla.py", _argv(flags) + tokenizer, on_xla=True,
+    train = _run(REPO / "run_pretrain_xla.py", flags_to_argv(flags) + tokenizer, on_xla=True,
                  devices=2)
     losses = [float(v) for v in re.findall(r"\| lm loss: (\S+) \|", train.stdout)]
     assert len(losses) == 20 and all(np.isfinite(losses))
@@ -269,7 +261,7 @@ def test_refusals_name_the_flag():
     )
     for extra, world_size, devices, named in cases:
         flags = {**TINY, "--save": None, "--save-interval": None, "--global-batch-size": None}
-        result = _run(REPO / "pretrain_gpt.py", _argv(flags) + extra, on_xla=True,
+        result = _run(REPO / "pretrain_gpt.py", flags_to_argv(flags) + extra, on_xla=True,
                       check=False, devices=devices, WORLD_SIZE=world_size)
         assert result.returncode == 2, result.stderr[-2000:]
         last = result.stderr.strip().splitlines()[-1]
