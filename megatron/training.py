@@ -83,7 +83,7 @@ from megatron.training_log import (
     memory_gb,
     training_series,
 )
-from megatron.utils import configure_output, global_rank, print_rank_0
+from megatron.utils import configure_output, global_rank, print_rank_0, refuse
 
 
 @dataclasses.dataclass
@@ -730,7 +730,7 @@ def check_run_inputs(cfg: RunConfig):
         check_training_data(cfg.data, tokenizer.vocab_size if tokenizer is not None else None,
                             samples[0], cfg.model.seq_length, (samples[1], samples[2]))
     except (TokenizerConfigError, DataConfigError, IndexedDatasetError) as error:
-        _refuse(str(error))
+        refuse(str(error))
     return tokenizer
 
 
@@ -897,9 +897,7 @@ def start_run(cfg: RunConfig, tokenizer, ds_config: Optional[dict], callbacks: R
         elif cfg.checkpoint.load:
             load_into(state, chunks, optimizer, scheduler, _eval_only_load(cfg))
     except ScheduleMismatchError as error:  # one the start-up check could not read ahead
-        if global_rank() == 0:  # every rank has the same state and flags
-            print(f"error: --load {cfg.checkpoint.load}: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        refuse(f"--load {cfg.checkpoint.load}: {error}")  # every rank has the same state
     forward_step = functools.partial(callbacks.forward_step, ctx)
     iterators = build_data_iterators(callbacks.datasets_provider, ctx, state)
     trainer = Trainer(ctx, forward_step, chunks, optimizer, scheduler, iterators, state,
@@ -1019,7 +1017,7 @@ def _with_xla_spmd_or_exit(cfg: RunConfig, argv: Optional[list[str]],
                           xla_spmd_devices=devices, announce=False,
                           checkpoint_settings=checkpoint_model_settings)
     except ConfigError as error:
-        _refuse(f"XLA SPMD over {devices} devices (--xla-spmd; each device is a data-parallel "
+        refuse(f"XLA SPMD over {devices} devices (--xla-spmd; each device is a data-parallel "
                 f"rank): {error}")
 
 
@@ -1036,7 +1034,7 @@ def _check_device_support_or_exit(cfg: RunConfig, replica: bool = False) -> None
     else:
         problem = training_xla.unsupported_off_xla(cfg)
     if problem is not None:
-        _refuse(problem)
+        refuse(problem)
 
 
 def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
@@ -1050,7 +1048,7 @@ def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
         if cfg.checkpoint.save:
             checkpointing.check_save_dir(cfg.checkpoint.save)
     except checkpointing.CheckpointError as error:
-        _refuse(str(error))
+        refuse(str(error))
 
 
 def _lock_save_folder_or_exit(cfg: RunConfig):
@@ -1071,9 +1069,7 @@ def _lock_save_folder_or_exit(cfg: RunConfig):
             lock, problem = None, str(error)
     problem = broadcast_from_rank0(problem)
     if problem is not None:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"error: {problem}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        refuse(problem)
     return lock
 
 
@@ -1089,11 +1085,3 @@ def _finish() -> None:
     sys.stdout.flush()
     if dist.is_initialized():
         dist.barrier(group=parallel_state.get_control_group())
-
-
-def _refuse(message: str) -> None:
-    """End the run before its work starts: ``error: message`` on global rank 0 (every rank
-    checks the same flags and files and comes here alike), exit status 2."""
-    if global_rank() == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2) from None

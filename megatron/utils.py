@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,15 @@ def global_rank() -> int:
         return dist.get_rank()
     env = os.environ
     return int(env.get("RANK", env.get("SLURM_PROCID", "0")) or 0)
+
+
+def refuse(message: str, status: int = 2) -> NoReturn:
+    """End the process before its work starts: ``error: message`` printed by global rank 0
+    only (every rank checks the same flags and files and comes here alike), then
+    ``SystemExit(status)``."""
+    if global_rank() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status) from None
 
 
 class RankOutput(logging.Handler):

@@ -38,7 +38,7 @@ from megatron.config.base import (
 from megatron.config.data import DataConfig, canonical_tokenizer_type
 from megatron.config.run import SLICE_CLASSES, RunConfig
 from megatron.config.toml_io import dump_config, toml_settings
-from megatron.utils import global_rank
+from megatron.utils import global_rank, refuse
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], Optional[argparse.ArgumentParser]]
 # --load -> the model-shape values stored with its latest checkpoint (--use-checkpoint-args).
@@ -201,9 +201,7 @@ def parse_args_or_exit(*args: Any, **kwargs: Any) -> RunConfig:
     try:
         return parse_args(*args, **kwargs)
     except ConfigError as error:
-        if global_rank() == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        refuse(str(error))
 
 
 def _apply_defaults(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -> None:

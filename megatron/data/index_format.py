@@ -11,6 +11,8 @@ from typing import Any, Union
 
 import numpy as np
 
+LEGACY_MAGIC = b"TNTIDX\x00\x00"  # the legacy 'lazy'/'cached' .idx starts with it
+
 # Code -> dtype as written by Megatron-LM (megatron/core/datasets) and Megatron-DeepSpeed.
 # Both agree on 1-6 and 8.  Code 7 is float32 in Megatron-LM but float64 in older
 # Megatron-DeepSpeed; the reader settles it from the pointer spacing (indexed_dataset._resolve_code_7).

@@ -44,6 +44,7 @@ from megatron.data.index_checks import (  # the reader's API too
 )
 from megatron.data.index_format import (  # the reader's and builder's API too
     DTYPE_CODES,
+    LEGACY_MAGIC,
     DTypeLike,
     IndexedDatasetError,
     as_numpy,
@@ -57,7 +58,6 @@ logger = logging.getLogger(__name__)
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 HEADER_SIZE = 9 + 8 + 1 + 8 + 8  # 34 bytes: magic, version, dtype code, n, d
-_LEGACY_MAGIC = b"TNTIDX\x00\x00"  # Megatron's old 'lazy'/'cached' format
 
 def best_fitting_dtype(vocab_size: Optional[int] = None) -> np.dtype:
     """uint16 when every token id fits (vocab < 65500, Megatron's threshold), else int32."""
@@ -75,10 +75,10 @@ def _read_header(idx_path: str) -> tuple[int, int, int]:
     """Validate the fixed header of ``idx_path``; returns (dtype code, n sequences, d docs)."""
     with open(idx_path, "rb") as f:
         head = f.read(HEADER_SIZE)
-    if head[:8] == _LEGACY_MAGIC[:8] and head[:9] != INDEX_MAGIC:
+    if head[:8] == LEGACY_MAGIC[:8] and head[:9] != INDEX_MAGIC:
         raise IndexedDatasetError(
             f"{idx_path}: this is Megatron's legacy 'lazy'/'cached' index format (magic "
-            f"{_LEGACY_MAGIC!r}); open it with --data-impl lazy, cached or infer, or convert it "
+            f"{LEGACY_MAGIC!r}); open it with --data-impl lazy, cached or infer, or convert it "
             "with tools/convert_legacy_dataset.py")
     if len(head) < 9 or head[:9] != INDEX_MAGIC:
         raise IndexedDatasetError(

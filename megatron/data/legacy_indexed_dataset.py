@@ -36,6 +36,7 @@ import numpy as np
 
 from megatron.data.index_format import (
     DTYPE_CODES,
+    LEGACY_MAGIC,
     IndexedDatasetError,
     as_numpy,
     data_file_path,
@@ -43,7 +44,6 @@ from megatron.data.index_format import (
     index_file_path,
 )
 
-LEGACY_MAGIC = b"TNTIDX\x00\x00"
 LEGACY_IMPLS = ("lazy", "cached")
 _HEAD = 8 + 8 + 16 + 16  # magic, version, (code, element size), (len, sizes count)
 
