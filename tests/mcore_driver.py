@@ -1,5 +1,5 @@
 """Real megatron-core (from PyPI) on CPU: writes Megatron-LM torch_dist checkpoints of a small
-GPT and reads ours, for tests/functional/test_torch_dist_megatron_core.py.
+GPT and reads ours, for tests/distributed/test_torch_dist.py.
 
 megatron-core is not installed into the environment: its package is also named ``megatron``
 and would shadow this repository's in every process whose path lacks the checkout. The test
@@ -21,7 +21,12 @@ megatron-core's package, not this repository's. On two gloo ranks it
    ``GPTModel`` at tensor-parallel size 2 with ``dist_checkpointing.load``;
 
 and writes ``OUT/reference.pt``: the input tokens, every model's logits ``[b, s, V]`` on them
-and the Adam state of step 1.
+and the Adam state of step 1. Then, on four ranks (data-parallel size 2), it
+
+4. wraps the model in megatron-core's DDP and distributed optimizer at tensor x pipeline
+   2 x 1 and 1 x 2, takes one step on set gradients and saves as Megatron-LM does by default
+   (the optimizer state in its ``dp_reshardable`` buckets) to ``OUT/mcore_distopt_*``, with
+   the state by checkpoint name in ``OUT/distopt_reference.pt``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import socket
 import sys
 import types
 import warnings
+import zlib
 from itertools import chain
 
 import numpy as np
@@ -74,11 +80,17 @@ TRUE_VOCAB = 127  # NullTokenizer's --vocab-size 126 plus its end-of-document to
 TOKENS = torch.randint(0, TRUE_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
 
 
+def _on_cpu(kwargs: dict) -> dict:
+    if str(kwargs.get("device", "")).startswith("cuda"):
+        kwargs["device"] = "cpu"
+    return kwargs
+
+
 class _CudaOnCpu:
     """megatron-core calls torch.cuda.synchronize() and torch.cuda.current_device()
-    unconditionally (its torch_dist save; the local attention's scratch buffer); on a CPU-only
-    torch these two stand in, for megatron-core's modules only (the rest of torch.cuda stays
-    torch's)."""
+    unconditionally (its torch_dist save; the local attention's scratch buffer; its gradient
+    buffers), and torch.cuda.empty_cache() in its optimizer; on a CPU-only torch these stand
+    in, for megatron-core's modules only (the rest of torch.cuda stays torch's)."""
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -91,21 +103,60 @@ class _CudaOnCpu:
     def current_device():
         return "cpu"
 
+    @staticmethod
+    def empty_cache():
+        return None
+
 
 class _TorchForMcoreOnCpu(types.ModuleType):
+    """``torch`` as megatron-core's modules see it: the stand-ins above, and the tensors its
+    optimizer creates with ``device="cuda"`` made on the CPU."""
+
     cuda = _CudaOnCpu()
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
+    @staticmethod
+    def tensor(*args, **kwargs):
+        return torch.tensor(*args, **_on_cpu(kwargs))
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        return torch.zeros(*args, **_on_cpu(kwargs))
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        return torch.empty(*args, **_on_cpu(kwargs))
+
 
 def _stand_in_for_cuda() -> None:
-    from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
+    import importlib
 
-    from megatron.core import utils
+    for name in ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+                 "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+                 "megatron.core.utils", "megatron.core.distributed.param_and_grad_buffer",
+                 "megatron.core.distributed.distributed_data_parallel",
+                 "megatron.core.optimizer", "megatron.core.optimizer.optimizer",
+                 "megatron.core.optimizer.distrib_optimizer",
+                 "megatron.core.optimizer.clip_grads"):
+        importlib.import_module(name).torch = _TorchForMcoreOnCpu("torch")
 
-    for module in (filesystem_async, state_dict_saver, utils):
-        module.torch = _TorchForMcoreOnCpu("torch")
+
+def _tensors_as_if_on_cuda() -> None:
+    """megatron-core's distributed optimizer accepts only parameters whose ``type()`` is a
+    ``torch.cuda.*Tensor`` and moves tied embeddings with ``.cuda()``. This process runs
+    megatron-core's code alone (none of ours), so its CPU tensors answer as CUDA ones and
+    ``.cuda()`` leaves them where they are."""
+    plain_type = torch.Tensor.type
+
+    def cuda_type(self, *args, **kwargs):
+        if args or kwargs:
+            return plain_type(self, *args, **kwargs)
+        return plain_type(self).replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 def megatron_args(tp: int, tied: bool, fused_gelu: bool, iteration: int) -> argparse.Namespace:
@@ -126,7 +177,8 @@ def megatron_args(tp: int, tied: bool, fused_gelu: bool, iteration: int) -> argp
         data_parallel_random_init=False)
 
 
-def build_model(args: argparse.Namespace) -> GPTModel:
+def build_model(args: argparse.Namespace, pre_process: bool = True,
+                post_process: bool = True) -> GPTModel:
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
@@ -136,9 +188,11 @@ def build_model(args: argparse.Namespace) -> GPTModel:
         activation_func=F.gelu, tensor_model_parallel_size=args.tensor_model_parallel_size,
         use_cpu_initialization=True, masked_softmax_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
-        apply_query_key_layer_scaling=False, pipeline_dtype=torch.float32)
+        apply_query_key_layer_scaling=False, pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size)
     return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type)
 
@@ -219,26 +273,35 @@ def rng_state() -> dict:
 
 
 def save_like_megatron_lm(root: str, model: GPTModel, args: argparse.Namespace,
-                          optimizer=None) -> None:
+                          optimizer=None, distributed_optimizer=None) -> None:
     """Megatron-LM's save_checkpoint for --ckpt-format torch_dist: generate_state_dict's
-    entries, dist_checkpointing.save into iter_XXXXXXX, then the tracker file."""
+    entries, dist_checkpointing.save into iter_XXXXXXX, then the tracker file. A
+    ``distributed_optimizer`` (megatron-core's) is saved in Megatron-LM's default
+    dp_reshardable form."""
     iteration = args.iteration
     folder = os.path.join(root, f"iter_{iteration:07d}")
     model_sd = model.sharded_state_dict()
+    content_metadata = {"distrib_optim_sharding_type": "dp_reshardable",
+                        "chained_optim_avoid_prefix": True}
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_sd,
              "num_floating_point_operations_so_far": 1234.0,
              "opt_param_scheduler": scheduler_state(iteration),
              "rng_state": ShardedObject(
                  "rng_state", [rng_state()],
-                 (1, ps.get_tensor_model_parallel_world_size()),
-                 (0, ps.get_tensor_model_parallel_rank()),
+                 (ps.get_pipeline_model_parallel_world_size(),
+                  ps.get_tensor_model_parallel_world_size()),
+                 (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
                  replica_id=ps.get_data_parallel_rank())}
     if optimizer is not None:
         state["optimizer"] = optimizer_sharded_state(optimizer, model_sd)
+    if distributed_optimizer is not None:
+        state["optimizer"] = distributed_optimizer.sharded_state_dict(
+            model_sd, metadata=content_metadata)
     if dist.get_rank() == 0:
         os.makedirs(folder, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(state, folder)
+    dist_checkpointing.save(state, folder, content_metadata=content_metadata
+                            if distributed_optimizer is not None else None)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -249,7 +312,7 @@ def load_ours(iter_dir: str) -> torch.Tensor:
     """Our torch_dist checkpoint read by megatron-core into its GPTModel at tp 2."""
     common = torch.load(os.path.join(iter_dir, "common.pt"), weights_only=False)
     args = common["args"]
-    args.tensor_model_parallel_size = 2
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = 2, 1
     model = build_model(args)
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, iter_dir)
     model.load_state_dict(state["model"])
@@ -284,12 +347,107 @@ def _run(rank: int, world: int, port: int, out: str, ours: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    out, ours = sys.argv[1], sys.argv[2:]
+# megatron-core's distributed optimizer, saved in Megatron-LM's default dp_reshardable form:
+# (tensor, pipeline) sizes on 4 ranks (data-parallel size 2), tied embeddings. Small buckets,
+# so that a rank holds several and parameters straddle the data-parallel shards.
+DISTOPT_LAYOUTS = {"mcore_distopt_tp2": (2, 1), "mcore_distopt_pp2": (1, 2)}
+DISTOPT_ITERATION = 7
+BUCKET_SIZE = 3000
+
+
+def _sharded_tensors(model: GPTModel) -> dict:
+    """Each parameter's ShardedTensor (its checkpoint name and global place)."""
+    return {sh.data: sh for sh in nested_values(model.sharded_state_dict())
+            if isinstance(sh, ShardedTensor)}
+
+
+def _fill_gradients(model: GPTModel) -> None:
+    """Gradients that depend only on a parameter's checkpoint name and place, so replicas
+    (over data and tensor parallelism, and the last stage's tied embeddings) agree, as
+    their reduced gradients do in training."""
+    for param, sh in _sharded_tensors(model).items():
+        seed = zlib.crc32(f"{sh.key}{tuple(sh.global_offset)}".encode())
+        g = torch.Generator().manual_seed(seed)
+        param.main_grad.copy_(torch.randn(param.shape, generator=g) * 0.01)
+
+
+def distopt_state_by_checkpoint_name(optimizer, model: GPTModel) -> dict:
+    """``{kind: {key: global tensor}}``: the distributed optimizer's fp32 main weights and
+    Adam moments under the checkpoint's tensor names, assembled on rank 0 from every rank's
+    shards (what a model-space reader must produce)."""
+    pieces = []
+    for param, sh in _sharded_tensors(model).items():
+        # The optimizer knows only the parameters of which this rank steps a part.
+        owners = [o for o in optimizer.chained_optimizers if param in o.model_param_gbuf_map]
+        if not owners:
+            continue
+        inner = owners[0]
+        gbuf, dtype, bucket = inner.model_param_gbuf_map[param]
+        rng = inner.gbuf_ranges[gbuf][dtype][bucket]["param_map"][param]["param"]
+        state = inner._get_main_param_and_optimizer_states(param)
+        pieces.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset),
+                       (1,) * sh.prepend_axis_num + tuple(sh.local_shape), rng.start, rng.end,
+                       {k: state[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq")}))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, pieces)
+    out = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for key, global_shape, offset, sizes, lo, hi, state in chain.from_iterable(gathered):
+        box = tuple(slice(o, o + n) for o, n in zip(offset, sizes))
+        for kind, value in state.items():
+            full = out[kind].setdefault(key, torch.zeros(global_shape))
+            local = full[box].reshape(-1).clone()
+            local[lo:hi] = value
+            full[box] = local.view(sizes)
+    return out
+
+
+def _distributed_optimizer_run(rank: int, world: int, port: int, out: str) -> None:
+    """Per DISTOPT_LAYOUTS: megatron-core's DDP and distributed optimizer (its Adam falls
+    back to torch's AdamW without Transformer Engine or Apex), one step on set gradients,
+    Megatron-LM's save; the state by checkpoint name into ``OUT/distopt_reference.pt``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    _stand_in_for_cuda()
+    _tensors_as_if_on_cuda()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
+    reference = {}
+    for name, (tp, pp) in DISTOPT_LAYOUTS.items():
+        ps.initialize_model_parallel(tp, pp)
+        torch.manual_seed(300 + tp)
+        args = megatron_args(tp, tied=True, fused_gelu=True, iteration=DISTOPT_ITERATION)
+        args.pipeline_model_parallel_size, args.use_distributed_optimizer = pp, True
+        model = build_model(args, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET_SIZE),
+            model)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [ddp])
+        _fill_gradients(model)
+        optimizer.step()
+        save_like_megatron_lm(os.path.join(out, name), model, args,
+                              distributed_optimizer=optimizer)
+        reference[name] = distopt_state_by_checkpoint_name(optimizer, model)
+        ps.destroy_model_parallel()
+    if rank == 0:
+        torch.save(reference, os.path.join(out, "distopt_reference.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_run, args=(2, port, out, ours), nprocs=2)
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    out, ours = sys.argv[1], sys.argv[2:]
+    torch.multiprocessing.spawn(_run, args=(2, _free_port(), out, ours), nprocs=2)
+    torch.multiprocessing.spawn(_distributed_optimizer_run, args=(4, _free_port(), out), nprocs=4)
 
 
 if __name__ == "__main__":

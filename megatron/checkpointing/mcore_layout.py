@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -114,6 +114,18 @@ def chunk_places(chunk: nn.Module, num_layers: int, tp_rank: int,
         m = _OUR_LAYER_RE.fullmatch(name)
         layer = layers[int(m.group(1))].layer_number - 1 if m else None
         yield name, param, place(name, tuple(param.shape), layer, num_layers, tp_rank, tp_size)
+
+
+def whole_model_shapes(config: Any) -> dict[str, torch.Size]:
+    """Every parameter of the whole model (tp 1, one stage, our full names) and its shape,
+    from a ``ModelConfig``, without memory."""
+    from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
+    from megatron.model.gpt_model import GPTModel
+
+    whole = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False)
+    with assume_tensor_parallel_rank(1, 0):  # whatever this process's groups are
+        model = GPTModel(whole, device="meta")
+    return {name: p.shape for name, p in model.named_parameters()}
 
 
 def local_layers(chunk: nn.Module) -> list[int]:

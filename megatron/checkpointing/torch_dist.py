@@ -45,7 +45,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
-from megatron.checkpointing import dcp
+from megatron.checkpointing import dcp, mcore_buckets
 from megatron.checkpointing import torch_dist_optim as optim
 from megatron.checkpointing.contents import (
     CONVERTED_KEY,
@@ -183,7 +183,7 @@ def stored_config(common: dict, where: str) -> dict:
         raise CheckpointError(f"{where}: {error}") from None
 
 
-def _load_object(data: bytes, what: str) -> Any:
+def load_object(data: bytes, what: str) -> Any:
     try:
         with torch.serialization.safe_globals(_legacy_safe_globals()):
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -475,7 +475,7 @@ def _rng_entry(objects: dict, key: Optional[str], layout: RankLayout) -> Optiona
     if key is None or key not in objects:
         return None
     # megatron-core stores a list of the objects of that name on the writing rank: one here.
-    stored = _load_object(objects[key], f"the random-generator state {key}")
+    stored = load_object(objects[key], f"the random-generator state {key}")
     entries = stored[0] if isinstance(stored, list) and len(stored) == 1 else None
     if not isinstance(entries, list) or not entries:
         return None
@@ -499,9 +499,11 @@ def prepare_read(iter_dir: str, common: dict, chunks: list[nn.Module], optimizer
     read = None
     if load_optim and optimizer is not None:
         read, optimizer_pieces = optim.optimizer_requests(optimizer, chunks, places, metadata,
-                                                          common, iter_dir)
+                                                          common, iter_dir, config.model)
         pieces += optimizer_pieces
     objects = []
+    if read is not None and mcore_buckets.step_object_key(metadata):
+        objects.append(mcore_buckets.step_object_key(metadata))
     if load_rng and saved_layout(common) == (layout.tp_size, layout.pp_size):
         key = rng_key(layout.pp_rank, layout.tp_rank, layout.pp_size, layout.tp_size)
         if key in metadata.state_dict_metadata:
@@ -531,12 +533,17 @@ def read_into(iter_dir: str, common: dict, model_chunks: ModelChunks, optimizer:
     if optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
     if read is not None:
+        step_key = next((k for k in object_keys if k.startswith("optimizer.")), None)
+        if step_key in objects:
+            common = optim.with_bucket_step(common, load_object(
+                objects[step_key], f"the optimizer's step object {step_key}"))
         optim.apply_optimizer(optimizer, read, common)
         saved = common.get("opt_param_scheduler", common.get("lr_scheduler"))
         if scheduler is not None and saved is not None and not config.checkpoint.no_load_lr_state:
             scheduler.load_state_dict(saved)
             scheduler_loaded = True
-    rng = _rng_entry(objects, object_keys[0] if object_keys else None, layout)
+    rng_key_ = next((k for k in object_keys if k.startswith("rng_state")), None)
+    rng = _rng_entry(objects, rng_key_, layout)
     if rng is not None:
         restore_rng_state(rng)
     return TorchDistState(common, read is not None, scheduler_loaded, rng is not None)

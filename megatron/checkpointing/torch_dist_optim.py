@@ -6,7 +6,10 @@ As megatron-core names it, the state of the parameter stored as ``<key>`` is
 distributed optimizer; Megatron-LM's ``fully_reshardable``) or ``fp32_param`` (the
 mixed-precision optimizer without it). The step count, the param groups' hyper-parameters
 and the loss scale are in ``common.pt["optimizer"]`` (Megatron-LM keeps its step in its
-optimizer's ``common_step`` or param groups).
+optimizer's ``common_step`` or param groups). Megatron-LM's default distributed-optimizer
+format stores the state as its flat buckets instead (``dp_reshardable``), which
+``mcore_buckets`` lays out again and reads into the same slots; its step is in a byte object
+of the checkpoint (``with_bucket_step``).
 
 The torch optimizer's main parameters are *slots*: a whole model parameter (``FP32Optimizer``,
 ``MixedPrecisionOptimizer``), or the flat range ``[lo, hi)`` of one that this data-parallel rank
@@ -21,7 +24,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
-from megatron.checkpointing import dcp
+from megatron.checkpointing import dcp, mcore_buckets
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.mcore_layout import OPTIMIZER_PREFIX, Place, optimizer_key
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
@@ -130,22 +133,17 @@ def optimizer_kinds(metadata: Any, key: str) -> list[str]:
 
 def no_optimizer_state(common: dict, where: str) -> CheckpointError:
     """The error of a load that wants optimizer state the checkpoint does not hold."""
-    meta = common.get("content_metadata") or {}
-    if meta.get("distrib_optim_sharding_type") == "dp_reshardable":
-        why = ("it holds Megatron-LM's distributed-optimizer state in its dp_reshardable "
-               "layout (flat buffers of megatron-core's own bucketing), which is not read; "
-               "re-save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable to bring "
-               "the state along")
-    else:
-        why = "it holds no optimizer state (saved with --no-save-optim?)"
-    return CheckpointError(f"checkpoint {where}: {why}. Pass --no-load-optim to continue with "
-                           "a fresh optimizer (and the LR schedule from your flags), or "
-                           "--finetune to start at iteration 0")
+    return CheckpointError(f"checkpoint {where}: it holds no optimizer state (saved with "
+                           "--no-save-optim?). Pass --no-load-optim to continue with a fresh "
+                           "optimizer (and the LR schedule from your flags), or --finetune to "
+                           "start at iteration 0")
 
 
 class OptimizerRead(NamedTuple):
     slots: list[Slot]
     values: list[dict]  # per slot: kind -> flat fp32 tensor being read
+    # (slot view, read view) pairs to copy once the pieces are read (megatron-core's buckets)
+    copies: tuple = ()
 
 
 def _before_first_step(common: dict) -> bool:
@@ -156,14 +154,19 @@ def _before_first_step(common: dict) -> bool:
 
 
 def optimizer_requests(optimizer: Any, chunks: list[nn.Module], places: Places, metadata: Any,
-                       common: dict, where: str) -> tuple[OptimizerRead, list[dcp.Piece]]:
-    """What this rank reads of the optimizer state, into new fp32 tensors; raises
-    ``no_optimizer_state`` when the checkpoint holds none in model space."""
+                       common: dict, where: str,
+                       model_config: Any = None) -> tuple[OptimizerRead, list[dcp.Piece]]:
+    """What this rank reads of the optimizer state, into new fp32 tensors: per parameter in
+    model space, or from Megatron-LM's dp_reshardable buckets (``mcore_buckets``; needs
+    ``model_config``). Raises ``no_optimizer_state`` when the checkpoint holds neither."""
     slots = optimizer_slots(optimizer, chunks)
+    layout = mcore_buckets.bucket_layout(metadata, common, model_config, where) \
+        if model_config is not None else None
+    reads = mcore_buckets.BucketReads(layout, metadata, where) if layout else None
     values, pieces, missing = [], [], []
     for slot in slots:
         param, place = places[(slot.chunk, slot.name)]
-        kinds = optimizer_kinds(metadata, place.key)
+        kinds = layout.kinds if layout else optimizer_kinds(metadata, place.key)
         wanted = [k for k in kinds if k not in MAIN_KINDS]
         if not wanted:
             missing.append(place.key)
@@ -174,15 +177,32 @@ def optimizer_requests(optimizer: Any, chunks: list[nn.Module], places: Places, 
         entry = {kind: torch.zeros(n, dtype=torch.float32) for kind in wanted}
         for kind, flat in entry.items():
             for offset, box in boxes(place, tuple(param.shape), flat, slot.lo, slot.hi):
-                pieces.append(dcp.Piece(optimizer_key(kind, place.key), place.global_shape,
-                                        offset, box))
+                if reads:
+                    reads.request(kind, place.key, offset, box)
+                else:
+                    pieces.append(dcp.Piece(optimizer_key(kind, place.key),
+                                            place.global_shape, offset, box))
         values.append(entry)
     if missing and not (len(missing) == len(slots) and _before_first_step(common)):
         if len(missing) == len(slots):
             raise no_optimizer_state(common, where)
         raise CheckpointError(f"checkpoint {where} holds optimizer state for some parameters "
                               f"but not for {', '.join(sorted(set(missing))[:5])}")
-    return OptimizerRead(slots, values), pieces
+    copies = []
+    if reads:
+        bucket_pieces, copies = reads.pieces()
+        pieces += bucket_pieces
+    return OptimizerRead(slots, values, tuple(copies)), pieces
+
+
+def with_bucket_step(common: dict, step_object: Any) -> dict:
+    """``common`` whose optimizer entry also holds megatron-core's optimizer object of a
+    dp_reshardable checkpoint (its param groups carry the step; its loss scale, if any)."""
+    if not isinstance(step_object, list) or len(step_object) != 1 \
+            or not isinstance(step_object[0], dict):
+        return common
+    opt = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    return {**common, "optimizer": {**opt, **step_object[0]}}
 
 
 def saved_step(common: dict) -> Optional[float]:
@@ -224,6 +244,8 @@ def _saved_groups_and_scaler(common: dict) -> tuple[Optional[list], Optional[dic
 def apply_optimizer(optimizer: Any, read: OptimizerRead, common: dict) -> None:
     """Put what was read into ``optimizer``, whose main weights already follow the loaded
     model (``reload_model_params``): stored fp32 main weights replace them."""
+    for target, value in read.copies:
+        target.copy_(value)
     groups, scaler = _saved_groups_and_scaler(common)
     step = saved_step(common)
     mains = optimizer.get_main_params()

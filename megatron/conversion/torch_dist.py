@@ -15,25 +15,22 @@ from typing import Optional
 
 import torch
 
-from megatron.checkpointing import dcp
+from megatron.checkpointing import dcp, mcore_buckets
 from megatron.checkpointing import torch_dist as fmt
 from megatron.checkpointing import torch_dist_optim as optim
 from megatron.checkpointing.contents import consumed_samples
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.folder import CheckpointFolder
-from megatron.checkpointing.mcore_layout import Place, full_places, optimizer_key
+from megatron.checkpointing.mcore_layout import (
+    Place,
+    full_places,
+    optimizer_key,
+    whole_model_shapes,
+)
 from megatron.config import ModelConfig
 from megatron.conversion.full_state import FullCheckpoint, model_config_from_dict, source_config
 
 logger = logging.getLogger(__name__)
-
-
-def _names_and_shapes(config: ModelConfig) -> dict[str, torch.Size]:
-    """Every parameter of the whole model (tp 1, one stage) and its shape, without memory."""
-    from megatron.model.gpt_model import GPTModel
-
-    model = GPTModel(config, device="meta")
-    return {name: p.shape for name, p in model.named_parameters()}
 
 
 def _whole(place: Place, shape: torch.Size, dtype: torch.dtype) -> dcp.Piece:
@@ -84,17 +81,28 @@ def load_torch_dist_checkpoint(folder: CheckpointFolder, *, verify: bool = True,
     except ValueError as error:
         raise CheckpointError(f"{iter_dir}: {error}") from None
     model_config = model_config_from_dict(config["model"])
-    shapes = _names_and_shapes(model_config)
+    shapes = whole_model_shapes(model_config)
     places = full_places(shapes, model_config.num_layers)
     metadata = dcp.read_metadata(iter_dir)
     fmt.check_model_keys(metadata, list(places.values()), model_config, iter_dir)
     model = {n: _whole(places[n], s, model_config.params_dtype) for n, s in shapes.items()}
     pieces = list(model.values())
-    param_state = None
+    param_state, copies, objects = None, (), []
     if optimizer and not release:
-        param_state = _optimizer_requests(metadata, places, shapes)
-        pieces += [p for entry in (param_state or {}).values() for p in entry.values()]
-    dcp.read_pieces(iter_dir, pieces)
+        layout = _bucket_layout_or_none(metadata, common, model_config, iter_dir)
+        if layout:
+            param_state, bucket_pieces, copies = _bucket_requests(layout, metadata, places,
+                                                                  shapes, iter_dir)
+            pieces += bucket_pieces
+            objects = [k for k in [mcore_buckets.step_object_key(metadata)] if k]
+        else:
+            param_state = _optimizer_requests(metadata, places, shapes)
+            pieces += [p for entry in (param_state or {}).values() for p in entry.values()]
+    read_objects = dcp.read_pieces(iter_dir, pieces, objects)
+    for target, value in copies:
+        target.copy_(value)
+    for key in objects:
+        common = optim.with_bucket_step(common, fmt.load_object(read_objects[key], key))
     full_opt = None
     if param_state:
         full_opt = {"param_groups": _param_groups(common), "step": optim.saved_step(common),
@@ -140,6 +148,34 @@ def _optimizer_requests(metadata, places: dict[str, Place],
         raise CheckpointError(f"the checkpoint holds optimizer state for some parameters "
                               f"but not for {', '.join(missing[:5])}")
     return out
+
+
+def _bucket_layout_or_none(metadata, common: dict, model_config: ModelConfig,
+                           iter_dir: str) -> Optional[mcore_buckets.BucketLayout]:
+    """Megatron-LM's dp_reshardable buckets laid out; a conversion goes on without them
+    (the model only, said in the log) when they cannot be."""
+    try:
+        return mcore_buckets.bucket_layout(metadata, common, model_config, iter_dir)
+    except mcore_buckets.BucketLayoutError as error:
+        logger.warning("%s: converting the model only: its optimizer state is in Megatron-LM's "
+                       "dp_reshardable buckets, and %s", iter_dir, error.why)
+        return None
+
+
+def _bucket_requests(layout, metadata, places: dict[str, Place], shapes: dict[str, torch.Size],
+                     where: str) -> tuple[dict, list[dcp.Piece], list]:
+    """Whole fp32 tensors of each state kind per parameter, read from Megatron-LM's
+    dp_reshardable buckets: (the tensors by name and kind, the pieces, the copies to make)."""
+    reads = mcore_buckets.BucketReads(layout, metadata, where)
+    out = {}
+    for name, place in places.items():
+        out[name] = {}
+        for kind in layout.kinds:
+            whole = _whole(_state_place(place, kind), shapes[name], torch.float32)
+            reads.request(kind, place.key, place.offset, whole.tensor)
+            out[name][kind] = whole
+    pieces, copies = reads.pieces()
+    return out, pieces, copies
 
 
 def _state_place(place: Place, kind: str) -> Place:

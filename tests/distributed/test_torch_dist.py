@@ -76,6 +76,9 @@ MCORE_VOCAB = ["--vocab-size", "126"]  # 127 tokens; megatron-core's are padded 
 # slowly on 2 cores: one launch does several), and the launch's resumed run.
 LOADS = {"tp1dp4": (1, 1), "tp2dp2": (2, 1), "tp2pp2": (2, 2)}
 LAUNCHES = {"tp1dp4": ("tp1dp4", "tp2dp2"), "tp2pp2": ("tp2pp2",)}
+# megatron-core's distributed optimizer saved by default (dp_reshardable buckets) at
+# tp 2 x dp 2 and pp 2 x dp 2 (tests/mcore_driver.py's DISTOPT_LAYOUTS), iteration 7.
+DISTOPT = ("mcore_distopt_tp2", "mcore_distopt_pp2")
 
 
 def _layout_flags(tp: int, pp: int) -> list[str]:
@@ -164,7 +167,8 @@ def _logits(chunks, tokens):
 
 def _adam_differences(cfg, chunks, optimizer, adam: dict) -> float:
     """The largest difference between this rank's Adam state and megatron-core's (global
-    tensors by megatron-core's names); every parameter must have both moments."""
+    tensors by megatron-core's names, per kind); every parameter must have each kind given
+    (``param``: the fp32 main weights)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp = cfg.parallel.tensor_model_parallel_size
     places = {name: (param, place) for name, param, place in chunk_places(
@@ -178,15 +182,15 @@ def _adam_differences(cfg, chunks, optimizer, adam: dict) -> float:
     for (name, lo, hi), main in zip(slots, optimizer.get_main_params()):
         param, place = places[name]
         offset, sizes = place.box((0,) * param.dim(), tuple(param.shape))
-        for kind in ("exp_avg", "exp_avg_sq"):
+        for kind in adam:
             full = adam[kind][place.key][tuple(slice(o, o + s) for o, s in zip(offset, sizes))]
             want = full.reshape(-1)[lo:hi] if lo is not None else full.reshape(param.shape)
-            got = optimizer.optimizer.state[main][kind]
+            got = main if kind == "param" else optimizer.optimizer.state[main][kind]
             worst = max(worst, (got - want).abs().max().item())
     return worst
 
 
-def _loads_at(world, name, mcore_dir, reference, ours, tokens) -> dict:
+def _loads_at(world, name, mcore_dir, reference, distopt_reference, ours, tokens) -> dict:
     """One layout of ours reads megatron-core's checkpoints and ours."""
     tp, pp = LOADS[name]
     out = {}
@@ -207,6 +211,13 @@ def _loads_at(world, name, mcore_dir, reference, ours, tokens) -> dict:
     out["mcore_tp2"] = _logits(chunks, tokens)
     _, chunks, _, _ = _load(ours, world, tp, pp, OURS_VOCAB, "--no-load-optim")
     out["ours"] = _logits(chunks, tokens)
+    # Megatron-LM's default distributed-optimizer format (dp_reshardable buckets).
+    for saved in DISTOPT:
+        cfg, chunks, optimizer, loaded = _load(os.path.join(mcore_dir, saved), world, tp, pp,
+                                               MCORE_VOCAB, *flags)
+        out[f"{saved} difference"] = _adam_differences(cfg, chunks, optimizer,
+                                                       distopt_reference[saved])
+        out[f"{saved} loaded"] = (tuple(loaded), loaded.report.optimizer)
     parallel_state.destroy_model_parallel()
     return out
 
@@ -245,10 +256,11 @@ def _bf16_save_resume(rank, world, scratch: str):
     return straight, _train(rank, world, argv + ["--load", save])
 
 
-def _launch(rank, world, launch, mcore_dir, reference, ours, tokens, scratch):
+def _launch(rank, world, launch, mcore_dir, reference, distopt_reference, ours, tokens,
+            scratch):
     """The loads of one launch, then training resumed from our checkpoint at its layout
     (and at tp 2 x pp 2: a damaged copy, and bf16)."""
-    out = {name: _loads_at(world, name, mcore_dir, reference, ours, tokens)
+    out = {name: _loads_at(world, name, mcore_dir, reference, distopt_reference, ours, tokens)
            for name in LAUNCHES[launch]}
     argv = MODEL + RUN + OURS_VOCAB + _layout_flags(*LOADS[launch]) + [
         "--train-iters", str(ITERS), "--load", ours]
@@ -266,10 +278,11 @@ def layouts(trained, mcore, tmp_path_factory):
     """Per layout name, each rank's results; ``resumed <launch>``, ``damaged``, ``bf16``."""
     mcore_dir, reference = mcore
     adam = {kind: reference["adam_tp1"][kind] for kind in ("exp_avg", "exp_avg_sq")}
+    distopt = torch.load(os.path.join(mcore_dir, "distopt_reference.pt"), weights_only=False)
     runs: dict = {}
     for launch in LAUNCHES:
         scratch = str(tmp_path_factory.mktemp(launch))
-        per_rank = run_distributed(_launch, 4, launch, mcore_dir, adam, trained[0],
+        per_rank = run_distributed(_launch, 4, launch, mcore_dir, adam, distopt, trained[0],
                                    reference["tokens"], scratch, timeout=900)
         for name in LAUNCHES[launch]:
             runs[name] = [r[name] for r in per_rank]
@@ -301,6 +314,39 @@ def test_megatron_core_checkpoints_load_into_ours(layouts, mcore, name):
     assert report.rng == (name == "tp1dp4") and report.rng_from_seed == (name != "tp1dp4")
     error = _first(runs, "tp2_optimizer_error")
     assert "holds no optimizer state" in error and "--no-load-optim" in error
+
+
+@pytest.mark.parametrize("name", list(LOADS))
+def test_megatron_lms_default_distributed_optimizer_state_loads_into_ours(layouts, name):
+    """Its dp_reshardable buckets, laid out again, give each of our ranks megatron-core's
+    main weights and Adam moments exactly, at another tensor/pipeline/data layout, into our
+    distributed optimizer (tp1dp4) and the plain one (elsewhere)."""
+    for saved in DISTOPT:
+        worst = max(r[f"{saved} difference"] for r in layouts[name])
+        print(f"{name} <- {saved}: max |difference| {worst}")
+        assert worst == 0.0
+        assert all(r[f"{saved} loaded"] == ((7, 56, 0), True) for r in layouts[name])
+
+
+def test_converter_reads_megatron_lms_default_distributed_optimizer_state(mcore):
+    from megatron.checkpointing.mcore_layout import full_places
+    from megatron.conversion import load_full_checkpoint
+
+    out, _ = mcore
+    reference = torch.load(os.path.join(out, "distopt_reference.pt"), weights_only=False)
+    for saved in DISTOPT:
+        loaded = load_full_checkpoint(os.path.join(out, saved))
+        assert loaded.optimizer["step"] == 1.0
+        places = full_places({n: t.shape for n, t in loaded.model.items()},
+                             loaded.config["model"]["num_layers"])
+        for name, state in loaded.optimizer["param_state"].items():
+            place = places[name]
+            assert set(state) == {"param", "exp_avg", "exp_avg_sq"}
+            for kind, tensor in state.items():
+                offset, sizes = place.box((0,) * tensor.dim(), tuple(tensor.shape))
+                box = tuple(slice(o, o + n) for o, n in zip(offset, sizes))
+                assert torch.equal(tensor, reference[saved][kind][place.key][box]
+                                   .reshape(tensor.shape)), (saved, name, kind)
 
 
 @pytest.mark.parametrize("name", list(LOADS))

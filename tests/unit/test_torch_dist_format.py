@@ -149,7 +149,10 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
     assert "no tensor 'output_layer.weight': it was saved with tied embeddings" in message
 
 
-def test_megatron_lm_dp_reshardable_optimizer_state_asks_for_no_load_optim(tmp_path):
+def test_megatron_lm_buckets_that_do_not_fit_the_model_ask_for_no_load_optim(tmp_path):
+    """Buckets (Megatron-LM's default distributed-optimizer format) whose lengths do not
+    hold this model's parameters as megatron-core lays them out are refused, naming the
+    way on; tests/distributed/test_torch_dist.py reads real ones."""
     from megatron.checkpointing import torch_dist_optim as optim
     from megatron.checkpointing.mcore_layout import chunk_places
     from megatron.config import OptimizerConfig
@@ -167,9 +170,10 @@ def test_megatron_lm_dp_reshardable_optimizer_state_asks_for_no_load_optim(tmp_p
     dcp.write_pieces(str(tmp_path), [dcp.Piece(bucket, (40,), (0,), torch.zeros(40))], {})
     common = {"args": argparse.Namespace(), "content_metadata": {
         "distrib_optim_sharding_type": "dp_reshardable"}}
-    with pytest.raises(CheckpointError, match="dp_reshardable.*--no-load-optim"):
+    with pytest.raises(CheckpointError, match="dp_reshardable buckets.*do not hold this "
+                       "model's parameters.*--no-load-optim"):
         optim.optimizer_requests(optimizer, [model], places, dcp.read_metadata(str(tmp_path)),
-                                 common, "CKPT")
+                                 common, "CKPT", config)
 
 
 @pytest.mark.parametrize("extra, world_size, named", [
