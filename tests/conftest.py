@@ -1,3 +1,4 @@
+import glob
 import os
 
 import pytest
@@ -29,3 +30,21 @@ def corpus(tmp_path_factory):
 def cache(tmp_path_factory):
     """A folder for the GPT dataset index caches of one test module."""
     return str(tmp_path_factory.mktemp("cache"))
+
+
+# DeepSpeed's CPU all-reduce maps a shared-memory buffer per rank (66 MB each under /dev/shm)
+# and never removes it; over a whole suite they would hold gigabytes of the machine's memory.
+_DEEPSPEED_SHM = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_deepspeeds_shared_memory():
+    """Remove the buffers a test module's DeepSpeed ranks left (its ranks are gone by then;
+    those that were there before the module are left alone)."""
+    before = set(glob.glob(_DEEPSPEED_SHM))
+    yield
+    for path in set(glob.glob(_DEEPSPEED_SHM)) - before:
+        try:
+            os.remove(path)
+        except OSError:
+            pass

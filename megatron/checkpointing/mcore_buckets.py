@@ -74,6 +74,30 @@ def step_object_key(metadata: Any) -> Optional[str]:
     return key if key in metadata.state_dict_metadata else None
 
 
+def shifted_model_space_state(common: dict) -> Optional[str]:
+    """Why the per-parameter optimizer state of a Megatron-LM checkpoint saved with
+    ``--dist-ckpt-optim-fully-reshardable`` is likely shifted, or None. megatron-core 0.16.1
+    (at least) gathers a rank's buckets without the padding between them but cuts parameters
+    at their padded offsets, so every parameter after the rank's first bucket gets state of
+    its neighbours (checked here against its own in-memory state; it warns "param range exceeds
+    unpadded buffer" once, for the last one). A rank has several buckets when its run overlapped
+    the gradient reduction or kept tied embeddings on two pipeline stages."""
+    meta = common.get("content_metadata") or {}
+    args = common.get("args")
+    if meta.get("distrib_optim_sharding_type") != "fully_reshardable" or args is None \
+            or not getattr(args, "use_distributed_optimizer", False):
+        return None
+    tied_over_stages = (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1 \
+        and not getattr(args, "untie_embeddings_and_output_weights", False)
+    if not (getattr(args, "overlap_grad_reduce", False) or tied_over_stages):
+        return None
+    return ("its distributed-optimizer state was saved by megatron-core's fully_reshardable "
+            "writer from several buckets per rank, which stores the state of the parameters "
+            "after a rank's first bucket shifted onto their neighbours (megatron-core 0.16.1 "
+            "does); the moments read may be misplaced. Its default dp_reshardable form is read "
+            "exactly; or pass --no-load-optim")
+
+
 class Entry(NamedTuple):
     """One parameter's state in a bucket: the range ``[start, start + numel)`` of the 1-D
     tensors ``<bucket>.<kind>``, which holds the model-parallel rank's part of the global
@@ -231,9 +255,10 @@ def _check_chunks(metadata: Any, entries: list[Entry], kind: str, where: str) ->
 
 
 class BucketLayout(NamedTuple):
-    """Per global tensor name, the entries that own its state (one per part)."""
+    """Per global tensor name and layer (None: not a layer's), the entries that own its
+    state (one per part)."""
 
-    entries: dict[str, list[Entry]]
+    entries: dict[tuple[str, Optional[int]], list[Entry]]
     kinds: list[str]
     sizes: dict[str, int]  # bucket name -> length
 
@@ -253,7 +278,7 @@ def bucket_layout(metadata: Any, common: dict, model_config: Any,
     vocab_key = OUTPUT_LAYER if OUTPUT_LAYER in metadata.state_dict_metadata else WORD_EMBEDDINGS
     stored_vocab = dcp.stored_shape(metadata, vocab_key)
     stored_vocab = stored_vocab[0] if stored_vocab else shapes[WORD_EMBEDDINGS][0]
-    owned: dict[str, list[Entry]] = {}
+    owned: dict[tuple[str, Optional[int]], list[Entry]] = {}
     sizes = {}
     for domain, buckets in stored.items():
         sizes.update(buckets)
@@ -268,8 +293,12 @@ def bucket_layout(metadata: Any, common: dict, model_config: Any,
         _check_chunks(metadata, entries, kinds[0], where)
         for e in entries:
             if e.place.writer:
-                owned.setdefault(e.place.key, []).append(e)
+                owned.setdefault(_index(e.place), []).append(e)
     return BucketLayout(owned, kinds, sizes)
+
+
+def _index(where: Place) -> tuple[str, Optional[int]]:
+    return where.key, where.offset[0] if where.stacked else None
 
 
 # Reading --------------------------------------------------------------------------------------
@@ -299,16 +328,16 @@ class BucketReads:
         self.layout, self.metadata, self.where = layout, metadata, where
         self.needs: dict[tuple[Entry, str], list[_Need]] = {}
 
-    def request(self, kind: str, key: str, offset: tuple, target: torch.Tensor) -> None:
-        """``target`` (a box at global ``offset`` of tensor ``key``) gets state ``kind``;
-        the part past the stored tensor's extent (vocabulary padding) is left as it is."""
-        stored = dcp.stored_shape(self.metadata, key) or tuple(target.shape)
-        stored = stored if len(stored) == target.dim() else (1,) * (target.dim() - len(stored)) \
-            + stored
+    def request(self, kind: str, where: Place, offset: tuple, target: torch.Tensor) -> None:
+        """``target`` (the box at global ``offset`` of the parameter at ``where``) gets
+        state ``kind``; the part past the stored tensor's extent (vocabulary padding) is left
+        as it is."""
+        key = where.key
+        stored = dcp.stored_shape(self.metadata, key) or where.global_shape
         end = tuple(min(o + s, g) for o, s, g in zip(offset, target.shape, stored))
         wanted = math.prod(max(e - o, 0) for o, e in zip(offset, end))
         covered = 0
-        for entry in self.layout.entries.get(key, []):
+        for entry in self.layout.entries.get(_index(where), []):
             e_offset, e_sizes = entry.place.box((0,) * len(entry.shape), entry.shape)
             lo = tuple(max(a, b) for a, b in zip(offset, e_offset))
             hi = tuple(min(a, b + s) for a, b, s in zip(end, e_offset, e_sizes))

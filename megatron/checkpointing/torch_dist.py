@@ -501,6 +501,9 @@ def prepare_read(iter_dir: str, common: dict, chunks: list[nn.Module], optimizer
         read, optimizer_pieces = optim.optimizer_requests(optimizer, chunks, places, metadata,
                                                           common, iter_dir, config.model)
         pieces += optimizer_pieces
+        shifted = mcore_buckets.shifted_model_space_state(common)
+        if shifted and layout.rank == 0:
+            logger.warning("checkpoint %s: %s", iter_dir, shifted)
     objects = []
     if read is not None and mcore_buckets.step_object_key(metadata):
         objects.append(mcore_buckets.step_object_key(metadata))

@@ -178,7 +178,7 @@ def optimizer_requests(optimizer: Any, chunks: list[nn.Module], places: Places, 
         for kind, flat in entry.items():
             for offset, box in boxes(place, tuple(param.shape), flat, slot.lo, slot.hi):
                 if reads:
-                    reads.request(kind, place.key, offset, box)
+                    reads.request(kind, place, offset, box)
                 else:
                     pieces.append(dcp.Piece(optimizer_key(kind, place.key),
                                             place.global_shape, offset, box))

@@ -98,6 +98,9 @@ def load_torch_dist_checkpoint(folder: CheckpointFolder, *, verify: bool = True,
         else:
             param_state = _optimizer_requests(metadata, places, shapes)
             pieces += [p for entry in (param_state or {}).values() for p in entry.values()]
+            shifted = mcore_buckets.shifted_model_space_state(common)
+            if param_state and shifted:
+                logger.warning("%s: %s", iter_dir, shifted)
     read_objects = dcp.read_pieces(iter_dir, pieces, objects)
     for target, value in copies:
         target.copy_(value)
@@ -172,7 +175,7 @@ def _bucket_requests(layout, metadata, places: dict[str, Place], shapes: dict[st
         out[name] = {}
         for kind in layout.kinds:
             whole = _whole(_state_place(place, kind), shapes[name], torch.float32)
-            reads.request(kind, place.key, place.offset, whole.tensor)
+            reads.request(kind, place, place.offset, whole.tensor)
             out[name][kind] = whole
     pieces, copies = reads.pieces()
     return out, pieces, copies

@@ -189,3 +189,24 @@ def test_torch_dist_is_refused_where_another_writer_saves(extra, world_size, nam
             "--lr", "1e-3", "--ckpt-format", "torch_dist"]
     with pytest.raises(ConfigError, match=re.escape(named)):
         parse_args(base + extra, world_size=world_size)
+
+
+@pytest.mark.parametrize("overlap, pp, untied, sharding, warned", [
+    (True, 1, False, "fully_reshardable", True),
+    (False, 2, False, "fully_reshardable", True),  # tied embeddings get a bucket of their own
+    (False, 2, True, "fully_reshardable", False),
+    (False, 1, False, "fully_reshardable", False),  # one bucket per rank: nothing to shift
+    (True, 1, False, "dp_reshardable", False),  # read from the buckets themselves
+])
+def test_megatron_lms_fully_reshardable_state_from_several_buckets_is_warned_of(
+        overlap, pp, untied, sharding, warned):
+    from megatron.checkpointing.mcore_buckets import shifted_model_space_state
+
+    args = argparse.Namespace(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
+                              pipeline_model_parallel_size=pp,
+                              untie_embeddings_and_output_weights=untied)
+    common = {"args": args, "content_metadata": {"distrib_optim_sharding_type": sharding}}
+    why = shifted_model_space_state(common)
+    assert (why is not None) == warned
+    if warned:
+        assert "shifted" in why and "--no-load-optim" in why
