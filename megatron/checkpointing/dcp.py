@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron.checkpointing.files import FileDigest, _ChecksummingWriter
+from megatron.checkpointing.files import FileDigest, _ChecksummingWriter, write_error
 
 DCP_METADATA = ".metadata"
 
@@ -121,6 +121,7 @@ class _DigestingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.digests: dict[str, FileDigest] = {}
+        self.failed: Optional[tuple[str, OSError]] = None  # the first write that failed
 
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator[Any]:
@@ -128,10 +129,22 @@ class _DigestingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with super().create_stream(path, mode) as stream:
-            writer = _ChecksummingWriter(stream)
-            yield writer
+        writer = None
+        try:
+            with super().create_stream(path, mode) as stream:
+                writer = _ChecksummingWriter(stream)
+                yield writer
+        except OSError as error:  # the file's own flush or close
+            self._failure(str(path), error)
+            raise
+        finally:
+            if writer is not None and writer.error is not None:
+                self._failure(str(path), writer.error)
         self.digests[os.path.basename(str(path))] = FileDigest(writer.size, f"{writer.crc:08x}")
+
+    def _failure(self, path: str, error: OSError) -> None:
+        if self.failed is None:
+            self.failed = (path, error)
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)
@@ -181,9 +194,18 @@ def write_pieces(folder: str, pieces: Sequence[Piece], objects: dict[str, bytes]
                                   thread_count=1)
     fs = _DigestingFileSystem()
     writer.fs = fs  # DCP's writer does its file I/O through this attribute
-    with _single_process_quietly():
-        dcp.save({}, storage_writer=writer, planner=_PieceSavePlanner(pieces, objects),
-                 process_group=process_group, no_dist=not dist.is_initialized())
+    try:
+        with _single_process_quietly():
+            dcp.save({}, storage_writer=writer, planner=_PieceSavePlanner(pieces, objects),
+                     process_group=process_group, no_dist=not dist.is_initialized())
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
+        # DCP reports a failed write as torch's writer's own complaint ("unexpected pos");
+        # the file and the OSError behind it are the ones recorded as it was written.
+        if fs.failed is None:
+            raise
+        path, cause = fs.failed
+        needed = sum(p.tensor.nbytes for p in pieces) + sum(len(b) for b in objects.values())
+        raise write_error(path, cause, needed) from error
     return dict(fs.digests)
 
 

@@ -21,7 +21,7 @@ import sys
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -96,16 +96,20 @@ def _writing(path: str, size: Callable[[], int]):
         cause = _os_error_in(error)
         if cause is None:
             raise
-        folder = os.path.dirname(os.path.abspath(path))
-        if cause.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CheckpointError(
-                f"cannot write {path}: no space left on device ({size()} bytes needed, "
-                f"{free_bytes(folder)} free in {folder})") from error
-        if cause.errno == errno.EFBIG:
-            raise CheckpointError(
-                f"cannot write {path}: it would pass the file size limit of this process "
-                f"(ulimit -f; {size()} bytes needed)") from error
-        raise CheckpointError(f"cannot write {path}: {cause.strerror or cause}") from error
+        raise write_error(path, cause, size()) from error
+
+
+def write_error(path: str, cause: OSError, needed: int) -> CheckpointError:
+    """The error of a failed write of ``path``: a full disk says how much was ``needed``
+    and is free, the file size limit is named."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointError(f"cannot write {path}: no space left on device ({needed} bytes "
+                               f"needed, {free_bytes(folder)} free in {folder})")
+    if cause.errno == errno.EFBIG:
+        return CheckpointError(f"cannot write {path}: it would pass the file size limit of this "
+                               f"process (ulimit -f; {needed} bytes needed)")
+    return CheckpointError(f"cannot write {path}: {cause.strerror or cause}")
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -132,14 +136,23 @@ class _ChecksummingWriter:
 
     def __init__(self, f) -> None:
         self.f, self.crc, self.size = f, 0, 0
+        self.error: Optional[OSError] = None  # a failed write (torch's writer hides it)
 
     def write(self, data) -> int:
         self.crc = zlib.crc32(data, self.crc)
         self.size += memoryview(data).nbytes
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as error:
+            self.error = error
+            raise
 
     def flush(self) -> None:
-        self.f.flush()
+        try:
+            self.f.flush()
+        except OSError as error:
+            self.error = error
+            raise
 
     def __getattr__(self, name: str) -> Any:  # tell, seek, ...: the file's own
         return getattr(self.f, name)

@@ -120,15 +120,17 @@ def test_ctrl_c_while_writing_finishes_the_checkpoint_then_exits_130(tmp_path):
             "--load") in err
 
 
-def test_full_disk_during_a_background_write_stops_the_run_naming_the_file(tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_full_disk_during_a_background_write_stops_the_run_naming_the_file(tmp_path,
+                                                                          ckpt_format):
     with small_tmpfs(tmp_path / "disk", 16 << 20) as disk:
         save = os.path.join(disk, "ckpt")
-        first = _run(save, **{"--exit-interval": 2})
+        first = _run(save, **{"--exit-interval": 2, "--ckpt-format": ckpt_format})
         assert first.returncode == 0, first.stderr[-3000:]
         used = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(save)
                    for n in names)
         resize_tmpfs(disk, used + used // 2)  # room for half of the next checkpoint
-        done = _run(save, **{"--async-save": True})
+        done = _run(save, **{"--async-save": True, "--ckpt-format": ckpt_format})
         assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
         assert "Traceback" not in done.stderr
         error = done.stderr.strip().splitlines()[-1]

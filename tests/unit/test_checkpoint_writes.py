@@ -85,6 +85,23 @@ def test_full_disk_names_the_file_and_the_space_and_leaves_nothing(tmp_path):
         assert os.listdir(disk) == ["filler"]  # no latest_checkpointed_iteration.txt.tmp-*
 
 
+def test_full_disk_under_torch_distributed_checkpoint_names_the_file(tmp_path):
+    """DCP (--ckpt-format torch_dist) reports a failed write as torch's writer's complaint
+    ("unexpected pos ..."), hiding the full disk; the error names the file and the space."""
+    from megatron.checkpointing import dcp
+
+    with small_tmpfs(tmp_path / "disk", 1 << 20) as disk:
+        folder = os.path.join(disk, "iter_0000001")
+        os.makedirs(folder)
+        pieces = [dcp.Piece(f"w{i}", (1 << 17,), (0,), torch.ones(1 << 17)) for i in range(4)]
+        with pytest.raises(CheckpointError) as info:
+            dcp.write_pieces(folder, pieces, {"obj": b"x" * 100})  # 2 MiB into 1 MiB
+        message = str(info.value)
+        assert message.startswith(f"cannot write {folder}/__0_0.distcp: no space left on "
+                                  f"device ({(1 << 21) + 100} bytes needed, "), message
+        assert message.endswith(f" free in {folder})")
+
+
 def test_file_size_limit_is_named(tmp_path):
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
