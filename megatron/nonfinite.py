@@ -117,20 +117,27 @@ def grads_are_finite(chunks: Iterable[nn.Module]) -> bool:
     """Whether this rank's accumulated model gradients are all finite (local, no collective)."""
     grads = [g for chunk in chunks for p in chunk.parameters()
              if (g := model_grad(p)) is not None]
-    return _all_finite(grads)[0] if grads else True
+    return all(_all_finite(grads)) if grads else True
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` holds no NaN/Inf, as a 0-d bool tensor on its device. Its minimum and
+    maximum carry any NaN and show any Inf, and cannot overflow; unlike a sum in fp64 (which
+    on the CPU first copies an fp32 tensor to fp64) they need no temporary, so a background
+    save's check of its host copy leaves the allocator holding nothing."""
+    t = t.detach()
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    low, high = torch.aminmax(t)
+    return torch.isfinite(low) & torch.isfinite(high)
 
 
 def _all_finite(tensors: Sequence[torch.Tensor]) -> list[bool]:
-    """Per tensor, whether it holds no NaN/Inf, with one host synchronisation.
-
-    The fp64 sum propagates any NaN/Inf and cannot overflow for finite fp32/bf16/fp16 input,
-    so no tensor-sized temporary is needed.
-    """
+    """Per tensor, whether it holds no NaN/Inf, with one host synchronisation."""
     if not tensors:
         return []
     device = tensors[0].device
-    sums = torch.stack([t.detach().sum(dtype=torch.float64).to(device) for t in tensors])
-    return torch.isfinite(sums).tolist()
+    return torch.stack([_finite(t).to(device) for t in tensors]).tolist()
 
 
 def _named_state_tensors(chunks: Sequence[nn.Module], optimizer: Any):

@@ -116,6 +116,24 @@ def test_grads_are_finite_reads_the_data_parallel_buffer():
     assert grads_are_finite([model])
     model.module[0].weight.main_grad[0, 0] = NAN
     assert not grads_are_finite([model])
+    # Every gradient counts, not only the first one.
+    model.module[0].weight.main_grad.zero_()
+    assert grads_are_finite([model])
+    last = list(model.parameters())[-1]
+    last.main_grad.view(-1)[-1] = NAN
+    assert not grads_are_finite([model])
+
+
+def test_all_finite_finds_nan_and_inf_anywhere_and_takes_large_values_as_finite():
+    from megatron.nonfinite import _all_finite
+
+    big = torch.full((2500,), 3e38)  # its fp32 sum would overflow
+    assert _all_finite([big, torch.ones(3), torch.ones(0)]) == [True, True, True]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for where, bad in ((0, NAN), (1999, float("inf")), (2499, float("-inf"))):
+            broken = torch.ones(2500, dtype=dtype)
+            broken[where] = bad
+            assert _all_finite([torch.ones(3), broken]) == [True, False], (dtype, where)
 
 
 def test_overflow_guard_counts_only_overflows_the_scaler_cannot_back_off_from():
