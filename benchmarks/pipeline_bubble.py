@@ -52,11 +52,11 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 sys.path.insert(0, REPO)
 
 from megatron.assembly.build import build_gpt_chunk  # noqa: E402
-from megatron.assembly.placement import pipeline_chunks  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import bubble, schedules  # noqa: E402
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
+from megatron.placement import pipeline_chunks  # noqa: E402
 from megatron.timers import Timers  # noqa: E402
 
 LAYERS_PER_STAGE = 2

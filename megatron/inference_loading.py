@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from megatron.assembly.build import build_gpt_chunk
-from megatron.assembly.placement import stage_chunks
 from megatron.config import (
     CheckpointConfig,
     DataConfig,
@@ -33,6 +32,7 @@ from megatron.config import (
 )
 from megatron.core import parallel_state
 from megatron.model.gpt_model import GPTModel
+from megatron.placement import stage_chunks
 
 if TYPE_CHECKING:
     from megatron.checkpointing.folder import CheckpointFolder

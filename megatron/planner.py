@@ -73,10 +73,10 @@ from typing import Optional
 import torch
 
 from megatron.assembly.build import build_gpt_chunk, gradients_in_fp32
-from megatron.assembly.placement import stage_chunks
 from megatron.config import RunConfig
 from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
 from megatron.model.gpt_model import GPTModel
+from megatron.placement import stage_chunks
 from megatron.training_log import flops_per_token
 
 GB = 2**30

@@ -8,9 +8,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron.config.logs import TIMING_LOG_OPTIONS
 from megatron.core import parallel_state
 
-TIMING_LOG_OPTIONS = ("max", "minmax", "all")
 _HEADERS = {"max": "max time across ranks (ms)", "minmax": "(min, max) time across ranks (ms)",
             "all": "time on each rank (ms)"}
 

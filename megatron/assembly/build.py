@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import watchdog, xla
-from megatron.assembly.placement import Chunk, stage_chunks
 from megatron.config import ConfigError, ModelConfig, OptimizerConfig, RunConfig
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
@@ -27,6 +26,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.model.gpt_model import GPTModel
 from megatron.model.transformer import compile_transformer_layers
 from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
+from megatron.placement import Chunk, stage_chunks
 from megatron.timers import Timers
 from megatron.utils import print_rank_0
 

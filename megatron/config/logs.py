@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.config.base import Slice, check_refused, one_of, option, positive, require
-from megatron.timers import TIMING_LOG_OPTIONS
+
+# How timers are reported across ranks (--timing-log-option; megatron/timers.py reports them).
+TIMING_LOG_OPTIONS = ("max", "minmax", "all")
 
 
 @dataclass(frozen=True)

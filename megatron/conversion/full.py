@@ -11,7 +11,6 @@ from typing import Optional
 
 import torch
 
-from megatron.assembly.placement import Chunk, pipeline_chunks
 from megatron.checkpointing.contents import (
     CONVERTED_KEY,
     check_version,
@@ -64,6 +63,7 @@ from megatron.conversion.sharding import (
     split_tp,
     tp_piece,
 )
+from megatron.placement import Chunk, pipeline_chunks
 
 logger = logging.getLogger(__name__)
 
