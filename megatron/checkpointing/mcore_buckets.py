@@ -43,7 +43,6 @@ from megatron.placement import (
     tp_split_dim,
 )
 
-SHARDING_TYPE = "dp_reshardable"
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.*)"
                      r"\.bucket_idx_(\d+)\.([A-Za-z_]+)")
 PARAM_ALIGNMENT = 64  # megatron-core starts each parameter at a multiple of 64 elements
@@ -63,15 +62,14 @@ LAYER_ORDER = {"local": _INPUT_NORM + _ATTENTION_OUT + _REST,
                "transformer_engine": _ATTENTION_OUT + _INPUT_NORM + _REST}
 
 
-def holds_buckets(metadata: Any) -> bool:
-    """The checkpoint stores distributed-optimizer state as megatron-core's buckets."""
-    return any(_BUCKET.fullmatch(k) for k in metadata.state_dict_metadata)
+# The byte object holding megatron-core's optimizer step and hyper-parameters (its
+# DistributedOptimizer.state_dict() of model-parallel rank 0; the same on every rank).
+STEP_OBJECT = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
 
 
 def step_object_key(metadata: Any) -> Optional[str]:
-    """The byte object holding megatron-core's optimizer step and hyper-parameters."""
-    key = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
-    return key if key in metadata.state_dict_metadata else None
+    """``STEP_OBJECT`` where the checkpoint holds it, else None."""
+    return STEP_OBJECT if STEP_OBJECT in metadata.state_dict_metadata else None
 
 
 def shifted_model_space_state(common: dict) -> Optional[str]:
@@ -266,10 +264,10 @@ class BucketLayout(NamedTuple):
 def bucket_layout(metadata: Any, common: dict, model_config: Any,
                   where: str) -> Optional[BucketLayout]:
     """The layout of a checkpoint's dp_reshardable buckets; None when it holds none."""
-    if not holds_buckets(metadata):
+    stored, kinds = _stored_buckets(metadata, where)
+    if not stored:
         return None
     run = _run_settings(common, where)
-    stored, kinds = _stored_buckets(metadata, where)
     if sorted(stored) != list(range(run.tp * run.pp)):
         raise BucketLayoutError(where, f"its buckets belong to model-parallel ranks "
                                 f"{sorted(stored)}, not the {run.tp * run.pp} of tensor x "

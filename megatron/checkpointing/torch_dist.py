@@ -504,9 +504,8 @@ def prepare_read(iter_dir: str, common: dict, chunks: list[nn.Module], optimizer
         shifted = mcore_buckets.shifted_model_space_state(common)
         if shifted and layout.rank == 0:
             logger.warning("checkpoint %s: %s", iter_dir, shifted)
-    objects = []
-    if read is not None and mcore_buckets.step_object_key(metadata):
-        objects.append(mcore_buckets.step_object_key(metadata))
+    step_key = mcore_buckets.step_object_key(metadata) if read is not None else None
+    objects = [step_key] if step_key else []
     if load_rng and saved_layout(common) == (layout.tp_size, layout.pp_size):
         key = rng_key(layout.pp_rank, layout.tp_rank, layout.pp_size, layout.tp_size)
         if key in metadata.state_dict_metadata:
@@ -536,17 +535,17 @@ def read_into(iter_dir: str, common: dict, model_chunks: ModelChunks, optimizer:
     if optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights
     if read is not None:
-        step_key = next((k for k in object_keys if k.startswith("optimizer.")), None)
-        if step_key in objects:
+        if mcore_buckets.STEP_OBJECT in objects:
             common = optim.with_bucket_step(common, load_object(
-                objects[step_key], f"the optimizer's step object {step_key}"))
+                objects[mcore_buckets.STEP_OBJECT],
+                f"the optimizer's step object {mcore_buckets.STEP_OBJECT}"))
         optim.apply_optimizer(optimizer, read, common)
         saved = common.get("opt_param_scheduler", common.get("lr_scheduler"))
         if scheduler is not None and saved is not None and not config.checkpoint.no_load_lr_state:
             scheduler.load_state_dict(saved)
             scheduler_loaded = True
-    rng_key_ = next((k for k in object_keys if k.startswith("rng_state")), None)
-    rng = _rng_entry(objects, rng_key_, layout)
+    rng = _rng_entry(objects, rng_key(layout.pp_rank, layout.tp_rank, layout.pp_size,
+                                      layout.tp_size), layout)
     if rng is not None:
         restore_rng_state(rng)
     return TorchDistState(common, read is not None, scheduler_loaded, rng is not None)

@@ -155,13 +155,12 @@ def _before_first_step(common: dict) -> bool:
 
 def optimizer_requests(optimizer: Any, chunks: list[nn.Module], places: Places, metadata: Any,
                        common: dict, where: str,
-                       model_config: Any = None) -> tuple[OptimizerRead, list[dcp.Piece]]:
+                       model_config: Any) -> tuple[OptimizerRead, list[dcp.Piece]]:
     """What this rank reads of the optimizer state, into new fp32 tensors: per parameter in
-    model space, or from Megatron-LM's dp_reshardable buckets (``mcore_buckets``; needs
-    ``model_config``). Raises ``no_optimizer_state`` when the checkpoint holds neither."""
+    model space, or from Megatron-LM's dp_reshardable buckets (``mcore_buckets``, laid out
+    for ``model_config``). Raises ``no_optimizer_state`` when the checkpoint holds neither."""
     slots = optimizer_slots(optimizer, chunks)
-    layout = mcore_buckets.bucket_layout(metadata, common, model_config, where) \
-        if model_config is not None else None
+    layout = mcore_buckets.bucket_layout(metadata, common, model_config, where)
     reads = mcore_buckets.BucketReads(layout, metadata, where) if layout else None
     values, pieces, missing = [], [], []
     for slot in slots:
