@@ -10,7 +10,13 @@ from tests.corpus import build_corpus
 torch.set_num_threads(int(os.environ.get("TEST_NUM_THREADS", "2")))
 
 
+# Before pytest's own hook deselects by marker (-m shared_data): the marker must be there.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # GPT-2's files, by the fixture that hands them out (tests/unit/tokenizer/conftest.py).
+        if "gpt2_files" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.shared_data)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,7 +1,8 @@
 """A small real-token corpus for training tests: WikiText-2 through the GPT-2 tokenizer.
 
-Built once per test session into a temporary folder. Without ../shared/data (a user's own
-checkout, or a copy of the repository on another machine), it falls back to Python's own
+Built once per test module into a temporary folder. Without ../shared/data (a user's own
+checkout, or a copy of the repository on another machine; tests/shared_data.py says where it
+is looked for), it falls back to Python's own
 documentation through a byte-level BPE trained on it: real text, which a model learns from.
 (Random tokens, the earlier fallback, cannot be learned: tests that check the loss falls
 failed wherever ../shared was missing.)
@@ -14,17 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-# ../shared/data beside the checkout; MEGATRON_TEST_DATA points elsewhere (a copy carried to
-# another machine), or at a missing folder to test the fallback.
-SHARED = Path(os.environ.get("MEGATRON_TEST_DATA")
-              or Path(__file__).resolve().parents[1].parent / "shared" / "data")
-VOCAB = SHARED / "gpt2" / "gpt2-vocab.json"
-MERGES = SHARED / "gpt2" / "gpt2-merges.txt"
-WIKITEXT = SHARED / "wikitext-2"
-
-
-def have_gpt2_files() -> bool:
-    return VOCAB.is_file() and MERGES.is_file()
+from tests.shared_data import MERGES, VOCAB, WIKITEXT, have_gpt2_files, have_wikitext
 
 
 def wikitext_articles(split: str = "valid", max_chars: int = 400_000) -> list[str]:
@@ -48,7 +39,7 @@ def build_corpus(out_dir: str, max_chars: int = 400_000) -> dict:
 
     prefix = os.path.join(out_dir, "corpus_text_document")
     builder = make_builder(prefix + ".bin", vocab_size=50257)
-    if have_gpt2_files() and (WIKITEXT / "valid.txt").is_file():
+    if have_gpt2_files() and have_wikitext():
         from megatron.tokenizer import build_tokenizer
 
         tok = build_tokenizer("GPT2BPETokenizer", str(VOCAB), str(MERGES))

@@ -9,13 +9,14 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.corpus import WIKITEXT, wikitext_articles
+from tests.corpus import wikitext_articles
 from tests.distributed.training_utils import load_tool
+from tests.shared_data import have_wikitext
 
 
 def texts(max_chars: int = 120_000) -> list[str]:
     """WikiText-2's validation articles, or Python's documentation without ../shared."""
-    if (WIKITEXT / "valid.txt").is_file():
+    if have_wikitext():
         return wikitext_articles(max_chars=max_chars)
     return list(load_tool("build_quickstart_corpus").python_doc_documents(max_chars=max_chars))
 

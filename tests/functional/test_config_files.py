@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.distributed.training_utils import base_argv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,6 +92,20 @@ def _gpt2_small_data(corpus, folder: Path) -> None:
     shutil.copy(flags[flags.index("--merge-file") + 1], data / "gpt2-merges.txt")
 
 
+def _gpt2_small_parameters(vocab: int, positions: int) -> int:
+    """GPT-2 small's parameter count: 12 layers 768 wide with biases, tied embedding."""
+    h = 768
+    layer = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (4 * h * h + 4 * h) + (4 * h * h + h)
+    return vocab * h + positions * h + 12 * layer + 2 * h
+
+
+def test_the_gpt2_small_parameter_count_is_gpt2s():
+    # Hugging Face's gpt2 holds 124,439,808 parameters (its vocabulary of 50257 unpadded,
+    # 1024 positions); nanoGPT prints the same less the positions, 123.65M.
+    assert _gpt2_small_parameters(50257, 1024) == 124_439_808
+
+
+@pytest.mark.shared_data
 def test_the_gpt2_small_example_builds_gpt2_and_trains(corpus, tmp_path):
     """examples/configs/gpt2-small.toml as a user starts it, in a folder holding data/ as its
     comment says; only the length and batch of the run are cut for the CPU."""
@@ -100,7 +116,10 @@ def test_the_gpt2_small_example_builds_gpt2_and_trains(corpus, tmp_path):
                 "--log-interval", "1"], cwd=tmp_path, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     params = int(re.search(r"number of parameters on .*: (\d+)", run.stdout).group(1))
-    assert 120e6 < params < 130e6  # GPT-2 small (124M with 1024 positions; 32 here)
+    printed = dict(re.findall(r"^  (\w+) \.+ (.*)$", run.stdout, re.M))
+    # The vocabulary is the corpus tokenizer's: GPT-2's (50257, padded to 50304) with
+    # ../shared, the fallback's 4096 without; 32 positions (the cut --seq-length).
+    assert params == _gpt2_small_parameters(int(printed["padded_vocab_size"]), positions=32)
     losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+)", run.stdout)]
     assert len(losses) == 2 and all(0 < loss < 20 for loss in losses)
 

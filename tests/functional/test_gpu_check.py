@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import shared_data
+
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
-SHARED = REPO.parent / "shared"
 # Absent on the GPU machine (issue 21): nothing the check runs may need them.
 ABSENT_THERE = ("deepspeed", "nltk", "tomli_w", "flask", "wandb", "datasets", "apex",
                 "flash_attn")
@@ -179,10 +180,12 @@ importlib.machinery.PathFinder.find_spec = classmethod(_without_absent)
 
 
 @pytest.mark.slow
+@pytest.mark.shared_data
 def test_dry_run_runs_every_step_without_the_packages_the_gpu_machine_lacks(tmp_path):
-    if not (SHARED / "data" / "wikitext-2" / "valid.txt").is_file() or \
-            not (SHARED / "peers" / "nanogpt" / "model.py").is_file():
-        pytest.skip("needs ../shared (data and nanoGPT) to prepare from")
+    needed = [shared_data.ROOT / name for name in ("data/wikitext-2/valid.txt",
+                                                   "peers/nanogpt/model.py")]
+    if not all(path.is_file() for path in needed):
+        pytest.skip(shared_data.missing(*needed) + ": the check prepares from them")
     blocker = tmp_path / "blocker"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(BLOCKER)
@@ -194,8 +197,8 @@ def test_dry_run_runs_every_step_without_the_packages_the_gpu_machine_lacks(tmp_
         assert probe.returncode == 1 and "ModuleNotFoundError" in probe.stderr
     inputs, out = tmp_path / "inputs", tmp_path / "out"
     script = str(BENCHMARKS / "gpu_check.py")
-    subprocess.run([sys.executable, script, "--prepare", "--inputs", str(inputs)], env=env,
-                   check=True, cwd=REPO, timeout=60)
+    subprocess.run([sys.executable, script, "--prepare", "--shared", str(shared_data.ROOT),
+                    "--inputs", str(inputs)], env=env, check=True, cwd=REPO, timeout=60)
     done = subprocess.run([sys.executable, script, "--dry-run", "--inputs", str(inputs),
                            "--skip", "throughput-350m", "throughput-1.3b", "--out", str(out)],
                           env=env, capture_output=True, text=True, cwd=REPO, timeout=600)

@@ -4,7 +4,6 @@ tools/convert_legacy_dataset.py (issue 15, item 4)."""
 
 from __future__ import annotations
 
-import os
 import struct
 
 import numpy as np
@@ -18,12 +17,11 @@ from megatron.data.legacy_indexed_dataset import (
     LegacyIndexedDatasetBuilder,
 )
 from tests.functional.test_preprocess_data import preprocess, read_bytes, run_tool, write_jsonl
-from tests.unit.tokenizer.strings import MERGES, VARIED_STRINGS, VOCAB, WIKITEXT
+from tests.shared_data import gpt2_skip_reason, have_gpt2_files
+from tests.unit.tokenizer.strings import VARIED_STRINGS, wikitext_paragraphs
 
-pytestmark = pytest.mark.skipif(
-    not (os.path.isfile(VOCAB) and os.path.isfile(MERGES)),
-    reason="shared GPT-2 vocab/merges files are not available",
-)
+pytestmark = [pytest.mark.shared_data,
+              pytest.mark.skipif(not have_gpt2_files(), reason=gpt2_skip_reason() or "")]
 
 
 def _megatron_deepspeed_idx(sizes, doc_idx, with_docs=True) -> bytes:
@@ -44,7 +42,7 @@ def _megatron_deepspeed_idx(sizes, doc_idx, with_docs=True) -> bytes:
 @pytest.fixture(scope="module")
 def three_formats(tmp_path_factory):
     folder = tmp_path_factory.mktemp("legacy")
-    texts = WIKITEXT.split("\n\n") + list(VARIED_STRINGS)
+    texts = wikitext_paragraphs(30) + list(VARIED_STRINGS)
     records = [{"text": t} for t in texts if t.strip()][:40]
     source = write_jsonl(folder / "in.jsonl", records)
     prefixes = {}

@@ -13,16 +13,15 @@ import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from megatron.data.preprocess import Span, iter_chunks, plan_partitions
+from tests.shared_data import gpt2_skip_reason, have_gpt2_files
 from tests.unit.tokenizer.gpt2_reference import ReferenceGPT2
 from tests.unit.tokenizer.strings import MERGES, VARIED_STRINGS, VOCAB, WIKITEXT
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EOD = 50256
 
-pytestmark = pytest.mark.skipif(
-    not (os.path.isfile(VOCAB) and os.path.isfile(MERGES)),
-    reason="shared GPT-2 vocab/merges files are not available",
-)
+pytestmark = [pytest.mark.shared_data,
+              pytest.mark.skipif(not have_gpt2_files(), reason=gpt2_skip_reason() or "")]
 
 
 def run_tool(script, *args, expect_ok=True):

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
+from tests.shared_data import gpt2_skip_reason, have_gpt2_files
 from tests.unit.tokenizer.strings import MERGES, VOCAB
 
 psutil = pytest.importorskip("psutil")
@@ -23,10 +24,8 @@ psutil = pytest.importorskip("psutil")
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
 
-pytestmark = pytest.mark.skipif(
-    not (os.path.isfile(VOCAB) and os.path.isfile(MERGES)),
-    reason="shared GPT-2 vocab/merges files are not available",
-)
+pytestmark = [pytest.mark.shared_data,
+              pytest.mark.skipif(not have_gpt2_files(), reason=gpt2_skip_reason() or "")]
 
 
 def tool_args(inputs, prefix, *extra):

@@ -10,16 +10,15 @@ import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from tests.functional.test_preprocess_data import preprocess, read_bytes, write_jsonl
-from tests.unit.tokenizer.strings import MERGES, VARIED_STRINGS, VOCAB, WIKITEXT
+from tests.shared_data import gpt2_skip_reason, have_gpt2_files
+from tests.unit.tokenizer.strings import VARIED_STRINGS, wikitext_paragraphs
 
 datasets = pytest.importorskip("datasets")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-pytestmark = pytest.mark.skipif(
-    not (os.path.isfile(VOCAB) and os.path.isfile(MERGES)),
-    reason="shared GPT-2 vocab/merges files are not available",
-)
+pytestmark = [pytest.mark.shared_data,
+              pytest.mark.skipif(not have_gpt2_files(), reason=gpt2_skip_reason() or "")]
 
 
 def _pair(prefix):
@@ -29,7 +28,7 @@ def _pair(prefix):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf")
-    texts = [t for t in WIKITEXT.split("\n\n") + list(VARIED_STRINGS) if t.strip()]
+    texts = [t for t in wikitext_paragraphs(30) + list(VARIED_STRINGS) if t.strip()]
     texts = [f"{k}: {t}" for k in range(4) for t in texts][:60]
     assert len(texts) == 60
     texts.insert(3, "")  # an empty document, as dumps hold: no tokens, still a document

@@ -18,9 +18,10 @@ import sys
 import pytest
 
 from megatron.checkpointing import list_iterations, read_tracker
-from tests.corpus import MERGES, VOCAB, WIKITEXT, have_gpt2_files, wikitext_articles
+from tests.corpus import wikitext_articles
 from tests.dist_utils import free_port
 from tests.distributed.training_utils import load_tool, parse_log_lines
+from tests.shared_data import MERGES, VOCAB, WIKITEXT, have_gpt2_files, have_wikitext
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOG_FIELDS = [
@@ -48,14 +49,16 @@ def dataset(tmp_path_factory):
     files are there, else the corpus and tokenizer of tools/build_quickstart_corpus.py."""
     folder = tmp_path_factory.mktemp("data")
     corpus = folder / "corpus.json"
-    if have_gpt2_files() and (WIKITEXT / "valid.txt").is_file():
+    if have_gpt2_files() and have_wikitext():
         with open(corpus, "w", encoding="utf-8") as f:
             for article in wikitext_articles(max_chars=150_000):
                 f.write(json.dumps({"text": article}) + "\n")
         vocab, merges = VOCAB, MERGES
     else:
         tool = load_tool("build_quickstart_corpus")
-        tool.build_corpus(corpus, max_chars=150_000)
+        # Not the tool's default (../shared beside the checkout): what tests/shared_data.py
+        # found, which MEGATRON_TEST_DATA may hide.
+        tool.build_corpus(corpus, WIKITEXT if have_wikitext() else None, max_chars=150_000)
         vocab, merges = tool.train_tokenizer(tool.read_json_texts(corpus), folder / "tok", 1024)
     tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
                  "--merge-file", str(merges)]

@@ -16,20 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.corpus import MERGES, VOCAB, have_gpt2_files
-
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "gpt3" / "train_gpt3_175b_distributed.sh"
+GPT2_VOCAB = 50257
 SHRINK = ["--rehearse-hidden-size", "96", "--rehearse-seq-length", "8"]
 
 
 def _tokenizer_files(tmp_path: Path) -> tuple[str, str]:
-    """GPT-2's vocabulary files (only their size matters here): the shared ones, else a
-    stand-in of GPT-2's 50257 entries."""
-    if have_gpt2_files():
-        return str(VOCAB), str(MERGES)
+    """A stand-in of GPT-2's vocabulary: its 50257 entries, ``<|endoftext|>`` last as in
+    GPT-2, and no merges. A rehearsal reads only the vocabulary's size and its end-of-document
+    token, so the test is the same with or without the real files."""
     vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
-    vocab.write_text(json.dumps({f"t{i}": i for i in range(50257)}))
+    entries = {f"t{i}": i for i in range(GPT2_VOCAB - 1)}
+    entries["<|endoftext|>"] = GPT2_VOCAB - 1
+    vocab.write_text(json.dumps(entries))
     merges.write_text("#version: 0.2\n")
     return str(vocab), str(merges)
 

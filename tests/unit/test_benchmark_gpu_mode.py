@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.distributed.training_utils import load_benchmark
+from tests.shared_data import ROOT, missing, nanogpt_model
 
 throughput = load_benchmark("train_throughput")
 peers = load_benchmark("gpu_peers")
@@ -24,11 +25,13 @@ def _check(result: dict) -> None:
     assert math.isfinite(result["loss"])
 
 
+@pytest.mark.shared_data
 def test_nanogpt_loop_on_cpu():
-    path = peers.find_nanogpt()
+    path = nanogpt_model()
     if path is None:
-        pytest.skip("nanoGPT's model.py is not here (../shared/peers or $NANOGPT_MODEL)")
-    result = peers.nanogpt_loop(_tiny_run(), path)
+        pytest.skip(f"needs nanoGPT's model.py ({missing(ROOT / 'peers/nanogpt/model.py')}, "
+                    "or $NANOGPT_MODEL)")
+    result = peers.nanogpt_loop(_tiny_run(), str(path))
     _check(result)
     assert result["peak_memory_mb"] is None  # CPU: no CUDA allocator to ask
 
@@ -47,9 +50,9 @@ def test_matmul_peak_runs_on_cpu():
 @pytest.mark.gpu
 def test_peers_in_bf16_on_cuda():
     _check(peers.hf_loop(_tiny_run("cuda", "bfloat16")))
-    path = peers.find_nanogpt()
+    path = nanogpt_model()
     if path is not None:
-        result = peers.nanogpt_loop(_tiny_run("cuda", "bfloat16"), path)
+        result = peers.nanogpt_loop(_tiny_run("cuda", "bfloat16"), str(path))
         _check(result)
         assert result["peak_memory_mb"] > 0
 

@@ -1,11 +1,21 @@
-"""Shared test inputs: where the GPT-2 files are, and strings that stress a BPE tokenizer."""
+"""Shared test inputs: the GPT-2 files (tests/shared_data.py says where they are), and strings that stress a BPE tokenizer."""
 
-import os
+from tests.shared_data import MERGES as _MERGES
+from tests.shared_data import VOCAB as _VOCAB
+from tests.shared_data import WIKITEXT_VALID
 
-GPT2_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "data", "gpt2")
-VOCAB = os.path.abspath(os.path.join(GPT2_DIR, "gpt2-vocab.json"))
-MERGES = os.path.abspath(os.path.join(GPT2_DIR, "gpt2-merges.txt"))
-WIKITEXT = os.path.abspath(os.path.join(GPT2_DIR, "..", "wikitext-2", "valid.txt"))
+# As strings: the tests pass them on as command-line arguments.
+VOCAB, MERGES, WIKITEXT = str(_VOCAB), str(_MERGES), str(WIKITEXT_VALID)
+
+
+def wikitext_paragraphs(count: int) -> list[str]:
+    """WikiText-2's first ``count`` paragraphs (its blank lines are " \\n"); none without it."""
+    if not WIKITEXT_VALID.is_file():
+        return []
+    with open(WIKITEXT_VALID, encoding="utf-8") as f:
+        text = f.read(200_000)
+    return [p for p in text.split(" \n \n") if p.strip()][:count]
+
 
 # Unicode, whitespace runs, contractions, digits, emoji, control characters and the EOD text.
 VARIED_STRINGS = [

@@ -15,6 +15,7 @@ from megatron.tokenizer import (
     build_tokenizer,
 )
 from megatron.tokenizer.gpt2_bpe import EOD_TOKEN, bytes_to_unicode
+from tests.shared_data import WIKITEXT_VALID, missing
 from tests.unit.tokenizer.gpt2_reference import ReferenceGPT2
 from tests.unit.tokenizer.strings import VARIED_STRINGS, WIKITEXT
 
@@ -78,7 +79,7 @@ def test_lone_surrogate_is_an_error(tokenizer):
 
 def test_all_of_wikitext2_valid_matches_reference(gpt2_files, reference):
     if not os.path.isfile(WIKITEXT):
-        pytest.skip("WikiText-2 is not available")
+        pytest.skip(missing(WIKITEXT_VALID))
     pytest.importorskip("tiktoken")
     with open(WIKITEXT, encoding="utf-8") as f:
         lines = f.read().split("\n")
