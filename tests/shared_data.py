@@ -46,11 +46,11 @@ def nanogpt_model() -> Optional[Path]:
     return None
 
 
-def missing(*paths: Path) -> str:
+def missing(*paths: Path, also: str = "") -> str:
     """A skip reason naming the files that are not there and how to provide them."""
     absent = [str(p) for p in paths if not Path(p).is_file()]
     return (f"needs {', '.join(absent)} (not found; put ../shared beside the checkout or set "
-            f"{ENV} to a copy of its data folder)")
+            f"{ENV} to a copy of its data folder{also})")
 
 
 def gpt2_skip_reason() -> Optional[str]:

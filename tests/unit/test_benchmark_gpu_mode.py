@@ -29,8 +29,8 @@ def _check(result: dict) -> None:
 def test_nanogpt_loop_on_cpu():
     path = nanogpt_model()
     if path is None:
-        pytest.skip(f"needs nanoGPT's model.py ({missing(ROOT / 'peers/nanogpt/model.py')}, "
-                    "or $NANOGPT_MODEL)")
+        pytest.skip(missing(ROOT / "peers/nanogpt/model.py", also=", or $NANOGPT_MODEL to "
+                            "nanoGPT's model.py"))
     result = peers.nanogpt_loop(_tiny_run(), str(path))
     _check(result)
     assert result["peak_memory_mb"] is None  # CPU: no CUDA allocator to ask
