@@ -13,6 +13,7 @@ averaged over micro-batches and data-parallel ranks here.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import gc
@@ -85,6 +86,9 @@ from megatron.training_log import (
 )
 from megatron.utils import configure_output, global_rank, print_rank_0, refuse
 
+# Iterations TrainState.history keeps: every one of the short runs tests and benchmarks make.
+HISTORY_WINDOW = 1000
+
 
 @dataclasses.dataclass
 class TrainState:
@@ -94,8 +98,11 @@ class TrainState:
     best_valid_loss: float = math.inf
     last_saved: Optional[int] = None
     # Per iteration of this process: {"iteration", "losses", "grad_norm", "skipped",
-    # "nonfinite", "loss_scale"}; what tests and benchmarks read instead of parsing the log.
-    history: list = dataclasses.field(default_factory=list)
+    # "nonfinite", "loss_scale", "params_norm"}; what tests and benchmarks read instead of
+    # parsing the log. Only the last HISTORY_WINDOW iterations: the loop itself reads only the
+    # newest, and a run of a million steps must not hold a million entries.
+    history: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=HISTORY_WINDOW))
     last_checkpoint: Optional[str] = None  # folder of the last checkpoint saved or resumed
     last_valid_losses: dict = dataclasses.field(default_factory=dict)
 

@@ -2,7 +2,7 @@
 
 Run it as pretrain_gpt.py is run (``python -m torch.distributed.run ... THIS_FILE <flags>``,
 or directly); with ``MEGATRON_TEST_HISTORY=DIR`` each rank writes ``DIR/rank{RANK}.json``
-(``TrainState.history``) when pretrain() returns. Subprocess tests compare those bit for bit:
+(``TrainState.history``: its last 1000 iterations) when pretrain() returns. Subprocess tests compare those bit for bit:
 the log line's 7 digits cannot show that two runs are identical.
 """
 
@@ -21,7 +21,7 @@ def main() -> None:
     if folder:
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
         with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
-            json.dump(state.history, f)
+            json.dump(list(state.history), f)
 
 
 if __name__ == "__main__":
