@@ -10,6 +10,16 @@ file. Global rank 0 of a run holds the lock for all its ranks.
 On a file system without ``flock`` the file alone decides: a holder on this host is alive
 when its pid is; one on another host is taken to be alive (delete the file to go on).
 
+The lock does not outlive its holder. A forked child (a DataLoader worker) would share the
+flock through the descriptor it inherits and keep it after the holder died (torchrun's next
+attempt then found its own dead rank 0's lock "in use", issue 30); children close that
+descriptor as they start (``os.register_at_fork``). And where something else still holds the
+flock while the holder the file names is dead on this host (the children of a holder that
+predates this), a new run waits ``_ORPHAN_GRACE`` seconds (a run that just took the flock
+writes its name well within that) and then takes over by putting a new, locked file in its
+place; the replacement is serialized by an flock on the folder, so of two runs taking over at
+once one wins and the other finds it alive.
+
 The locks this process holds are kept by path (``_HELD``) so that an earlier run in the same
 process that ended by an exception cannot lock out the next one, and are released at exit.
 """
@@ -27,6 +37,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from typing import Optional
 
 from megatron.checkpointing.errors import CheckpointError
@@ -36,6 +47,9 @@ logger = logging.getLogger(__name__)
 LOCK_FILENAME = ".megatron-save.lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _HELD: dict[str, SaveLock] = {}  # this process's locks, by the lock file's real path
+# Seconds a flock held for a dead holder is watched before it is taken over (see above).
+_ORPHAN_GRACE = 2.0
+_POLL = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,30 +99,41 @@ class SaveLock:
             earlier.release()
         for _ in range(5):  # the holder may remove the file between our open and our lock
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            orphaned = False
             try:
                 stale = self._lock(fd)
+                if isinstance(stale, _Orphaned):
+                    old_fd, fd, stale, orphaned = fd, self._replace(fd), stale.holder, True
+                    os.close(old_fd)
+                    if fd is None:  # another run replaced it first: look again
+                        continue
             except BaseException:
                 os.close(fd)
                 raise
             if _same_file(fd, self.path):
                 self._fd = fd
                 _HELD[os.path.realpath(self.path)] = self
-                self._write(_me())
+                _write(fd, _me())
                 if stale is not None:
-                    logger.warning("--save %s: took over the lock of a run that is gone (%s)",
-                                   self.save_dir, stale.describe())
+                    logger.warning("--save %s: took over the lock of a run that is gone (%s)%s",
+                                   self.save_dir, stale.describe(),
+                                   "; processes it started still held it" if orphaned else "")
                 return stale
             os.close(fd)
         raise CheckpointError(f"cannot lock --save {self.save_dir}: {self.path} keeps being "
                               "replaced (another run starting there?)")
 
-    def _lock(self, fd: int) -> Optional[LockHolder]:
+    def _lock(self, fd: int) -> Optional[LockHolder | _Orphaned]:
         """flock ``fd`` (or judge the holder without flock); returns the previous holder if
-        it is gone, raises if it is alive."""
+        it is gone (``_Orphaned`` if processes it left still hold the flock), raises if it
+        is alive."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise self._busy(_read_holder(fd)) from None
+            holder = _read_holder(fd)
+            if holder is None or _may_be_alive(holder):
+                raise self._busy(holder) from None
+            return self._watch_orphaned(fd, holder)
         except OSError as error:
             if error.errno not in _NO_FLOCK:
                 raise
@@ -119,6 +144,47 @@ class SaveLock:
         holder = _read_holder(fd)
         return holder if holder is not None and holder.pid != os.getpid() else None
 
+    def _watch_orphaned(self, fd: int, holder: LockHolder) -> LockHolder | _Orphaned:
+        """The flock is held, the holder named in the file is dead: wait ``_ORPHAN_GRACE``
+        for the flock to go (ours then) or for a live run's name to appear (refused)."""
+        deadline = time.monotonic() + _ORPHAN_GRACE
+        while time.monotonic() < deadline:
+            time.sleep(_POLL)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return holder
+            except BlockingIOError:
+                pass
+            now = _read_holder(fd)
+            if now != holder:  # a run that took the flock has written its name
+                if now is None or _may_be_alive(now):
+                    raise self._busy(now) from None
+                holder = now
+        return _Orphaned(holder)
+
+    def _replace(self, seen: int) -> Optional[int]:
+        """Put a new lock file, flocked and naming this process, where ``seen`` (the file
+        a dead holder's children still lock) is; None when another run replaced it first."""
+        dir_fd = os.open(self.save_dir, os.O_RDONLY)
+        try:
+            _flock_briefly(dir_fd)  # one run at a time replaces the file
+            if not _same_file(seen, self.path):
+                return None
+            temporary = f"{self.path}.{os.getpid()}.tmp"
+            fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _write(fd, _me())
+                os.replace(temporary, self.path)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.remove(temporary)
+                raise
+            return fd
+        finally:
+            os.close(dir_fd)  # drops the folder's flock
+
     def _busy(self, holder: Optional[LockHolder]) -> CheckpointError:
         who = holder.describe() if holder is not None else "a process that has not yet " \
             "written its name"
@@ -127,13 +193,6 @@ class SaveLock:
             f"one folder would mix their checkpoints: give this run another --save, or stop "
             f"that run first (if it is gone and its file system has no flock, delete "
             f"{self.path})")
-
-    def _write(self, holder: LockHolder) -> None:
-        text = json.dumps(dataclasses.asdict(holder)).encode() + b"\n"
-        os.ftruncate(self._fd, 0)
-        os.lseek(self._fd, 0, os.SEEK_SET)
-        os.write(self._fd, text)
-        os.fsync(self._fd)
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (a no-op when not held)."""
@@ -145,6 +204,39 @@ class SaveLock:
                 os.remove(self.path)
         os.close(self._fd)  # drops the flock
         self._fd = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Orphaned:
+    """A dead holder whose flock is still held (by processes it started)."""
+
+    holder: LockHolder
+
+
+def _write(fd: int, holder: LockHolder) -> None:
+    text = json.dumps(dataclasses.asdict(holder)).encode() + b"\n"
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, text)
+    os.fsync(fd)
+
+
+def _flock_briefly(fd: int, seconds: float = 10.0) -> None:
+    """flock ``fd``, waiting at most ``seconds`` (it is held only while a file is replaced);
+    a file system without flock on folders goes on without it."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(_POLL)
+        except OSError as error:
+            if error.errno in _NO_FLOCK:
+                return
+            raise
 
 
 def _same_file(fd: int, path: str) -> bool:
@@ -171,3 +263,18 @@ def _may_be_alive(holder: LockHolder) -> bool:
 def _release_all() -> None:
     for lock in list(_HELD.values()):
         lock.release()
+
+
+def _forget_in_child() -> None:
+    """In a forked child (a DataLoader worker): close the inherited lock descriptors, which
+    would keep the flock after the holder ends (the holder keeps its own: a flock goes only
+    when every descriptor of it is closed). The child holds no lock and removes none."""
+    for lock in _HELD.values():
+        if lock._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock._fd)
+            lock._fd = None
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

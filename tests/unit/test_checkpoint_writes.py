@@ -1,20 +1,25 @@
 """Writing checkpoint files (megatron/checkpointing/files.py, lock.py) in one process: a file
 streamed tensor by tensor is the file torch.save writes; a full disk or the file size limit
 is named with the file, the bytes needed and free, and leaves no partial file; the --save
-lock refuses a live holder and takes over a dead one's."""
+lock refuses a live holder and takes over a dead one's, even where processes the dead one
+started still hold its flock."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
 from megatron.checkpointing import CheckpointError
+from megatron.checkpointing import lock as lock_module
 from megatron.checkpointing.files import (
     Deferred,
     read_torch,
@@ -174,3 +179,123 @@ def test_a_background_save_refuses_nan_on_its_copy_and_publishes_nothing(tmp_pat
                        r"model\.final_layernorm\.weight holds NaN/Inf; the tracker"):
         saver.wait()
     assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A run's rank 0 as torchrun saw it: it holds the lock, then forks a child (a DataLoader
+# worker) that outlives it.
+FORKING_HOLDER = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {repo!r})
+    from megatron.checkpointing.lock import SaveLock
+    SaveLock(sys.argv[1]).acquire()
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(child, flush=True)
+    sys.stdin.read()
+""")
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_the_lock_is_not_kept_by_the_holders_forked_children(tmp_path, caplog):
+    holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER.format(repo=REPO),
+                               str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    child = int(holder.stdout.readline())
+    try:
+        with pytest.raises(CheckpointError):  # the child closing its copy freed nothing
+            SaveLock(str(tmp_path)).acquire()
+        holder.kill()
+        holder.wait()
+        start = time.monotonic()
+        lock = SaveLock(str(tmp_path))
+        stale = lock.acquire()  # the child is still there: it must not hold the lock
+        took = time.monotonic() - start
+    finally:
+        _kill(child)
+        holder.kill()
+        holder.wait()
+    assert stale is not None and stale.pid == holder.pid
+    assert took < lock_module._ORPHAN_GRACE  # at once: no wait for orphans
+    assert "processes it started still held it" not in caplog.text
+    lock.release()
+
+
+# Holds the flock of the lock file in whatever form it is, naming a process that is gone
+# (the children of a holder that predates the fork rule); after ``rename`` seconds it writes
+# its own name there, as a run that has just taken the flock does.
+ORPHAN = textwrap.dedent("""
+    import fcntl, json, os, sys, time
+    path, dead, rename = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    def name(pid):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({{"host": {host!r}, "pid": pid, "started": "2024"}}).encode(), 0)
+    name(dead)
+    print("held", flush=True)
+    if rename >= 0:
+        time.sleep(rename)
+        name(os.getpid())
+    sys.stdin.read()
+""")
+
+
+def _orphan(tmp_path, rename: float) -> tuple[subprocess.Popen, int]:
+    import socket
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN.format(host=socket.gethostname()),
+         str(tmp_path / LOCK_FILENAME), str(gone.pid), str(rename)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert orphan.stdout.readline() == "held\n"
+    return orphan, gone.pid
+
+
+def test_a_dead_holders_lock_still_flocked_by_its_children_is_taken_over(tmp_path, caplog):
+    orphan, dead = _orphan(tmp_path, rename=-1)
+    try:
+        start = time.monotonic()
+        lock = SaveLock(str(tmp_path))
+        stale = lock.acquire()
+        took = time.monotonic() - start
+        assert stale is not None and stale.pid == dead
+        assert lock_module._ORPHAN_GRACE <= took < lock_module._ORPHAN_GRACE + 5
+        assert (f"took over the lock of a run that is gone (host {stale.host}, pid {dead}, "
+                "started 2024); processes it started still held it") in caplog.text
+        written = json.loads((tmp_path / LOCK_FILENAME).read_text())
+        assert written["pid"] == os.getpid()
+        # A third run finds this one alive (the orphan's flock is on the replaced file).
+        third = subprocess.run([sys.executable, "-c", HOLDER.format(repo=REPO), str(tmp_path)],
+                               input="", capture_output=True, text=True, timeout=60)
+        assert third.returncode == 1
+        assert f"is in use by another run (host {stale.host}, pid {os.getpid()}" in third.stderr
+        assert sorted(os.listdir(tmp_path)) == [LOCK_FILENAME]  # no temporary file left
+    finally:
+        orphan.kill()
+        orphan.wait()
+    lock.release()
+    assert not os.path.exists(tmp_path / LOCK_FILENAME)
+
+
+def test_a_run_that_names_itself_during_the_wait_is_refused(tmp_path):
+    orphan, _ = _orphan(tmp_path, rename=0.5)
+    try:
+        with pytest.raises(CheckpointError) as info:
+            SaveLock(str(tmp_path)).acquire()
+        assert "is in use by another run (host " in str(info.value)
+        assert f"pid {orphan.pid}, started 2024" in str(info.value)
+    finally:
+        orphan.kill()
+        orphan.wait()
