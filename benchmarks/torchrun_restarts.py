@@ -4,6 +4,7 @@ uninterrupted run's losses?
 
     python benchmarks/torchrun_restarts.py                     # 10 tries, static and c10d
     python benchmarks/torchrun_restarts.py --tries 3 --rdzv c10d --nodes 2 --seed 7
+    python benchmarks/torchrun_restarts.py --max-restarts 1 --rdzv static   # one restart each
 
 First one uninterrupted run of ``pretrain_gpt.py`` (2 processes, tensor parallel 2, dropout
 on, a checkpoint every few iterations, synthetic data), then, per try, the same command under
@@ -46,9 +47,12 @@ _LOG_LOSS = re.compile(r"^ iteration +(\d+)/ *\d+ \|.*?\| lm loss: (\S+) \|", re
 _RESUMED = re.compile(r"training from iteration (\d+) to")
 
 
-def model_flags(save: str, iters: int = ITERS) -> list[str]:
+def model_flags(save: str, iters: int = ITERS, save_interval: int = SAVE_INTERVAL,
+                num_workers: int = 2) -> list[str]:
     """A tiny GPT at tensor parallel 2 (both ranks write checkpoint files), dropout on (the
-    random states must resume too), synthetic data, a checkpoint every SAVE_INTERVAL."""
+    random states must resume too), synthetic data read by ``num_workers`` DataLoader workers
+    per rank (pretrain_gpt.py's default: they are forked after rank 0 takes the --save lock),
+    a checkpoint every ``save_interval``."""
     return [
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
@@ -57,7 +61,8 @@ def model_flags(save: str, iters: int = ITERS) -> list[str]:
         "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--log-interval", "1",
         "--eval-iters", "0", "--mock-data", "--vocab-size", "512",
         "--tensor-model-parallel-size", "2", "--use-cpu", "--seed", "1234",
-        "--save", save, "--load", save, "--save-interval", str(SAVE_INTERVAL),
+        "--save", save, "--load", save, "--save-interval", str(save_interval),
+        "--num-workers", str(num_workers),
     ]
 
 
@@ -153,9 +158,10 @@ def histories(folder: str) -> list[list[dict]]:
     return result
 
 
-def run_uninterrupted(folder: str, timeout: float = 600) -> dict:
-    """The reference: every rank's history and the logged losses."""
-    flags = model_flags(f"{folder}/ckpt")
+def run_uninterrupted(folder: str, timeout: float = 600, **shape) -> dict:
+    """The reference: every rank's history and the logged losses (``shape``: model_flags'
+    keywords)."""
+    flags = model_flags(f"{folder}/ckpt", **shape)
     codes = wait_all(launch(folder, flags, max_restarts=0), timeout)
     log = read_logs(folder)
     if codes != [0]:
@@ -302,9 +308,9 @@ def _last_error(log: str) -> str:
 
 
 def run_try(folder: str, reference: dict, plan: KillPlan, rdzv: str, nodes: int,
-            timeout: float = 600) -> TryResult:
+            timeout: float = 600, max_restarts: int = 3, **shape) -> TryResult:
     start = time.monotonic()
-    agents = launch(folder, model_flags(f"{folder}/ckpt"), rdzv, nodes)
+    agents = launch(folder, model_flags(f"{folder}/ckpt", **shape), rdzv, nodes, max_restarts)
     what = execute_kill(folder, plan, agents)
     codes = wait_all(agents, timeout)
     ok, verdict = check_try(folder, codes, reference)
@@ -318,12 +324,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
                         help="torchrun agents (one per simulated node)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-restarts", type=int, default=3)
+    parser.add_argument("--num-workers", type=int, default=2,
+                        help="DataLoader workers per rank (0: none to orphan)")
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     root = tempfile.mkdtemp(prefix="torchrun-restarts-")
     print(f"runs in {root}", flush=True)
-    reference = run_uninterrupted(f"{root}/uninterrupted")
+    reference = run_uninterrupted(f"{root}/uninterrupted", num_workers=args.num_workers)
     kinds = ("static", "c10d") if args.rdzv == "both" else (args.rdzv,)
     tally = {}
     for rdzv in kinds:
@@ -331,7 +340,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for n in range(args.tries):
             folder = f"{root}/{rdzv}-{n}"
             os.makedirs(folder)
-            result = run_try(folder, reference, draw_plan(rng), rdzv, args.nodes)
+            result = run_try(folder, reference, draw_plan(rng), rdzv, args.nodes,
+                             max_restarts=args.max_restarts, num_workers=args.num_workers)
             passed += result.ok
             print(f"{rdzv} try {n + 1}: {'ok  ' if result.ok else 'FAIL'} "
                   f"{result.what} ({result.seconds:.0f} s)", flush=True)

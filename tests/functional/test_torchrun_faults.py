@@ -8,6 +8,9 @@ a stopped worker is named by the others instead of hanging them.
   (before megatron/rendezvous.py, 7 of 8 such restarts hung in init_process_group or failed
   with "Gloo connectFullMesh failed ... Connection refused"), resume from the newest complete
   checkpoint, and end with the uninterrupted run's losses and grad norms, bit for bit.
+- kill -9 of rank 0 or 1 with DataLoader workers on, ten times, under --max-restarts 1: each
+  restarted attempt gets the --save lock (rank 0's orphaned DataLoader workers do not keep it)
+  and ends with the uninterrupted losses.
 - kill -STOP of rank 1: rank 0 exits with status 1 within --distributed-timeout-minutes
   (0.1, fractions are accepted) plus a minute, with one error line naming the group, the
   operation, the iteration and rank 1; its stack was printed before that, once, after
@@ -47,6 +50,27 @@ def test_a_worker_killed_by_sigkill_restarts_and_ends_with_the_uninterrupted_los
     assert "1 restart(s)" in result.what and "killed rank" in result.what, result.what
     log = restarts.read_logs(str(tmp_path))
     assert "connectFullMesh" not in log and "> torchrun restarted the workers" in log
+
+
+# Ten kills, cheap: 12 iterations, a checkpoint every 3; each try is about 8 s.
+SHORT = {"iters": 12, "save_interval": 3, "num_workers": 2}
+
+
+def test_ten_kill_9s_with_dataloader_workers_each_recover_with_one_restart(tmp_path):
+    """Rank 0's DataLoader workers (forked after it took the --save lock) outlive a killed
+    rank 0 by seconds; the next attempt must still get the lock, so --max-restarts 1 is enough
+    (before issue 30 all such tries ended "--save ... is in use by another run")."""
+    reference = restarts.run_uninterrupted(str(tmp_path / "uninterrupted"), **SHORT)
+    failed = []
+    for n in range(10):
+        plan = restarts.KillPlan(rank=n % 2, when="step", after_iteration=4 + n % 5,
+                                 delay=0.1 * (n % 3))
+        folder = str(tmp_path / f"try{n}")
+        result = restarts.run_try(folder, reference, plan, "static", 1, timeout=240,
+                                  max_restarts=1, **SHORT)
+        if not (result.ok and "1 restart(s)" in result.what):
+            failed.append(f"try {n}: {result.what}\n{restarts.read_logs(folder)[-2000:]}")
+    assert not failed, "\n".join(failed)
 
 
 ERROR = re.compile(r"^error: \[rank 0\] (.*)$", re.M)
