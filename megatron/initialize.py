@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import rendezvous, xla
+from megatron import launcher_watch, rendezvous, xla
 from megatron.config import RunConfig
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_seed
@@ -88,6 +88,7 @@ def initialize_distributed(backend: str, timeout_minutes: float = 10,
     ``xla_spmd``: this process trains its XLA devices with SPMD (``megatron.xla``), the run's
     one rank.
     """
+    launcher_watch.stop_with_launcher()  # tools that start here (pretrain() did already)
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from megatron import training_xla, watchdog, xla
+from megatron import launcher_watch, training_xla, watchdog, xla
 from megatron.assembly.build import (
     RunContext,
     build_run_tokenizer,
@@ -760,6 +760,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     times out (--distributed-timeout-minutes) ends the process with one line and status 1; a
     stall prints the stacks (--hang-timeout-minutes; megatron/watchdog.py)."""
     wall_start = time.perf_counter()
+    launcher_watch.stop_with_launcher()  # first: a worker whose torchrun agent died ends
     cfg = parse_args_or_exit(argv, extra_args_provider, defaults=args_defaults,
                              checkpoint_settings=checkpoint_model_settings)
     callbacks = RunCallbacks(train_valid_test_datasets_provider, model_provider,

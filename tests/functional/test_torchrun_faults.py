@@ -11,6 +11,8 @@ a stopped worker is named by the others instead of hanging them.
 - kill -9 of rank 0 or 1 with DataLoader workers on, ten times, under --max-restarts 1: each
   restarted attempt gets the --save lock (rank 0's orphaned DataLoader workers do not keep it)
   and ends with the uninterrupted losses.
+- kill -9 of the torchrun agent: its workers stop at once (SIGTERM from the kernel, as the
+  agent would have sent), or with --exit-signal-handler save one checkpoint and stop.
 - kill -STOP of rank 1: rank 0 exits with status 1 within --distributed-timeout-minutes
   (0.1, fractions are accepted) plus a minute, with one error line naming the group, the
   operation, the iteration and rank 1; its stack was printed before that, once, after
@@ -71,6 +73,67 @@ def test_ten_kill_9s_with_dataloader_workers_each_recover_with_one_restart(tmp_p
         if not (result.ok and "1 restart(s)" in result.what):
             failed.append(f"try {n}: {result.what}\n{restarts.read_logs(folder)[-2000:]}")
     assert not failed, "\n".join(failed)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _kill_the_agent(folder: str, *extra: str) -> tuple[list[int], float, float]:
+    """Train under torchrun, kill -9 its agent at iteration 3; returns the workers and their
+    DataLoader workers, and the seconds until the ranks, then all of them, were gone."""
+    flags = [*restarts.model_flags(f"{folder}/ckpt", iters=1000), "--save-interval", "1000",
+             *extra]
+    [agent] = restarts.launch(folder, flags, max_restarts=0)
+    pids: list[int] = []
+    try:
+        assert restarts._wait_for_iteration(folder, 3, [agent], 240), \
+            restarts.read_logs(folder)[-3000:]
+        ranks = restarts.children(agent.pid)
+        pids = ranks + [p for r in ranks for p in restarts.children(r)]
+        assert len(ranks) == 2 and len(pids) == 6, pids  # 2 DataLoader workers each
+        agent.kill()
+        killed = time.monotonic()
+        while any(map(_alive, ranks)) and time.monotonic() - killed < 60:
+            time.sleep(0.05)
+        ranks_gone = time.monotonic() - killed
+        while any(map(_alive, pids)) and time.monotonic() - killed < 60:
+            time.sleep(0.05)
+        return pids, ranks_gone, time.monotonic() - killed
+    finally:
+        agent.kill()
+        agent.wait()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_killing_the_agent_stops_its_workers(tmp_path):
+    """kill -9 of torchrun's agent: its workers get SIGTERM from the kernel at once, as
+    from the agent (before issue 30 they trained on to the end as orphans)."""
+    folder = str(tmp_path)
+    pids, ranks_gone, all_gone = _kill_the_agent(folder)
+    assert ranks_gone < 3 and all_gone < 10, (ranks_gone, all_gone)  # DataLoader: ~5 s
+    log = restarts.read_logs(folder)
+    assert "Traceback" not in log, log[-3000:]
+
+
+def test_killing_the_agent_of_a_run_with_exit_signal_handler_saves_and_stops(tmp_path):
+    folder = str(tmp_path)
+    _, ranks_gone, all_gone = _kill_the_agent(folder, "--exit-signal-handler")
+    assert ranks_gone < 60 and all_gone < 60
+    log = restarts.read_logs(folder)
+    stop = re.search(r"exiting at iteration (\d+) \(SIGTERM received with "
+                     r"--exit-signal-handler\); checkpoint saved", log)
+    assert stop, log[-3000:]
+    from megatron.checkpointing import read_tracker
+
+    assert read_tracker(f"{folder}/ckpt").iteration == int(stop.group(1))
+    assert "Traceback" not in log, log[-3000:]
 
 
 ERROR = re.compile(r"^error: \[rank 0\] (.*)$", re.M)
