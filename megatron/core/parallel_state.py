@@ -82,6 +82,8 @@ class _State:
         self.virtual_pipeline_rank: Optional[int] = None
         self.timeout: Optional[datetime.timedelta] = None  # of every group made here
         self.members: dict[str, list[int]] = {}  # torch's group name -> global ranks
+        # Groups made elsewhere and adopted (adopt_groups): torch's name -> description.
+        self.descriptions: dict[str, str] = {}
 
 
 _state = _State()
@@ -167,6 +169,31 @@ def group_members(group_name: str) -> Optional[list[int]]:
     if dist.is_initialized() and group_name == dist.group.WORLD.group_name:
         return list(range(dist.get_world_size()))
     return None
+
+
+def torch_group_names() -> set[str]:
+    """torch's names of every process group this rank belongs to, wherever made."""
+    return set(dist.distributed_c10d._world.pg_names.values()) if dist.is_initialized() else set()
+
+
+def adopt_groups(names: set[str], owner: str) -> None:
+    """Groups ``owner`` made (DeepSpeed's engine makes its own with torch's default timeout,
+    30 minutes): give them the groups' timeout (``--distributed-timeout-minutes``) and
+    remember their ranks and a description, so that a timeout in one is named like one in
+    ours (megatron/core/timeouts.py)."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    for group, name in list(dist.distributed_c10d._world.pg_names.items()):
+        if name not in names or name in _state.members:
+            continue
+        if set_timeout is not None and _state.timeout is not None:
+            set_timeout(_state.timeout, group)
+        _state.members[name] = dist.get_process_group_ranks(group)
+        _state.descriptions[name] = f"{owner}'s group {name}"
+
+
+def group_description(group_name: str) -> Optional[str]:
+    """The description of an adopted group (None for others: theirs is torch's)."""
+    return _state.descriptions.get(group_name)
 
 
 def group_timeout() -> Optional[datetime.timedelta]:

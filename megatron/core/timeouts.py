@@ -1,7 +1,8 @@
 """A communication that timed out, described in one line: the group, the operation and the
 ranks that did not arrive.
 
-Every process group carries ``--distributed-timeout-minutes`` (``parallel_state``), so a rank
+Every process group carries ``--distributed-timeout-minutes`` (``parallel_state``; those
+DeepSpeed's engine makes are adopted: ``parallel_state.adopt_groups``), so a rank
 waiting for a peer that stopped, hung or died gets an error instead of waiting forever. On gloo
 the error says only "Timed out waiting 6000ms for recv operation to complete"; this module
 finds the rest:
@@ -96,6 +97,8 @@ def pending_operation(error: BaseException, entries: list[dict]) -> Optional[Pen
         return None
     entry = max(collectives, key=lambda e: e.get("record_id", 0))
     name, desc = entry.get("process_group", ("?", ""))
+    # A group made without a description (DeepSpeed's) is "undefined" to torch.
+    desc = parallel_state.group_description(str(name)) or desc
     operation = str(entry.get("profiling_name", "collective")).split(":")[-1]
     return Pending(str(name), str(desc), operation, int(entry.get("collective_seq_id", -1)))
 

@@ -654,6 +654,7 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
     os.environ.setdefault("LOCAL_RANK", str(env["local_rank"]))
     os.environ.setdefault("RANK", str(env["rank"]))
     os.environ.setdefault("WORLD_SIZE", str(env["world_size"]))
+    ours = parallel_state.torch_group_names()
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     configure_activation_checkpointing(cfg)
     pipeline = not cfg.deepspeed.no_pipeline_parallel
@@ -673,6 +674,9 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
     engine, _, _, ds_scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
         mpu=None if pipeline else ParallelStateMPU(), config=ds_config)
+    # DeepSpeed makes its groups (the pipeline grid's, ZeRO's) with torch's default timeout
+    # of 30 minutes: they get --distributed-timeout-minutes and names for timeout reports.
+    parallel_state.adopt_groups(parallel_state.torch_group_names() - ours, "DeepSpeed")
     if pipeline:
         _check_topology(engine)
     if cfg.optimizer.check_for_nan_in_loss_and_grad:
