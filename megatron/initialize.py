@@ -75,6 +75,46 @@ def rendezvous_env(env: Mapping[str, str]) -> dict[str, str]:
     return chosen
 
 
+# On a timeout NCCL's watchdog by default (3) and as torchrun sets it for its workers (1)
+# aborts the communicators and takes the process down from its own thread, before the rank's
+# one-line report (megatron/watchdog.py) can print. 2 ("clean up only") aborts them and
+# leaves the error to the rank's own thread, which reports it and exits.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+NCCL_CLEAN_UP_ONLY = "2"
+TORCHRUN_NCCL_DEFAULT = "1"  # what torchrun's agent gives a worker when its own env has none
+
+
+def nccl_error_handling_env(env: Mapping[str, str],
+                            launcher_env: Optional[Mapping[str, str]]) -> dict[str, str]:
+    """What to set before an NCCL group is made so that its timeouts reach our report: the
+    clean-up-only mode, unless the user chose a mode (``env``: this process's; torchrun's own
+    default for its workers, absent from ``launcher_env``, the agent's, is not a choice)."""
+    chosen = [name for name in NCCL_ERROR_HANDLING if name in env]
+    if chosen and not _torchrun_gave_it(env, launcher_env):
+        return {}
+    return {NCCL_ERROR_HANDLING[0]: NCCL_CLEAN_UP_ONLY}
+
+
+def _torchrun_gave_it(env: Mapping[str, str], launcher_env: Optional[Mapping[str, str]]) -> bool:
+    if not env.get("TORCHELASTIC_RUN_ID") or NCCL_ERROR_HANDLING[1] in env:
+        return False
+    if env.get(NCCL_ERROR_HANDLING[0]) != TORCHRUN_NCCL_DEFAULT:
+        return False
+    # The agent's environment tells whether the user set it; unreadable: take it as torchrun's.
+    return launcher_env is None or NCCL_ERROR_HANDLING[0] not in launcher_env
+
+
+def parent_env() -> Optional[dict[str, str]]:
+    """The environment the parent process (torchrun's agent, for its workers) started with;
+    None where it cannot be read."""
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return None
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
 def initialize_distributed(backend: str, timeout_minutes: float = 10,
                            device: Optional[torch.device] = None, xla_spmd: bool = False
                            ) -> None:
@@ -100,6 +140,8 @@ def initialize_distributed(backend: str, timeout_minutes: float = 10,
     if backend == "nccl" and (device is None or device.type != "cuda"):
         raise RuntimeError("--distributed-backend nccl needs a CUDA device")
     os.environ.update(rendezvous_env(os.environ))
+    if backend == "nccl":  # read when the NCCL group is made
+        os.environ.update(nccl_error_handling_env(os.environ, parent_env()))
     timeout = datetime.timedelta(minutes=timeout_minutes)
     extra = {"device_id": device} if backend == "nccl" else {}
     if rendezvous.uses_agent_store(os.environ):
