@@ -167,7 +167,9 @@ class SaveLock:
         a dead holder's children still lock) is; None when another run replaced it first."""
         dir_fd = os.open(self.save_dir, os.O_RDONLY)
         try:
-            _flock_briefly(dir_fd)  # one run at a time replaces the file
+            if not _flock_briefly(dir_fd):  # one run at a time replaces the file
+                raise CheckpointError(f"cannot lock --save {self.save_dir}: another run has "
+                                      f"been replacing {self.path} for 10 s")
             if not _same_file(seen, self.path):
                 return None
             temporary = f"{self.path}.{os.getpid()}.tmp"
@@ -221,21 +223,21 @@ def _write(fd: int, holder: LockHolder) -> None:
     os.fsync(fd)
 
 
-def _flock_briefly(fd: int, seconds: float = 10.0) -> None:
+def _flock_briefly(fd: int, seconds: float = 10.0) -> bool:
     """flock ``fd``, waiting at most ``seconds`` (it is held only while a file is replaced);
-    a file system without flock on folders goes on without it."""
+    False when that ran out. A file system without flock on folders goes on without it."""
     deadline = time.monotonic() + seconds
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return True
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise
+                return False
             time.sleep(_POLL)
         except OSError as error:
             if error.errno in _NO_FLOCK:
-                return
+                return True
             raise
 
 
