@@ -936,18 +936,21 @@ def load_into(state: TrainState, chunks, optimizer, scheduler, cfg: RunConfig) -
     if loaded.report is None:
         return  # no checkpoint there (checkpointing warned)
     print_rank_0(format_load_report(loaded.report, cfg.checkpoint,
-                                    state.consumed_train_samples))
+                                    state.consumed_train_samples,
+                                    evaluating=cfg.training.eval_only))
     if state.iteration > 0 and not cfg.checkpoint.finetune:
         state.last_saved = state.iteration  # nothing new to save before a step
         state.last_checkpoint = loaded.report.folder
 
 
 def _eval_only_load(cfg: RunConfig) -> RunConfig:
-    """Under --eval-only a --load without a checkpoint is an error, not a fresh start."""
+    """Under --eval-only a --load without a checkpoint is an error, not a fresh start, and
+    only the model is read: an evaluation needs no optimizer, schedule or generator state,
+    so a model-only checkpoint (--no-save-optim, the converter's output) loads as it is."""
     if not cfg.training.eval_only:
         return cfg
-    return cfg.replace(checkpoint=dataclasses.replace(cfg.checkpoint,
-                                                      exit_on_missing_checkpoint=True))
+    return cfg.replace(checkpoint=dataclasses.replace(
+        cfg.checkpoint, exit_on_missing_checkpoint=True, no_load_optim=True, no_load_rng=True))
 
 
 class _RunStart(NamedTuple):

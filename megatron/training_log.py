@@ -125,11 +125,15 @@ def format_eval(prefix: str, losses: dict[str, float]) -> str:
     return f"{bar}\n{line}\n{bar}"
 
 
-def format_load_report(report: Any, ckpt: Any, consumed_train_samples: int) -> str:
+def format_load_report(report: Any, ckpt: Any, consumed_train_samples: int,
+                       evaluating: bool = False) -> str:
     """One line: the folder a load read, its iteration, what it restored and what starts anew
-    (and why). ``report`` is checkpointing's LoadReport, ``ckpt`` the CheckpointConfig."""
+    (and why). ``report`` is checkpointing's LoadReport, ``ckpt`` the CheckpointConfig;
+    ``evaluating``: --eval-only, which reads the model alone."""
     model_only = ckpt.finetune or report.release
     whole = "--finetune" if ckpt.finetune else "release checkpoint" if report.release else None
+    if evaluating and not model_only:
+        whole = "--eval-only"
     restored, reset = ["model"], {}
     parts = [("optimizer state", report.optimizer, whole or "--no-load-optim"),
              ("LR schedule", report.scheduler,
@@ -150,7 +154,8 @@ def format_load_report(report: Any, ckpt: Any, consumed_train_samples: int) -> s
     line = (f"successfully loaded checkpoint from {os.path.dirname(report.folder)} at iteration "
             f"{report.iteration} ({where}); restored: {', '.join(restored)}")
     for reason, names in reset.items():
-        line += f"; reset ({reason}): {', '.join(names)}"
+        what = "not read" if reason == "--eval-only" else "reset"
+        line += f"; {what} ({reason}): {', '.join(names)}"
     return line
 
 

@@ -8,8 +8,9 @@
 ``--load`` takes any checkpoint kind ``--load`` of training reads (ours, Megatron-DeepSpeed's,
 DeepSpeed's engines). A checkpoint runs at the tensor x pipeline layout it was saved with
 (one process each) unless the flags choose another; the tokenizer is the one it recorded
-unless the tokenizer flags say otherwise. Each completion is printed as the prompt followed
-by the new text. ``--top-k 1`` is greedy (as in Megatron); ``--top-k`` and ``--top-p``
+unless the tokenizer flags say otherwise. Each completion is printed as one block: a header
+line naming the sample and its prompt, the prompt followed by the new text, and an end line
+(interactively, at ``>>``, the text alone). ``--top-k 1`` is greedy (as in Megatron); ``--top-k`` and ``--top-p``
 together keep the k likeliest, then the nucleus of those (as Hugging Face).
 """
 
@@ -79,10 +80,19 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def complete(gm, args: argparse.Namespace, params: SamplingParams, prompts: list[str]) -> bool:
-    """Generate on every rank; rank 0 prints each prompt followed by its new text. A prompt
-    the model cannot take (too long, ids outside its vocabulary) is reported, on every rank
-    alike before any step runs; returns whether the prompts were completed."""
+def sample_block(index: int, count: int, prompt: str, text: str) -> str:
+    """One completion as printed: a header naming it and its prompt, the prompt and its new
+    text, then an end line, so that samples with blank lines of their own stay apart."""
+    return (f"===== sample {index} of {count} | prompt: {prompt!r} =====\n{prompt}{text}\n"
+            f"===== end of sample {index} =====")
+
+
+def complete(gm, args: argparse.Namespace, params: SamplingParams, prompts: list[str],
+             framed: bool = True) -> bool:
+    """Generate on every rank; rank 0 prints each prompt followed by its new text, as a
+    ``sample_block`` when ``framed``. A prompt the model cannot take (too long, ids outside
+    its vocabulary) is reported, on every rank alike before any step runs; returns whether
+    the prompts were completed."""
     try:
         completions = generate_text(gm.model, gm.tokenizer, prompts, args.max_new_tokens,
                                     params=params, seed=args.seed, stop_strings=args.stop,
@@ -93,9 +103,12 @@ def complete(gm, args: argparse.Namespace, params: SamplingParams, prompts: list
             print(f"error: {e}", file=sys.stderr, flush=True)
         return False
     if is_rank_0():
-        for c in completions:
-            print(c.prompt + c.text, flush=True)
-            print(flush=True)
+        for i, c in enumerate(completions, 1):
+            if framed:
+                print(sample_block(i, len(completions), c.prompt, c.text), flush=True)
+            else:
+                print(c.prompt + c.text, flush=True)
+                print(flush=True)
     return True
 
 
@@ -111,7 +124,7 @@ def interactive(gm, args: argparse.Namespace, params: SamplingParams) -> None:
         prompt = broadcast_object(prompt)
         if prompt is None:
             return
-        complete(gm, args, params, [prompt])
+        complete(gm, args, params, [prompt], framed=False)
 
 
 def main(argv=None) -> int:

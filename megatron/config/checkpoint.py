@@ -12,11 +12,14 @@ from megatron.config.base import Slice, check_refused, one_of, option, optional_
 class CheckpointConfig(Slice):
     """Where checkpoints are saved to and loaded from, and what they hold."""
 
-    save: Optional[str] = option(default=None, help="Folder to save checkpoints in (needs "
-                                 "--save-interval); nothing is saved when unset.")
+    save: Optional[str] = option(default=None, help="Folder to save checkpoints in: every "
+                                 "--save-interval iterations and at the end of training (only "
+                                 "at the end without --save-interval); nothing is saved when "
+                                 "unset.")
     load: Optional[str] = option(default=None, help="Folder to resume from (its latest "
                                  "checkpoint); a fresh start when unset.")
-    save_interval: Optional[int] = option(default=None, help="Iterations between saves.")
+    save_interval: Optional[int] = option(default=None, help="Iterations between saves "
+                                          "(with --save; unset: one save at the end).")
     no_save_optim: bool = option(default=False, help="Save weights without optimizer state.")
     no_save_rng: bool = option(default=False, help="Save without the random-number states.")
     no_load_optim: bool = option(default=False, help="Load weights; start the optimizer "
@@ -57,5 +60,3 @@ class CheckpointConfig(Slice):
         optional_positive(self, "save_interval", "keep_last_n_checkpoints")
         require(not self.async_save or self.save is not None,
                 "--async-save needs --save (the folder the checkpoints are written to)")
-        require(self.save is None or self.save_interval is not None,
-                f"--save ({self.save}) needs --save-interval")

@@ -181,6 +181,9 @@ def parse_args(
                                xla_spmd_devices)
     if ns.dump_config is not None and global_rank() == 0:
         dump_config(config, ns.dump_config)
+        # Said at once: a user who meant only to dump sees it before any training starts.
+        stop = "" if config.training.dry_run else "; --dry-run to stop here"
+        print(f"wrote {ns.dump_config} (the whole configuration{stop})", flush=True)
     return config
 
 

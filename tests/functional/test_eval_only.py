@@ -72,6 +72,23 @@ def test_eval_only_prints_the_checkpoints_losses_and_writes_nothing(trained):
     assert _snapshot(ckpt) == before
 
 
+def test_eval_only_loads_a_model_only_checkpoint_as_it_is(trained, tmp_path):
+    """The converter's torch_dist output holds the model alone: --eval-only needs nothing
+    else, so it evaluates it without --no-load-optim/--no-load-rng, with the same losses."""
+    argv, ckpt, trained = trained
+    core = str(tmp_path / "core")
+    converted = _run(["--model-type", "GPT", "--loader", "megatron", "--saver", "core",
+                      "--load-dir", ckpt, "--save-dir", core], "tools/checkpoint/convert.py")
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    done = _run(argv + ["--load", core, "--eval-only"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "restored: model; not read (--eval-only): optimizer state, LR schedule, RNG state" \
+        in done.stdout
+    valid = _losses(trained.stdout, "validation loss at the end of training (iteration 4)")
+    assert _losses(done.stdout, "validation loss at iteration 4 on validation set") == \
+        pytest.approx(valid, rel=1e-6)
+
+
 def test_eval_only_without_a_checkpoint_is_refused(corpus, tmp_path, capsys):
     import pretrain_gpt
 

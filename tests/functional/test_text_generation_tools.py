@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -53,7 +54,20 @@ def _greedy(checkpoint, *extra, stdin=None):
                  "--max-new-tokens", 6, *extra], stdin=stdin)
 
 
+SAMPLE = re.compile(r"^===== sample (\d+) of (\d+) \| prompt: (.*) =====\n(.*?)\n"
+                    r"===== end of sample \1 =====$", re.M | re.S)
+
+
+def _samples(stdout: str) -> list[tuple[int, int, str, str]]:
+    """generate_text.py's blocks: (index, count, prompt as printed, prompt + completion)."""
+    return [(int(i), int(n), prompt, text) for i, n, prompt, text in SAMPLE.findall(stdout)]
+
+
 def _completions(stdout: str) -> list[str]:
+    """The completed texts: the blocks' texts, or (interactive) the lines printed."""
+    blocks = _samples(stdout)
+    if blocks:
+        return [text for *_, text in blocks]
     return [line for line in stdout.splitlines() if line]
 
 
@@ -64,6 +78,10 @@ def test_generate_text_from_flags_file_and_prompt(checkpoint, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = _completions(result.stdout)
     assert len(lines) == 3
+    prompts = ["1 2 3", "7 8 9", "10 11 12 13"]
+    assert [(i, n, p) for i, n, p, _ in _samples(result.stdout)] == [
+        (i, 3, repr(p)) for i, p in enumerate(prompts, 1)]
+    assert result.stdout.count("=====") == 12  # nothing outside the blocks but their frames
     for line, prompt in zip(lines, ["1 2 3", "7 8 9", "10 11 12 13"]):
         assert line.startswith(prompt + " ") and len(line.split()) == len(prompt.split()) + 6
     # Megatron-DeepSpeed's spellings of --top-k 1 and --max-new-tokens, at the >> prompt.

@@ -269,6 +269,15 @@ def test_dump_config_then_config_reproduces_it(tmp_path):
     assert oct(dumped.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
 
 
+def test_dump_config_says_where_it_wrote(tmp_path, capsys):
+    dumped = tmp_path / "effective.toml"
+    parse_args([*BASE, "--dump-config", str(dumped)], world_size=1)
+    assert capsys.readouterr().out.strip() == (
+        f"wrote {dumped} (the whole configuration; --dry-run to stop here)")
+    parse_args([*BASE, "--dump-config", str(dumped), "--dry-run"], world_size=1)
+    assert capsys.readouterr().out.strip() == f"wrote {dumped} (the whole configuration)"
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
