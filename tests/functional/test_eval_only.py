@@ -41,15 +41,24 @@ def _snapshot(folder) -> dict:
 
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory):
-    """A 4-iteration run that saved its checkpoint: (its flags, the folder, its stdout)."""
+    """A 4-iteration run that saved its checkpoint: (its flags, the folder, its stdout).
+    --save without --save-interval: saved once, at the end (as in Megatron)."""
     root = tmp_path_factory.mktemp("trained")
     ckpt = str(root / "ckpt")
     argv = base_argv(corpus, str(root / "cache"), **{
-        "--train-iters": 4, "--eval-iters": 2, "--split": "90,5,5", "--save": ckpt,
-        "--save-interval": 4})
+        "--train-iters": 4, "--eval-iters": 2, "--split": "90,5,5", "--save": ckpt})
     done = _run(argv)
     assert done.returncode == 0, done.stderr[-3000:]
     return argv, ckpt, done
+
+
+def test_save_without_save_interval_saves_once_at_the_end(trained):
+    from megatron.checkpointing import list_iterations
+
+    _, ckpt, done = trained
+    assert list_iterations(ckpt) == [4]
+    assert "last checkpoint" in done.stdout and "iter_0000004" in done.stdout.split(
+        "run summary")[-1]
 
 
 def test_eval_only_prints_the_checkpoints_losses_and_writes_nothing(trained):
