@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("auto", "nccl", "gloo", "xla")
 DEVICE_CHOICES = ("auto", "cuda", "cpu", "xla")
+# torch_xla X.Y runs on torch X.Y only, and its releases stop at 2.9 (newer torch has none):
+# the message names a pair that exists rather than one derived from this torch's version.
+XLA_MISSING = ("--device xla needs torch_xla, which is not installed here. torch_xla X.Y "
+               "needs torch X.Y exactly and is released up to 2.9: e.g. pip install "
+               "torch==2.9.0 torch_xla==2.9.0 (README, 'XLA (TPU)')")
 
 
 def compute_device_type(use_cpu: bool, requested: str = "auto", xla_allowed: bool = True) -> str:
@@ -43,9 +48,7 @@ def compute_device_type(use_cpu: bool, requested: str = "auto", xla_allowed: boo
         if use_cpu:
             raise ValueError("--device xla and --use-cpu contradict each other: drop one")
         if not xla.torch_xla_importable():
-            raise ValueError(f"--device xla needs torch_xla (pip install "
-                             f"torch_xla=={torch.__version__.split('+')[0]}: the same version "
-                             "as torch)")
+            raise ValueError(XLA_MISSING)
         return "xla"
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no GPU is visible")

@@ -60,10 +60,6 @@ def unsupported_on_xla(cfg: RunConfig) -> Optional[str]:
         (cfg.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist "
          "(torch.distributed.checkpoint's collectives do not run over the xla backend; the "
          "torch format's checkpoints load on any device)"),
-        (o.check_for_nan_in_loss_and_grad and not o.use_syncfree_optim,
-         "--check-for-nan-in-loss-and-grad without --use-syncfree-optim (skipping a NaN/Inf "
-         "step on the device needs the sync-free optimizer; add --use-syncfree-optim, or "
-         "turn the check off with --no-check-for-nan-in-loss-and-grad)"),
     ]
     for refused, what in refusals:
         if refused:

@@ -219,12 +219,15 @@ def executions() -> int:
     return sum(int(data[0]) for data in counts if data)
 
 
+SYNCFREE_OPTIMIZERS = ("adam", "sgd")  # the --optimizer values torch_xla has sync-free
+
+
 def syncfree_optimizer(name: str, groups: list[dict], **kwargs: Any) -> torch.optim.Optimizer:
     """torch_xla's sync-free AdamW or SGD (``--use-syncfree-optim``): ``step(found_inf=t)``
     skips the update on the device when ``t`` is non-zero, so no host read decides it."""
     from torch_xla.amp import syncfree
 
-    classes = {"adam": syncfree.AdamW, "sgd": syncfree.SGD}
+    classes = dict(zip(SYNCFREE_OPTIMIZERS, (syncfree.AdamW, syncfree.SGD)))
     if name not in classes:
         raise ValueError(f"--use-syncfree-optim has no sync-free --optimizer {name}")
     optimizer = classes[name](groups, **kwargs)

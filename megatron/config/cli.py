@@ -38,7 +38,7 @@ from megatron.config.base import (
 from megatron.config.data import DataConfig, canonical_tokenizer_type
 from megatron.config.run import SLICE_CLASSES, RunConfig
 from megatron.config.toml_io import dump_config, toml_settings
-from megatron.utils import global_rank, refuse
+from megatron.utils import global_rank, print_rank_0, refuse
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], Optional[argparse.ArgumentParser]]
 # --load -> the model-shape values stored with its latest checkpoint (--use-checkpoint-args).
@@ -179,6 +179,10 @@ def parse_args(
         compat.announce_no_ops(ns)
     config = _build_run_config(ns, _resolve_world_size(world_size), extra_dests,
                                xla_spmd_devices)
+    if announce and config.optimizer.use_syncfree_optim and not ns.use_syncfree_optim:
+        print_rank_0("> on an XLA device --check-for-nan-in-loss-and-grad skips a NaN/Inf step "
+                     "with torch_xla's sync-free optimizer: --use-syncfree-optim chosen "
+                     "(--no-check-for-nan-in-loss-and-grad keeps torch's optimizer)")
     if ns.dump_config is not None and global_rank() == 0:
         dump_config(config, ns.dump_config)
         # Said at once: a user who meant only to dump sees it before any training starts.

@@ -16,6 +16,7 @@ from megatron.config.model import ModelConfig
 from megatron.config.optim import OptimizerConfig, SchedulerConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import TrainingConfig
+from megatron.xla import SYNCFREE_OPTIMIZERS
 
 # The slices, in the order of --help and of the TOML file, with their table names.
 SLICE_CLASSES = {
@@ -57,6 +58,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         self._resolve_virtual_pipeline()
         self._hand_over_received()
+        self._pick_syncfree_optimizer_on_xla()
         self._check_pipeline()
         self._resolve_batch_sizes()
         self._check_interleaved_batch_sizes()
@@ -70,6 +72,15 @@ class RunConfig:
         current = getattr(self, slice_name)
         if any(getattr(current, k) != v for k, v in changes.items()):
             object.__setattr__(self, slice_name, dataclasses.replace(current, **changes))
+
+    def _pick_syncfree_optimizer_on_xla(self) -> None:
+        """On an XLA device the NaN/Inf check (on by default) skips a step on the device,
+        which takes torch_xla's sync-free optimizer: it is chosen for the check (AdamW, SGD),
+        so the plain command trains there (the parser says so once)."""
+        o = self.optimizer
+        if (self.training.distributed_backend == "xla" and o.check_for_nan_in_loss_and_grad
+                and not o.use_syncfree_optim and o.optimizer in SYNCFREE_OPTIMIZERS):
+            self._set("optimizer", use_syncfree_optim=True)
 
     def _resolve_virtual_pipeline(self) -> None:
         vp = self.parallel.check_virtual_pipeline(self.model.num_layers)

@@ -48,8 +48,10 @@ def test_pjrt_device_picks_xla_only_where_torch_xla_is_installed(monkeypatch,
 
 def test_device_flag_errors_name_the_flags(torch_xla_installed):
     torch_xla_installed(False)
-    with pytest.raises(ConfigError, match="--device xla needs torch_xla"):
+    with pytest.raises(ConfigError, match="--device xla needs torch_xla") as refused:
         parse_args(TINY + ["--device", "xla"])
+    # A pair that exists (torch_xla stops at 2.9), not one made from this torch's version.
+    assert "pip install torch==2.9.0 torch_xla==2.9.0 (README, 'XLA (TPU)')" in str(refused.value)
     torch_xla_installed(True)
     with pytest.raises(ConfigError, match="--distributed-backend gloo cannot carry XLA"):
         parse_args(TINY + ["--device", "xla", "--distributed-backend", "gloo"])
@@ -83,12 +85,20 @@ def test_an_xla_run_refuses_what_it_cannot_do(monkeypatch, torch_xla_installed, 
     assert problem is not None and named in problem
 
 
-def test_the_nan_check_on_xla_needs_the_syncfree_optimizer(torch_xla_installed):
+def test_the_nan_check_on_xla_picks_the_syncfree_optimizer(torch_xla_installed, capsys):
     torch_xla_installed(True)
-    problem = training_xla.unsupported_on_xla(parse_args(TINY + ["--device", "xla"]))
-    assert "--use-syncfree-optim" in problem and "--no-check-for-nan-in-loss-and-grad" in problem
-    unchecked = parse_args(TINY + ["--device", "xla", "--no-check-for-nan-in-loss-and-grad"])
-    assert training_xla.unsupported_on_xla(unchecked) is None
+    plain = parse_args(TINY + ["--device", "xla"])
+    assert plain.optimizer.use_syncfree_optim and training_xla.unsupported_on_xla(plain) is None
+    assert capsys.readouterr().out.count("--use-syncfree-optim chosen") == 1
+    for flags in (["--use-syncfree-optim"], ["--no-check-for-nan-in-loss-and-grad"]):
+        cfg = parse_args(TINY + ["--device", "xla", *flags])  # chosen by the user: no notice
+        assert "chosen" not in capsys.readouterr().out
+        assert training_xla.unsupported_on_xla(cfg) is None
+    assert not cfg.optimizer.use_syncfree_optim  # no check: torch's optimizer
+    assert not parse_args(list(TINY)).optimizer.use_syncfree_optim  # off XLA
+    # A configuration made in code resolves alike (the check keeps the sync-free optimizer).
+    assert plain.replace(optimizer=plain.optimizer.replace(use_syncfree_optim=False)) \
+        .optimizer.use_syncfree_optim
 
 
 @pytest.mark.parametrize("flag", [["--use-syncfree-optim"], ["--xla-processes", "2"],
