@@ -47,7 +47,7 @@ class CheckpointConfig(Slice):
         "memory, training goes on, and the checkpoint becomes the latest once every rank has "
         "written it (a save still running is finished before the run ends).")
     ckpt_format: str = option(
-        default="torch", choices=("torch", "torch_dist"),
+        "--ckpt-format", "--dist-ckpt-format", default="torch", choices=("torch", "torch_dist"),
         help="torch: Megatron's iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt files, one per "
         "(tensor, pipeline) rank. torch_dist: Megatron-LM's distributed format "
         "(torch.distributed.checkpoint, megatron-core's names): every rank writes its own "

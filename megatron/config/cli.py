@@ -223,11 +223,17 @@ def _unknown_flags_message(parser: argparse.ArgumentParser, unknown: list[str]) 
     if not flags:
         return f"unexpected positional arguments: {' '.join(unknown)}"
     known = list(parser._option_string_actions)
-    hints = []
+    hints, missing = [], []
     for name in flags:
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        feature = compat.missing_feature(name)
+        if feature is not None:  # a peer's flag: say what it is, not a neighbour's name
+            missing.append(f"{name}: not supported yet ({feature})")
+            continue
+        # Close enough to be a typo only (--hiden-size), not another feature's flag.
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
         hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
-    return f"unrecognized arguments: {', '.join(hints)}"
+    parts = missing + ([f"unrecognized arguments: {', '.join(hints)}"] if hints else [])
+    return "; ".join(parts)
 
 
 def _resolve_world_size(world_size: Optional[int]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron.config.base import ConfigError
 
@@ -17,6 +18,7 @@ from megatron.config.base import ConfigError
 class NoOpFlag:
     spelling: str
     reason: str
+    takes_value: bool = False  # e.g. --transformer-impl NAME; announced when given
 
     @property
     def stores_false(self) -> bool:
@@ -56,11 +58,73 @@ NO_OP_FLAGS = {
         "weights, then split and moved to the device"),
     "local_rank": NoOpFlag("--local_rank", "LOCAL_RANK from the launcher's environment is "
                            "authoritative"),
+    # Megatron-LM's later spelling of --overlap-p2p-comm, and its opposite.
+    "overlap_p2p_communication": NoOpFlag(
+        "--overlap-p2p-communication", "pipeline exchanges are not overlapped with compute"),
+    "no_overlap_p2p_communication": NoOpFlag(
+        "--no-overlap-p2p-communication", "pipeline exchanges are not overlapped with compute"),
+    "rope_fusion": NoOpFlag("--no-rope-fusion", _FUSED),
+    "auto_detect_ckpt_format": NoOpFlag(
+        "--auto-detect-ckpt-format", "--load always tells a checkpoint's format by its files"),
+    "transformer_impl": NoOpFlag(
+        "--transformer-impl", "there is one transformer implementation (PyTorch's, with "
+        "flash-attn where --use-flash-attn finds it)", takes_value=True),
+    "DDP_impl": NoOpFlag("--DDP-impl", "there is one data-parallel wrapper (Megatron's "
+                         "local DDP with contiguous gradient buffers)", takes_value=True),
 }
+
+# Megatron-LM and Megatron-DeepSpeed flags of features this framework does not have (yet):
+# refused by name, saying what they are, instead of guessing a neighbouring flag. An entry
+# leaves this table when its feature lands (and becomes a field or a translated flag).
+_LLAMA = "planned with the Llama-family models"
+_MOE = "mixture-of-experts layers, planned"
+_LONG = "planned with long-sequence training"
+MISSING_FEATURES = {
+    "--swiglu": f"SwiGLU feed-forward layers; {_LLAMA}",
+    "--group-query-attention": f"grouped-query attention; {_LLAMA}",
+    "--num-query-groups": f"grouped-query attention; {_LLAMA}",
+    "--num-key-value-heads": f"grouped-query/multi-query attention; {_LLAMA}",
+    "--use-rope-scaling": f"Llama 3.1's RoPE scaling; {_LLAMA}",
+    "--rope-scaling-factor": f"Llama 3.1's RoPE scaling; {_LLAMA}",
+    "--rotary-interleaved": f"interleaved RoPE; {_LLAMA}",
+    "--add-qkv-bias": f"QKV biases without the other biases (Qwen2); {_LLAMA}",
+    "--no-position-embedding": f"models without a learned position table; {_LLAMA} "
+                               "(--position-embedding-type rope has none already)",
+    "--tokenizer-model": f"SentencePiece / Hugging Face tokenizer files; {_LLAMA}",
+    "--qk-layernorm": "layer norms on queries and keys",
+    "--apply-layernorm-1p": "zero-centred layer-norm weights",
+    "--squared-relu": "squared-ReLU feed-forward layers",
+    "--expert-model-parallel-size": f"expert parallelism; {_MOE}",
+    "--expert-tensor-parallel-size": f"expert parallelism; {_MOE}",
+    "--moe-expert-parallel-size": f"expert parallelism; {_MOE}",
+    "--topk": f"top-k expert routing; {_MOE}",
+    "--mlp-type": f"residual MoE MLPs; {_MOE}",
+    "--expert-interval": f"{_MOE}",
+    "--create-moe-param-group": f"{_MOE}",
+    "--disable-moe-token-dropping": f"{_MOE}",
+    "--context-parallel-size": f"context parallelism (ring attention); {_LONG}",
+    "--cp-comm-type": f"context parallelism (ring attention); {_LONG}",
+    "--ds-sequence-parallel-size": f"DeepSpeed-Ulysses sequence parallelism; {_LONG}",
+    "--cpu-optimizer": "ZeRO-Offload's CPU optimizer",
+}
+MISSING_PREFIXES = {  # families of flags: the first that matches names the feature
+    "--moe-": _MOE,
+    "--fp8": "FP8 training (Transformer Engine)",
+    "--fp4": "FP4 training (Transformer Engine)",
+}
+
+
+def missing_feature(spelling: str) -> Optional[str]:
+    """What a Megatron flag of a feature this framework does not have stands for, or None."""
+    if spelling in MISSING_FEATURES:
+        return MISSING_FEATURES[spelling]
+    return next((what for prefix, what in MISSING_PREFIXES.items()
+                 if spelling.startswith(prefix)), None)
 
 # Old spellings resolved into fields by ``translate``.
 TRANSLATED_FLAGS = ("checkpoint_activations", "recompute_activations",
-                    "distribute_checkpointed_activations", "num_experts")
+                    "distribute_checkpointed_activations", "num_experts",
+                    "use_rotary_position_embeddings", "use_dist_ckpt", "normalization")
 
 
 def add_compat_flags(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +141,13 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-experts", type=int, nargs="+", default=None,
                    help="Only 1 (a dense MLP), as Megatron-DeepSpeed's dense GPT scripts pass "
                    "(default: unset).")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-DeepSpeed's spelling of --position-embedding-type rope.")
+    g.add_argument("--use-dist-ckpt", action="store_true",
+                   help="Megatron-LM's older spelling of --ckpt-format torch_dist.")
+    g.add_argument("--normalization", default=None, metavar="KIND",
+                   help="LayerNorm (layernorm), the only kind here; RMSNorm is not supported "
+                   "yet (default: unset).")
     g = parser.add_argument_group(
         "compatibility", "Accepted so Megatron scripts run unchanged; each has no effect here "
         "and says so once when given.")
@@ -84,6 +155,9 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
         text = f"No effect: {noop.reason}."
         if dest == "local_rank":
             g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest=dest,
+                           help=text + " (default: unset)")
+        elif noop.takes_value:
+            g.add_argument(noop.spelling, default=None, dest=dest, metavar="NAME",
                            help=text + " (default: unset)")
         else:
             g.add_argument(noop.spelling, action="store_false" if noop.stores_false
@@ -95,6 +169,13 @@ def translate(ns: argparse.Namespace) -> None:
     if ns.num_experts is not None and any(n != 1 for n in ns.num_experts):
         raise ConfigError(f"--num-experts {' '.join(map(str, ns.num_experts))}: mixture-of-"
                           "experts layers are not supported; only 1 (a dense MLP)")
+    if ns.normalization is not None and ns.normalization.lower() != "layernorm":
+        raise ConfigError(f"--normalization {ns.normalization}: not supported yet (only "
+                          f"LayerNorm; RMSNorm is {_LLAMA})")
+    if ns.use_rotary_position_embeddings:
+        ns.position_embedding_type = "rope"
+    if ns.use_dist_ckpt:
+        ns.ckpt_format = "torch_dist"
     if ns.checkpoint_activations:
         if ns.recompute_granularity == "selective":
             raise ConfigError("--checkpoint-activations (full recomputation) conflicts with "
@@ -113,11 +194,13 @@ def announce_no_ops(ns: argparse.Namespace) -> list[str]:
     given = []
     for dest, noop in NO_OP_FLAGS.items():
         value = getattr(ns, dest)
-        if dest == "local_rank" or value == noop.stores_false:
+        if dest == "local_rank" or value == noop.stores_false or (noop.takes_value
+                                                                  and value is None):
             continue
         from megatron.utils import print_rank_0  # rank 0 only, before and after start-up
 
-        print_rank_0(f"> {noop.spelling} is accepted for compatibility and has no effect: "
+        given_as = f"{noop.spelling} {value}" if noop.takes_value else noop.spelling
+        print_rank_0(f"> {given_as} is accepted for compatibility and has no effect: "
                      f"{noop.reason}")
         given.append(noop.spelling)
     return given

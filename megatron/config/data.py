@@ -98,8 +98,9 @@ class DataConfig(Slice):
                             "flat (nanoGPT train.bin/val.bin uint16, llm.c shards) or npy "
                             "(FineWeb .npy shards): a file, glob or folder; infer tells them "
                             "apart from the .idx magic and the file names.")
-    in_memory: bool = option(default=False, help="Read the dataset's tokens into RAM at "
-                             "start-up instead of memory-mapping them.")
+    in_memory: bool = option("--in-memory", "--no-mmap-bin-files", default=False,
+                             help="Read the dataset's tokens into RAM at start-up instead of "
+                             "memory-mapping them.")
     mmap_warmup: bool = option(default=False, help="Read the memory-mapped index once at "
                                "start-up to warm the page cache.")
     data_cache_path: Optional[str] = option(

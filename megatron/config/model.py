@@ -27,7 +27,8 @@ class ModelConfig(Slice):
     """The shape and numerics of a GPT model. Mixed precision (--fp16/--bf16) is owned here:
     it is the dtype of the model's parameters and activations."""
 
-    num_layers: int = option(default=2, required=True, help="Transformer layers.")
+    num_layers: int = option("--num-layers", "--encoder-num-layers", default=2, required=True,
+                             help="Transformer layers.")
     hidden_size: int = option(default=64, required=True, help="Hidden size.")
     num_attention_heads: int = option(default=4, required=True, help="Attention heads.")
     ffn_hidden_size: Optional[int] = option(
@@ -35,13 +36,15 @@ class ModelConfig(Slice):
     kv_channels: Optional[int] = option(
         default=None, help="Size of each attention head (--hidden-size / "
         "--num-attention-heads when unset).")
-    seq_length: int = option(default=128, required=True, help="Tokens per training sample.")
+    seq_length: int = option("--seq-length", "--encoder-seq-length", default=128,
+                             required=True, help="Tokens per training sample.")
     max_position_embeddings: Optional[int] = option(
         default=None, help="Rows of the learned position table (--seq-length when unset).")
     make_vocab_size_divisible_by: int = option(
         default=128, help="Pad the vocabulary to a multiple of this times the tensor-parallel "
         "size (Megatron's rule: padding differs between tensor-parallel sizes).")
-    layernorm_epsilon: float = option(default=1e-5, help="Epsilon of the layer norms.")
+    layernorm_epsilon: float = option("--layernorm-epsilon", "--norm-epsilon", default=1e-5,
+                                      help="Epsilon of the layer norms.")
     hidden_dropout: float = option(default=0.1, help="Dropout after attention and MLP.")
     attention_dropout: float = option(default=0.1, help="Dropout of the attention weights.")
     init_method_std: float = option(
@@ -53,7 +56,8 @@ class ModelConfig(Slice):
         default="learned_absolute", choices=("learned_absolute", "rope"),
         help="Learned absolute positions (GPT-2) or rotary embeddings.")
     rotary_percent: float = option(default=1.0, help="Share of each head rotated by RoPE.")
-    rotary_base: int = option(default=10000, help="Base of RoPE's frequencies.")
+    rotary_base: int = option("--rotary-base", "--rotary-position-embeddings-theta",
+                              "--rope-theta", default=10000, help="Base of RoPE's frequencies.")
     add_bias_linear: bool = option(
         "--disable-bias-linear", default=True, action="store_false",
         help="No biases in the linear layers.")
@@ -68,7 +72,8 @@ class ModelConfig(Slice):
         default=True, action="store_true", help="Softmax in fp32 (always on here; Megatron "
         "forces it under fp16 with query-key layer scaling, its default).")
     use_flash_attn: bool = option(
-        "--use-flash-attn", "--use-flash-attn-v2", default=False,
+        "--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-v1", "--use-flash-attn-triton",
+        default=False,
         help="Use flash-attn where it is installed (PyTorch's SDPA otherwise, with a notice).")
     recompute_granularity: Optional[str] = option(
         default=None, choices=("full", "selective"), help="Recompute activations in the "

@@ -69,6 +69,12 @@ NEW_FLAGS = {
     "--use-syncfree-optim",
     "--hang-timeout-minutes",  # stacks of a stalled rank (issue 24)
     "--xla-spmd", "--no-xla-spmd",  # SPMD over the XLA devices of a process (issue 26)
+    # Issue 30: the peers' spellings of features we have, and their no-op flags.
+    "--use-rotary-position-embeddings", "--rotary-position-embeddings-theta", "--rope-theta",
+    "--norm-epsilon", "--encoder-num-layers", "--encoder-seq-length", "--use-dist-ckpt",
+    "--dist-ckpt-format", "--no-mmap-bin-files", "--use-flash-attn-v1", "--use-flash-attn-triton",
+    "--normalization", "--overlap-p2p-communication", "--no-overlap-p2p-communication",
+    "--no-rope-fusion", "--auto-detect-ckpt-format", "--transformer-impl", "--DDP-impl",
 }
 
 
