@@ -1,65 +1,25 @@
-"""A real one-node SLURM cluster for tests: Debian's slurmctld and slurmd (package slurm-wlm)
-with munge, started as root in a folder of their own, one node of 2 CPUs.
+"""A real one-node SLURM cluster for tests: examples/slurm/local_cluster.sh (the recipe README
+gives users) starts Debian's slurmctld and slurmd (package slurm-wlm) with munge, as root, in a
+folder of their own, one node of 2 CPUs.
 
-``start_cluster(folder)`` writes a munge key and a slurm.conf there (private ports, state and
-logs in ``folder``), starts munged, slurmctld and slurmd, and returns a ``SlurmCluster`` once
-the node is idle; ``stop()`` ends them. Where the machine cannot run them (slurm-wlm or munge
-not installed, not root, a daemon that does not come up) it raises ``SlurmUnavailable``
+``start_cluster(folder)`` runs the script's ``start`` and returns a ``SlurmCluster`` once the
+node is idle; ``stop()`` runs its ``stop``. Where the machine cannot run them (slurm-wlm or
+munge not installed, not root, a daemon that does not come up) it raises ``SlurmUnavailable``
 saying why, and the tests skip with that reason. ``.ci/run`` installs the packages.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import time
-from typing import Optional
+from pathlib import Path
 
-BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel",
-            "sinfo", "squeue")
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "slurm" / "local_cluster.sh"
 
 
 class SlurmUnavailable(RuntimeError):
     """This machine cannot run the test cluster (the message says why)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _conf(folder: str, node: str) -> str:
-    return f"""ClusterName=megatron-test
-SlurmctldHost={node}
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-AuthInfo=socket={folder}/munge.socket
-CredType=cred/munge
-StateSaveLocation={folder}/state
-SlurmdSpoolDir={folder}/spool
-SlurmctldPidFile={folder}/slurmctld.pid
-SlurmdPidFile={folder}/slurmd.pid
-SlurmctldLogFile={folder}/slurmctld.log
-SlurmdLogFile={folder}/slurmd.log
-SlurmdParameters=config_overrides
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/builtin
-MpiDefault=none
-ReturnToService=2
-KillWait=30
-JobRequeue=1
-NodeName={node} CPUs=2 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-"""
 
 
 class SlurmCluster:
@@ -68,7 +28,6 @@ class SlurmCluster:
     def __init__(self, folder: str) -> None:
         self.folder = folder
         self.env = {**os.environ, "SLURM_CONF": f"{folder}/slurm.conf"}
-        self.daemons: list[subprocess.Popen] = []
 
     def run(self, *cmd: str, check: bool = True, **env: str) -> str:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
@@ -118,78 +77,22 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """Cancel what still runs (a failed test's job), then end the daemons."""
-        if self.daemons and self.daemons[-1].poll() is None:
-            self.run("scancel", "--user=root", "--full", check=False)
-            deadline = time.monotonic() + 40
-            while self.run("squeue", "--noheader", check=False).strip() and \
-                    time.monotonic() < deadline:
-                time.sleep(0.5)
-        for daemon in reversed(self.daemons):
-            if daemon.poll() is None:
-                daemon.terminate()
-                try:
-                    daemon.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    daemon.kill()
-                    daemon.wait()
-
-
-def unavailable_reason() -> Optional[str]:
-    missing = [b for b in BINARIES if shutil.which(b) is None]
-    if missing:
-        return (f"slurm-wlm and munge are not installed ({', '.join(missing)} missing; "
-                ".ci/run installs them with apt-get)")
-    if os.geteuid() != 0:
-        return "slurmd must run as root to start jobs, and this is not root"
-    return None
+        subprocess.run(["bash", str(SCRIPT), "stop", self.folder], capture_output=True,
+                       text=True, timeout=120, env=self.env)
 
 
 def start_cluster(folder: str, timeout: float = 60.0) -> SlurmCluster:
     """munged, slurmctld and slurmd on this machine, one idle node of 2 CPUs."""
-    reason = unavailable_reason()
-    if reason:
-        raise SlurmUnavailable(reason)
-    for sub in ("state", "spool"):
-        os.makedirs(os.path.join(folder, sub), exist_ok=True)
-    os.chmod(folder, 0o755)  # munged wants a socket every user can reach
-    node = socket.gethostname().split(".")[0]
-    with open(os.path.join(folder, "slurm.conf"), "w") as f:
-        f.write(_conf(folder, node))
     cluster = SlurmCluster(folder)
-    key = os.path.join(folder, "munge.key")
-    cluster.run("mungekey", "--create", "--keyfile", key)
-    daemons = [
-        ["munged", "--foreground", "--force", f"--socket={folder}/munge.socket",
-         f"--key-file={key}", f"--pid-file={folder}/munged.pid",
-         f"--log-file={folder}/munged.log", f"--seed-file={folder}/munged.seed"],
-        ["slurmctld", "-D", "-i", "-f", f"{folder}/slurm.conf"],
-        ["slurmd", "-D", "-f", f"{folder}/slurm.conf", "-N", node],
-    ]
     try:
-        for cmd in daemons:
-            with open(os.path.join(folder, f"{cmd[0]}.out"), "w") as out:
-                cluster.daemons.append(subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, env=cluster.env,
-                    start_new_session=True))
-            time.sleep(0.5)
-        _wait_idle(cluster, node, timeout)
+        done = subprocess.run(["bash", str(SCRIPT), "start", folder, "2"], capture_output=True,
+                              text=True, timeout=timeout + 60,
+                              env={**cluster.env, "SLURM_START_TIMEOUT": str(int(timeout))})
     except BaseException:
         cluster.stop()
         raise
+    if done.returncode != 0:
+        cluster.stop()
+        raise SlurmUnavailable(done.stderr.strip() or done.stdout.strip())
+    assert done.stdout.strip() == f"export SLURM_CONF={folder}/slurm.conf", done.stdout
     return cluster
-
-
-def _wait_idle(cluster: SlurmCluster, node: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    state = ""
-    while time.monotonic() < deadline:
-        dead = [d.args[0] for d in cluster.daemons if d.poll() is not None]
-        if dead:
-            raise SlurmUnavailable(f"{', '.join(dead)} exited at start-up:\n{cluster.logs()}")
-        state = cluster.run("sinfo", "--noheader", "--format=%t", "--nodes", node,
-                            check=False).strip()
-        if state == "idle":
-            return
-        time.sleep(0.5)
-    raise SlurmUnavailable(f"node {node} not idle after {timeout:.0f} s (state {state!r}):\n"
-                           f"{cluster.logs()}")

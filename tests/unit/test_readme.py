@@ -72,3 +72,21 @@ def test_ci_runs_the_readme_test_command_line_for_line():
     # megatron-core stays out of the environment (its "megatron" would shadow ours).
     assert not any("megatron-core" in req for reqs in _setup_extras().values() for req in reqs)
     assert "--target .test-deps/megatron-core megatron-core==" in found.group(1)
+
+
+def test_the_slurm_recipe_is_the_script_the_slurm_test_runs():
+    """README's "Try SLURM on one machine" starts and stops the cluster with the script that
+    tests/slurm_cluster.py runs, and submits the example as the SLURM test does."""
+    from tests.functional import test_slurm_preemption
+    from tests.slurm_cluster import SCRIPT
+
+    text = README.read_text()
+    recipe = text[text.index("**Try SLURM on one machine**"):]
+    recipe = recipe[:recipe.index("\n\n**")]
+    assert SCRIPT.relative_to(README.parent).as_posix() == "examples/slurm/local_cluster.sh"
+    for line in ("bash examples/slurm/local_cluster.sh start /tmp/slurm",
+                 "export SLURM_CONF=/tmp/slurm/slurm.conf",
+                 "bash examples/slurm/local_cluster.sh stop /tmp/slurm"):
+        assert line in recipe, line
+    sbatch = " ".join(test_slurm_preemption.SBATCH[:3])
+    assert sbatch in recipe and "examples/slurm/pretrain_gpt_slurm.sh CKPT VOCAB MERGES" in recipe
