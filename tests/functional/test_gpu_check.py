@@ -239,8 +239,9 @@ def test_readme_gives_the_steps_and_the_call_as_they_are(gpu_check):
     limits = ", ".join(f"{s.limit_s:.0f}" for s in throughput)
     assert f"| {planned} s | {limits} s |" in section
     assert f"No step starts after {gpu_check.DEADLINE_S:.0f} s" in section
-    assert "`PYTHONPATH=. python3 benchmarks/gpu_check.py`, `timeout_s` `600`" in section
-    assert f'`carry`\n   `["{gpu_check.INPUTS.name}"]`' in section
+    assert "\n       PYTHONPATH=. python3 benchmarks/gpu_check.py\n" in section
+    assert "\n       python benchmarks/gpu_check.py --prepare\n" in section
+    assert f"`{gpu_check.INPUTS.name}/`" in section
     assert f"/{gpu_check.INPUTS.name}/" in (REPO / ".gitignore").read_text().splitlines()
 
 
