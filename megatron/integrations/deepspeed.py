@@ -636,6 +636,25 @@ def _verify_deepspeed_folder(folder: str, checksums: bool) -> None:
     checkpoint.verify(checksums=checksums)
 
 
+def cpu_comm_op_to_build() -> Optional[str]:
+    """The folder DeepSpeed is about to compile its shared-memory CPU all-reduce op into when
+    its communication starts (DeepSpeed's CPU accelerator, the op neither shipped with the
+    package nor built before on this machine); None when nothing is built."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.name, False) \
+            or installed_ops.get(builder.name, False):
+        return None
+    # torch's JIT loader names the folder (TORCH_EXTENSIONS_DIR, Python and CUDA tags).
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = _get_build_directory(builder.name, verbose=False)
+    return None if os.path.exists(os.path.join(folder, f"{builder.name}.so")) else folder
+
+
 def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpeedRun:
     """The model, optimizer and LR schedule inside DeepSpeed's engine for this run."""
     import deepspeed
@@ -655,6 +674,10 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
     os.environ.setdefault("RANK", str(env["rank"]))
     os.environ.setdefault("WORLD_SIZE", str(env["world_size"]))
     ours = parallel_state.torch_group_names()
+    building = cpu_comm_op_to_build()
+    if building is not None:  # a minute of silence otherwise: the run would look hung
+        print_rank_0(f"> DeepSpeed builds its CPU communication op (deepspeed_shm_comm) into "
+                     f"{building}: once per machine, about a minute; later runs reuse it")
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     configure_activation_checkpointing(cfg)
     pipeline = not cfg.deepspeed.no_pipeline_parallel

@@ -182,3 +182,17 @@ def test_given_clip_and_loss_scale_flags_the_file_contradicts_stop_the_run(tmp_p
                                                                            named):
     message = error("--fp16", *flags, path=tmp_path / "ds.json", **FP16_FILE)
     assert named in message and "ds.json" in message
+
+
+def test_the_cpu_comm_op_build_is_announced_only_when_it_will_happen(tmp_path, monkeypatch):
+    """DeepSpeed compiles its shared-memory CPU all-reduce at its first start on a machine:
+    the folder it builds into is known beforehand, and nothing is announced once built."""
+    from megatron.integrations.deepspeed import cpu_comm_op_to_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = cpu_comm_op_to_build()
+    assert folder is not None and folder.startswith(str(tmp_path))
+    assert os.path.basename(folder) == "deepspeed_shm_comm"
+    with open(os.path.join(folder, "deepspeed_shm_comm.so"), "wb"):
+        pass  # what torch's JIT loader leaves there once built
+    assert cpu_comm_op_to_build() is None
