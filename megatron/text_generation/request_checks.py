@@ -128,8 +128,8 @@ def parse_request(body: dict, *, max_prompts: int = MAX_PROMPTS,
     logprobs = _flag(body, "logprobs")
     _require(tokens > 0 or logprobs, "tokens_to_generate=0 implies logprobs should be True")
     seed = body.get("random_seed", -1)
-    _require(_is_int(seed) and seed >= -1, "random_seed must be a non-negative integer "
-             "(or -1: any)")
+    _require(_is_int(seed) and -1 <= seed < 2**64, "random_seed must be an integer from 0 "
+             "to 2^64-1 (a 64-bit generator seed), or -1: any")
     if seed == -1:
         seed = random.randrange(2**31)
     _flag(body, "no_log")

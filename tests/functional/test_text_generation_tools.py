@@ -165,6 +165,10 @@ MALFORMED = [
     (b'{"prompts": ' + b"[" * 5_000 + b"]" * 5_000 + b"}", "nested too deeply"),
     (json.dumps({"prompts": ["1"], "logprobs": "yes"}).encode(), "logprobs"),
     (json.dumps({"prompts": ["1"], "random_seed": -5}).encode(), "random_seed"),
+    # Past a 64-bit seed: was HTTP 500 ("Overflow when unpacking long long").
+    (json.dumps({"prompts": ["1"], "random_seed": 2**64}).encode(),
+     "random_seed must be an integer from 0 to 2^64-1"),
+    (json.dumps({"prompts": ["1"], "random_seed": 10**30}).encode(), "random_seed"),
     (json.dumps({"prompts": ["1"], "beam_width": 4}).encode(), "not supported"),
     (json.dumps({"prompts": ["1"], "tokens": 4}).encode(), "unknown field"),
     (json.dumps({"prompts": [" ".join(["5"] * 40)], "tokens_to_generate": 16}).encode(),
@@ -214,6 +218,8 @@ def test_server_answers_and_refuses_malformed_requests(server, checkpoint):
                "temperature": 0.75, "random_seed": 5}
     status, sampled = put(url, nucleus)
     assert status == 200 and put(url, nucleus) == (200, sampled), sampled
+    largest = {**nucleus, "random_seed": 2**64 - 1}  # the largest 64-bit seed is taken
+    assert put(url, largest)[0] == 200
 
 
 def _check_scoring(url: str, prompts: list, generation_logprobs: list) -> None:
