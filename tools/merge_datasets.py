@@ -10,6 +10,12 @@ A directory input takes every ``*.idx`` with a matching ``.bin`` in it, sorted b
 may be mmap pairs or legacy ``lazy``/``cached`` (TNTIDX) pairs, told apart by the .idx's magic;
 the output is always mmap. All inputs must have the same token dtype; the output is written
 under temporary names and renamed when complete.
+
+Pairs of Megatron-DeepSpeed's ``preprocess_data.py --append-eod`` (sizes that leave out each
+document's EOD) merge as Megatron-DeepSpeed's own merge does: whole ``.bin`` files, sizes as
+they are, so the output is such a pair of all the documents (read as Megatron-DeepSpeed reads
+it, byte for byte its merge's output). Mixed with pairs that count their EODs they cannot make
+one consistent pair: refused, naming the pairs and ``--fix-eod-index``.
 """
 
 from __future__ import annotations
@@ -86,10 +92,37 @@ def check_dtypes(prefixes: Sequence[str]) -> None:
         raise MergeError(f"cannot merge datasets of different token dtypes: {listing}")
 
 
-def _append(builder: indexed_dataset.MMapIndexedDatasetBuilder, prefix: str) -> None:
-    """Every sequence and document of the pair at ``prefix`` (mmap or legacy) into ``builder``."""
+def uncounted_eod_inputs(prefixes: Sequence[str]) -> list[str]:
+    """The inputs that are Megatron-DeepSpeed --append-eod pairs; MergeError when they are
+    mixed with pairs that count their EODs (no index can describe both)."""
+    quirky = []
+    for prefix in prefixes:
+        if legacy.is_legacy_index(index_file_path(prefix)):
+            continue
+        dataset = MMapIndexedDataset(prefix, verify=False)
+        try:
+            quirk = indexed_dataset.find_uncounted_eod(
+                dataset.index, data_file_path(prefix), os.path.getsize(data_file_path(prefix)))
+        finally:
+            dataset.close()
+        if quirk is not None:
+            quirky.append(prefix)
+    if quirky and len(quirky) != len(prefixes):
+        fixes = "; ".join(f"python tools/inspect_dataset.py --fix-eod-index {p}" for p in quirky)
+        raise MergeError(
+            f"{', '.join(index_file_path(p) for p in quirky)}: Megatron-DeepSpeed --append-eod "
+            "index(es), whose sizes leave out each document's EOD, cannot be merged with pairs "
+            "that count theirs (the merged index would describe neither). Rewrite them to count "
+            f"their EODs first, then merge: {fixes}")
+    return quirky
+
+
+def _append(builder: indexed_dataset.MMapIndexedDatasetBuilder, prefix: str,
+            whole_bin: bool) -> None:
+    """Every sequence and document of the pair at ``prefix`` (mmap or legacy) into ``builder``
+    (``whole_bin``: its .bin's every byte, the uncounted EODs of Megatron-DeepSpeed's too)."""
     if not legacy.is_legacy_index(index_file_path(prefix)):
-        builder.merge_file_(prefix)  # copies the .bin's bytes as they are
+        builder.merge_file_(prefix, whole_bin=whole_bin)
         return
     source = legacy.LegacyIndexedDataset(prefix)
     try:
@@ -101,6 +134,10 @@ def _append(builder: indexed_dataset.MMapIndexedDatasetBuilder, prefix: str) -> 
 def merge(prefixes: Sequence[str], output_prefix: str) -> tuple[int, int]:
     """Write ``output_prefix``.bin/.idx; returns (sequences, documents) written."""
     check_dtypes(prefixes)
+    whole_bins = bool(uncounted_eod_inputs(prefixes))
+    if whole_bins:
+        print("the inputs are Megatron-DeepSpeed --append-eod pairs: merged as its merge does "
+              "(whole .bin files, their uncounted EODs included)")
     first = indexed_dataset.make_dataset(prefixes[0], "infer")
     builder = indexed_dataset.MMapIndexedDatasetBuilder(
         data_file_path(output_prefix), dtype=first.dtype
@@ -108,7 +145,7 @@ def merge(prefixes: Sequence[str], output_prefix: str) -> tuple[int, int]:
     first.close()
     try:
         for prefix in prefixes:
-            _append(builder, prefix)
+            _append(builder, prefix, whole_bins)
         builder.finalize(index_file_path(output_prefix))
     except BaseException:
         builder.abort()

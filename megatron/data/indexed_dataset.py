@@ -463,8 +463,10 @@ class MMapIndexedDatasetBuilder:
 
     add_document = add_doc  # Megatron-LM core's name
 
-    def merge_file_(self, another_prefix: str) -> None:
-        """Append every sequence and document of the dataset at ``another_prefix``."""
+    def merge_file_(self, another_prefix: str, whole_bin: bool = False) -> None:
+        """Append every sequence and document of the dataset at ``another_prefix``: the
+        bytes its index covers, or with ``whole_bin`` its whole .bin (what Megatron-DeepSpeed's
+        merge copies, uncounted --append-eod tokens included)."""
         other = MMapIndexedDataset(another_prefix)
         if other.dtype != self._dtype:
             raise IndexedDatasetError(
@@ -473,7 +475,8 @@ class MMapIndexedDatasetBuilder:
         offset = len(self._sizes)
         self._sizes.extend(other.sizes)
         self._doc_idx.extend(other.doc_idx[1:] + offset)
-        used = sequences_end(other.index)
+        used = os.path.getsize(data_file_path(another_prefix)) if whole_bin \
+            else sequences_end(other.index)
         other.close()
         with open(data_file_path(another_prefix), "rb") as f:
             _copy_bytes(f, self._file, used)
