@@ -1,4 +1,6 @@
-"""File modes of what we write: those that open() and os.mkdir() give under the umask.
+"""Files we write: their modes, and what a failed write says.
+
+Modes: those that open() and os.mkdir() give under the umask.
 
 ``tempfile.mkstemp`` and ``tempfile.mkdtemp`` make 0600 files and 0700 folders, right for a
 temporary but wrong for a result: a checkpoint folder or dataset renamed into place from such a
@@ -8,8 +10,10 @@ name would be unreadable to the user's group. ``chmod_as_created`` gives it the 
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import shutil
 import threading
 
 _UMASK_LOCK = threading.Lock()
@@ -36,3 +40,24 @@ def chmod_as_created(path: str) -> None:
     """Set ``path`` (a file or a folder) to the mode open() / os.mkdir() would have given it."""
     full = 0o777 if os.path.isdir(path) else 0o666
     os.chmod(path, full & ~process_umask())
+
+
+def free_bytes(folder: str) -> int:
+    """Bytes an unprivileged writer may still use in ``folder``'s file system."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 0
+
+
+def write_failure(path: str, cause: OSError, needed: int) -> str:
+    """Why writing ``path`` failed, in one line: a full disk says how many bytes were
+    ``needed`` and how many are free, the file size limit is named."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"cannot write {path}: no space left on device ({needed} bytes needed, "
+                f"{free_bytes(folder)} free in {folder})")
+    if cause.errno == errno.EFBIG:
+        return (f"cannot write {path}: it would pass the file size limit of this process "
+                f"(ulimit -f; {needed} bytes needed)")
+    return f"cannot write {path}: {cause.strerror or cause}"

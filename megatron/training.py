@@ -38,7 +38,7 @@ from megatron.assembly.build import (
 from megatron.checkpointing.async_save import AsyncSaver
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.load import checkpoint_model_settings
-from megatron.checkpointing.ranks import any_true
+from megatron.checkpointing.ranks import all_true, any_true, first_failure
 from megatron.config import (
     ConfigError,
     RunConfig,
@@ -143,9 +143,9 @@ def build_data_iterators(provider: Callable, ctx: RunContext, state: TrainState)
     cfg = ctx.config
     needs_data = (parallel_state.is_pipeline_first_stage(ignore_virtual=True)
                   or parallel_state.is_pipeline_last_stage(ignore_virtual=True))
+    datasets = _build_datasets_or_exit(provider if needs_data else None, ctx)
     if not needs_data:
         return None, None, None
-    datasets = provider(ctx, train_valid_test_num_samples(cfg))
     # Under XLA SPMD a process's micro-batch is its devices' (data-parallel ranks') ones.
     per_process = cfg.parallel.devices_per_process
     dp_rank = parallel_state.get_data_parallel_rank() * per_process
@@ -199,6 +199,23 @@ def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     if device.type == "xla":  # run the traced evaluation step before reading it
         xla.mark_step()
     return dict(zip(names, values.tolist()))
+
+
+def _build_datasets_or_exit(provider: Optional[Callable], ctx: RunContext):
+    """The provider's datasets (None: this rank builds none). A data error met while they
+    are built (a full --data-cache-path) ends every rank with one ``error:`` line, as the
+    start-up checks do; collective over all ranks."""
+    from megatron.data.dataset_utils import DataConfigError
+
+    datasets, error = None, None
+    if provider is not None:
+        try:
+            datasets = provider(ctx, train_valid_test_num_samples(ctx.config))
+        except DataConfigError as e:
+            error = e
+    if not all_true(error is None):
+        refuse(first_failure(error)[1])
+    return datasets
 
 
 def empty_cuda_cache(ctx: RunContext, level: int) -> None:

@@ -12,11 +12,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import errno
 import io
 import os
 import pickle
-import shutil
 import sys
 import uuid
 import zlib
@@ -27,6 +25,7 @@ import numpy as np
 import torch
 
 from megatron.checkpointing.errors import CheckpointError
+from megatron.file_modes import write_failure
 
 _CHUNK = 16 << 20  # bytes read at a time when checksumming a file
 
@@ -75,14 +74,6 @@ def _os_error_in(error: BaseException) -> OSError | None:
     return None
 
 
-def free_bytes(folder: str) -> int:
-    """Bytes an unprivileged writer may still use in ``folder``'s file system."""
-    try:
-        return shutil.disk_usage(folder).free
-    except OSError:
-        return 0
-
-
 @contextlib.contextmanager
 def _writing(path: str, size: Callable[[], int]):
     """Around writing the file ``path``: on any failure the partial file is removed, and a
@@ -100,16 +91,8 @@ def _writing(path: str, size: Callable[[], int]):
 
 
 def write_error(path: str, cause: OSError, needed: int) -> CheckpointError:
-    """The error of a failed write of ``path``: a full disk says how much was ``needed``
-    and is free, the file size limit is named."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if cause.errno in (errno.ENOSPC, errno.EDQUOT):
-        return CheckpointError(f"cannot write {path}: no space left on device ({needed} bytes "
-                               f"needed, {free_bytes(folder)} free in {folder})")
-    if cause.errno == errno.EFBIG:
-        return CheckpointError(f"cannot write {path}: it would pass the file size limit of this "
-                               f"process (ulimit -f; {needed} bytes needed)")
-    return CheckpointError(f"cannot write {path}: {cause.strerror or cause}")
+    """The error of a failed write of ``path`` (``file_modes.write_failure``'s line)."""
+    return CheckpointError(write_failure(path, cause, needed))
 
 
 def tensor_bytes(obj: Any) -> int:

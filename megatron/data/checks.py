@@ -34,7 +34,7 @@ from megatron.data.dataset_utils import (
     log_rank0,
     parse_data_path,
     parse_split,
-    write_text_atomic,
+    write_cache_set,
 )
 from megatron.data.indexed_dataset import (
     IndexedDatasetError,
@@ -123,8 +123,8 @@ def cached_token_range(dataset: MMapIndexedDataset, data_cache_path: Optional[st
         start = time.time()
         found = scan_token_range(dataset)
         seconds = time.time() - start
-        write_text_atomic(path, json_text({**expected, **asdict(found),
-                                           "scan_seconds": round(seconds, 3)}))
+        write_cache_set(folder, {}, {name: json_text({**expected, **asdict(found),
+                                                      "scan_seconds": round(seconds, 3)})})
     log_rank0(" > scanned %s once for its token ids (%d tokens, ids %d..%d) in %.2f s; cached "
               "in %s", data_file_path(prefix), found.tokens, found.min_id, found.max_id,
               seconds, path)

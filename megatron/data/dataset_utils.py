@@ -6,6 +6,7 @@ No torch import: tools/build_index_cache.py builds caches without it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -18,6 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Optional, Union
 
 import numpy as np
+
+from megatron.file_modes import write_failure
 
 logger = logging.getLogger(__name__)
 
@@ -263,12 +266,34 @@ class IndexCache:
                     return arrays
             start = time.time()
             built = build()
-            for name in names:
-                save_npy_atomic(os.path.join(folder, name), built[name])
-            for name, text in {**(extra_files or {}), **(optional_files or {})}.items():
-                write_text_atomic(os.path.join(folder, name), text)
+            write_cache_set(folder, {name: built[name] for name in names},
+                       {**(extra_files or {}), **(optional_files or {})})
             log_rank0(" > built index cache %s in %s (%.2f s)", key, folder, time.time() - start)
         return _load_arrays(folder, names)
+
+
+def write_cache_set(folder: str, arrays: dict[str, np.ndarray], texts: dict[str, str]) -> None:
+    """Write one cache set (arrays, then texts); a failed write (a full --data-cache-path)
+    removes what this set had written and becomes a ``DataConfigError`` naming the file and
+    the space it needed."""
+    written = []
+    try:
+        for name, array in arrays.items():
+            save_npy_atomic(os.path.join(folder, name), array)
+            written.append(name)
+        for name, text in texts.items():
+            write_text_atomic(os.path.join(folder, name), text)
+            written.append(name)
+    except OSError as error:
+        for name in written:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
+        name = next(n for n in [*arrays, *texts] if n not in written)
+        needed = sum(int(np.asarray(a).nbytes) for a in arrays.values()) + sum(
+            len(t.encode()) for t in texts.values())
+        failure = write_failure(os.path.join(folder, name), error, needed)
+        raise DataConfigError(f"the dataset index cache: {failure}; free space there or point "
+                              "--data-cache-path elsewhere") from None
 
 
 def _load_arrays(folder: str, names: Sequence[str]) -> dict[str, np.ndarray]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -168,6 +169,34 @@ def test_data_cache_path_that_is_not_writable(corpus, tmp_path):
     cache = str(tmp_path / "a-file" / "cache")
     done = _pretrain(corpus, tmp_path, **{"--data-cache-path": cache})
     _assert_refused(done, tmp_path, f"--data-cache-path {cache!r}", "not a writable folder")
+
+
+def test_a_full_data_cache_path_is_one_error_naming_the_file_and_the_space(corpus, tmp_path):
+    """Two ranks build the index cache on a disk that fills up: one ``error:`` line (not a
+    traceback per rank) naming the file, the bytes needed and free, and the flag; the part of
+    the set written is removed, and nothing trains."""
+    from tests.checkpoint_utils import small_tmpfs
+    from tests.dist_utils import free_port
+
+    with small_tmpfs(tmp_path / "cache", 8192) as cache:
+        argv = base_argv(corpus, cache, **{"--train-iters": 4, "--split": "90,5,5"})
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+             "--master_port", str(free_port()), "pretrain_gpt.py", *argv],
+            capture_output=True, text=True, cwd=REPO, env=_env(tmp_path), timeout=240)
+        left = sorted(os.listdir(cache))
+    output = done.stdout[-3000:] + done.stderr[-3000:]
+    # No rank's traceback (torchrun's own report of the failed worker follows, as for any).
+    assert done.returncode != 0 and "OSError" not in done.stderr, output
+    assert "megatron/" not in done.stderr and 'pretrain_gpt.py", line' not in done.stderr, output
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output
+    assert re.fullmatch(r"error: the dataset index cache: cannot write " + re.escape(cache)
+                        + r"/\w+_(doc|sample|shuffle)_idx\.npy: no space left on device "
+                        r"\(\d+ bytes needed, \d+ free in " + re.escape(cache) + r"\); free "
+                        r"space there or point --data-cache-path elsewhere", errors[0]), errors
+    assert not [n for n in left if n.endswith(".npy")], left  # no part of a set is left
+    assert " iteration " not in done.stdout
 
 
 @pytest.mark.parametrize("damage", ["cut", "binary"])
