@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,6 +79,16 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         with open(args.prompts_file, encoding="utf-8") as f:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     return prompts
+
+
+# sample_block's frame, read back: (index, count, prompt as printed, prompt + new text).
+SAMPLE_BLOCK = re.compile(r"^===== sample (\d+) of (\d+) \| prompt: (.*) =====\n(.*?)\n"
+                          r"===== end of sample \1 =====$", re.M | re.S)
+
+
+def read_samples(output: str) -> list[str]:
+    """The completed texts (prompt and new text) of the blocks in ``output``, in order."""
+    return [text for *_, text in SAMPLE_BLOCK.findall(output)]
 
 
 def sample_block(index: int, count: int, prompt: str, text: str) -> str:

@@ -83,10 +83,15 @@ def finish_save(job: SaveJob, error: Optional[BaseException],
 
 
 def _raise_failure(job: SaveJob, error: Optional[BaseException], rank: int) -> NoReturn:
-    """Every rank, after a failed vote: its own error, or the lowest failing rank's, so that
-    rank 0 (which speaks for all) names the real cause."""
+    raise_save_failure(job.iteration, job.save_dir, error, rank)
+
+
+def raise_save_failure(iteration: int, save_dir: str, error: Optional[BaseException],
+                       rank: int) -> NoReturn:
+    """Every rank, after a failed vote on a save: its own error, or the lowest failing rank's,
+    so that rank 0 (which speaks for all) names the real cause. Collective."""
     failed_rank, message = first_failure(error)
-    where = f"saving the checkpoint of iteration {job.iteration} to {job.save_dir} failed"
+    where = f"saving the checkpoint of iteration {iteration} to {save_dir} failed"
     after = "; the tracker file still names the previous checkpoint"
     if error is not None:
         raise CheckpointError(f"{where} on rank {rank}: {error}{after}") from error

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import FileDigest, _ChecksummingWriter, write_error
 
 DCP_METADATA = ".metadata"
@@ -201,6 +203,11 @@ def write_pieces(folder: str, pieces: Sequence[Piece], objects: dict[str, bytes]
     except BaseException as error:  # DCP's CheckpointException is a BaseException
         # DCP reports a failed write as torch's writer's own complaint ("unexpected pos");
         # the file and the OSError behind it are the ones recorded as it was written.
+        if fs.failed is None and isinstance(error, CheckpointException):
+            # Another rank's write failed (DCP gathers failures to every rank): this rank goes
+            # on to the save's vote, where the failing rank's own message is the one shown.
+            raise CheckpointError(f"torch.distributed.checkpoint's write failed on rank(s) "
+                                  f"{sorted(error.failures)}") from error
         if fs.failed is None:
             raise
         path, cause = fs.failed

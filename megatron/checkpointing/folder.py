@@ -599,10 +599,3 @@ def folder_digests(folder: str) -> dict[str, FileDigest]:
                 digests[rel] = file_digest(os.path.join(parent, name))
     return digests
 
-
-def publish_in_place(root: str, folder: str, iteration: int, manifest: dict,
-                     naming: Naming = DEEPSPEED) -> None:
-    """Finish a save written straight into its final folder (DeepSpeed's engine writes its
-    own): add the manifest, then point the tracker at it."""
-    write_manifest(folder, manifest)
-    write_tracker(root, iteration, naming=naming)

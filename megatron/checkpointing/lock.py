@@ -41,6 +41,7 @@ import time
 from typing import Optional
 
 from megatron.checkpointing.errors import CheckpointError
+from megatron.file_modes import write_failure
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +112,13 @@ class SaveLock:
                 os.close(fd)
                 raise
             if _same_file(fd, self.path):
+                try:
+                    _write(fd, _me(), self.path)
+                except CheckpointError:
+                    os.close(fd)  # the flock goes with it
+                    raise
                 self._fd = fd
                 _HELD[os.path.realpath(self.path)] = self
-                _write(fd, _me())
                 if stale is not None:
                     logger.warning("--save %s: took over the lock of a run that is gone (%s)%s",
                                    self.save_dir, stale.describe(),
@@ -176,7 +181,7 @@ class SaveLock:
             fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                _write(fd, _me())
+                _write(fd, _me(), temporary)
                 os.replace(temporary, self.path)
             except BaseException:
                 os.close(fd)
@@ -215,12 +220,18 @@ class _Orphaned:
     holder: LockHolder
 
 
-def _write(fd: int, holder: LockHolder) -> None:
+def _write(fd: int, holder: LockHolder, path: str) -> None:
+    """Name ``holder`` in the lock file ``path`` (open as ``fd``); a full disk is a
+    ``CheckpointError`` naming the file and the space."""
     text = json.dumps(dataclasses.asdict(holder)).encode() + b"\n"
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, text)
-    os.fsync(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, text)
+        os.fsync(fd)
+    except OSError as error:
+        raise CheckpointError(f"cannot lock --save: {write_failure(path, error, len(text))}"
+                              ) from None
 
 
 def _flock_briefly(fd: int, seconds: float = 10.0) -> bool:

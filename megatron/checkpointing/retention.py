@@ -14,19 +14,26 @@ from typing import Optional
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import write_text_atomic
-from megatron.checkpointing.folder import iteration_dir_name, list_iterations, read_tracker
+from megatron.checkpointing.folder import (
+    DEEPSPEED,
+    MEGATRON,
+    iteration_dir_name,
+    list_iterations,
+    read_tracker,
+)
 from megatron.checkpointing.paths import BEST_FILENAME, read_best
 
 logger = logging.getLogger(__name__)
 
-_LEFTOVER_RE = re.compile(r"iter_\d{7,}\.(tmp|old)-\w+")
+_LEFTOVER_RE = re.compile(rf"({MEGATRON.prefix}|{DEEPSPEED.prefix})\d+\.(tmp|old)-\w+")
 # Temporary folders older than this process were left by a save that was killed (ours are
 # created later); each save of rank 0 removes them.
 _PROCESS_START = time.time()
 
 
 def remove_leftover_folders(save_dir: str, older_than: Optional[float] = None) -> list[str]:
-    """Delete ``iter_XXXXXXX.tmp-*`` / ``.old-*`` folders of killed saves that were last
+    """Delete ``iter_XXXXXXX.tmp-*`` / ``.old-*`` folders (DeepSpeed's ``global_stepN.tmp-*``
+    too) of killed or failed saves that were last
     changed before ``older_than`` (default: this process's start). Returns their names."""
     older_than = _PROCESS_START if older_than is None else older_than
     removed = []

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -492,16 +493,29 @@ class DeepSpeedRun:
                                     if self.scheduler is not None else None),
             "rng_states": rng_states, "config": self.cfg.to_dict(),
         }
-        from megatron.checkpointing.folder import DEEPSPEED
-
-        tag = DEEPSPEED.folder_name(iteration)
-        # DeepSpeed writes `latest` itself only after its own barrier; ours comes after the
-        # manifest, so an interrupted save never leaves `latest` naming a partial folder.
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client, save_latest=False)
-        dist.barrier()  # every rank's files are on disk
-        _on_rank0_for_all(lambda: _publish_deepspeed_save(save_dir, tag, iteration, self.cfg))
+        from megatron.checkpointing.async_save import raise_save_failure
+        from megatron.checkpointing.folder import DEEPSPEED, make_tmp_folder
+        from megatron.checkpointing.ranks import all_true, broadcast_from_rank0
         from megatron.utils import print_rank_0
 
+        tag = DEEPSPEED.folder_name(iteration)
+        rank0 = dist.get_rank() == 0
+        # Written under a temporary tag (global_stepN.tmp-XXXX) and renamed once complete:
+        # a failed or killed save leaves no global_stepN, and the next save removes the
+        # temporary folder. `latest` is ours, written last (save_latest=False).
+        tmp_tag = broadcast_from_rank0(
+            os.path.basename(make_tmp_folder(save_dir, tag)) if rank0 else None)
+        tmp_dir = os.path.join(save_dir, tmp_tag)
+        with _recorded_write_failures(self.engine) as failures:
+            self.engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client,
+                                        save_latest=False)
+        error = failures[0] if failures else None
+        if not all_true(error is None):  # every rank got through DeepSpeed's collectives
+            if rank0:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise_save_failure(iteration, save_dir, error, dist.get_rank())
+        _on_rank0_for_all(lambda: _publish_deepspeed_save(save_dir, tmp_dir, iteration,
+                                                          self.cfg))
         print_rank_0(f"  successfully saved DeepSpeed checkpoint at iteration {iteration} "
                      f"to {save_dir}/{tag}")
         return os.path.join(save_dir, tag)
@@ -593,19 +607,57 @@ def _on_rank0_for_all(fn: Callable[[], Any]) -> Any:
     return result
 
 
-def _publish_deepspeed_save(save_dir: str, tag: str, iteration: int, cfg: RunConfig) -> None:
-    """Rank 0, after every rank saved: ``tag``'s manifest, then the `latest` tag, atomically."""
-    from megatron.checkpointing.folder import DEEPSPEED, folder_digests, publish_in_place
-    from megatron.checkpointing.manifest import build_manifest
+@contextlib.contextmanager
+def _recorded_write_failures(engine):
+    """Within: a file DeepSpeed's engine fails to write (a full disk) is removed and its
+    failure recorded in the yielded list instead of raised, so that this rank goes on
+    through the engine's collectives with the others; later writes of the save are skipped.
+    The files are written by our ``write_torch`` (torch.save through a Python file), whose
+    error names the file and the space needed and free."""
+    from megatron.checkpointing.errors import CheckpointError
+    from megatron.checkpointing.files import write_torch
 
-    folder = os.path.join(save_dir, tag)
+    failures: list[BaseException] = []
+    checkpoint_engine = engine.checkpoint_engine
+
+    def save(state_dict, path: str) -> None:
+        if not failures:
+            try:
+                write_torch(state_dict, path)
+            except CheckpointError as error:
+                failures.append(error)
+
+    def copy_recovery_script(save_path: str) -> None:
+        if not failures:
+            try:
+                recovery_script(save_path)
+            except OSError as error:
+                failures.append(CheckpointError(f"cannot copy DeepSpeed's zero_to_fp32.py "
+                                                f"into {save_path}: {error}"))
+
+    recovery_script = engine._copy_recovery_script
+    checkpoint_engine.save, engine._copy_recovery_script = save, copy_recovery_script
+    try:
+        yield failures
+    finally:
+        del checkpoint_engine.save, engine._copy_recovery_script  # the class's own again
+
+
+def _publish_deepspeed_save(save_dir: str, tmp_dir: str, iteration: int, cfg: RunConfig) -> None:
+    """Rank 0, after every rank saved into ``tmp_dir``: its manifest, the rename to
+    ``global_stepN``, then the `latest` tag, atomically; folders of killed saves go."""
+    from megatron.checkpointing.folder import DEEPSPEED, folder_digests, publish_checkpoint
+    from megatron.checkpointing.manifest import build_manifest
+    from megatron.checkpointing.retention import remove_leftover_folders
+
     layout = {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
               "pipeline_model_parallel_size":
                   parallel_state.get_pipeline_model_parallel_world_size(),
               "data_parallel_size": parallel_state.get_data_parallel_world_size(),
               "engine": "deepspeed"}
-    publish_in_place(save_dir, folder, iteration, build_manifest(
-        iteration, layout, cfg.to_dict(), folder_digests(folder)), naming=DEEPSPEED)
+    publish_checkpoint(save_dir, tmp_dir, iteration, build_manifest(
+        iteration, layout, cfg.to_dict(), folder_digests(tmp_dir)), naming=DEEPSPEED)
+    remove_leftover_folders(save_dir)
 
 
 def _latest_deepspeed_folder(load_dir: str, checksums: bool) -> Optional[str]:

@@ -281,7 +281,7 @@ def _sample_and_evaluate(rank, world_size, runs, text_file):
         result = evaluate(["wikitext", str(text_file), "--load", str(load), "--use-cpu",
                            "--micro-batch-size", "2"])
         parallel_state.destroy_model_parallel()
-        out[name] = ([line for line in printed.getvalue().splitlines() if line], result.avg_loss)
+        out[name] = (generate_text.read_samples(printed.getvalue()), result.avg_loss)
     return out
 
 

@@ -7,6 +7,7 @@ checkpoint stays; a second run saving into a folder in use is refused at start-u
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -143,6 +144,70 @@ def test_full_disk_during_a_background_write_stops_the_run_naming_the_file(tmp_p
         assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
         assert read_tracker(save).iteration == 2
         latest_checkpoint(save).verify(checksums=True)
+
+
+def _torchrun(save: str, *extra: str, **flags) -> subprocess.CompletedProcess:
+    from tests.dist_utils import free_port
+
+    argv = _argv(save, **{"--use-distributed-optimizer": None, **flags})
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           "2", "--master_port", str(free_port()), "pretrain_gpt.py", *argv,
+                           *extra], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def _only_error_line(done: subprocess.CompletedProcess) -> str:
+    """The run's one ``error:`` line; no rank printed a traceback of ours (torchrun's own
+    report of the failed workers follows, as for any failed worker)."""
+    output = done.stdout[-2000:] + done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output
+    assert "megatron/" not in done.stderr and "basic_ios" not in done.stderr, output
+    assert "unexpected pos" not in done.stderr and "Connection closed" not in done.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("engine", ["torch_dist", "deepspeed"])
+def test_full_disk_during_a_synchronous_save_at_data_parallel_2(tmp_path, engine):
+    """Two ranks save onto a disk with room for half a checkpoint: one line naming the file
+    and the space, the partial folder removed, the previous checkpoint the latest. DeepSpeed
+    writes under a temporary tag too: a folder a killed save left is removed by the next
+    save, and a start on a full disk names the lock file it cannot write."""
+    extra = ["--deepspeed", "--zero-stage", "1"] if engine == "deepspeed" else \
+        ["--ckpt-format", "torch_dist"]
+    tracker, step, names_two = (("latest", "global_step", "global_step2")
+                                if engine == "deepspeed" else
+                                ("latest_checkpointed_iteration.txt", "iter_000000", "2"))
+    with small_tmpfs(tmp_path / "disk", 32 << 20) as disk:
+        save = os.path.join(disk, "ckpt")
+        leftover = os.path.join(save, f"{step}9.tmp-killed")  # a save killed long ago
+        os.makedirs(leftover)
+        os.utime(leftover, (time.time() - 3600,) * 2)
+        first = _torchrun(save, *extra, **{"--exit-interval": 2})
+        assert first.returncode == 0, first.stderr[-3000:]
+        kept = sorted(n for n in os.listdir(save) if not n.startswith("."))
+        assert f"{step}2" in kept and os.path.basename(leftover) not in kept, kept
+        used = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(save)
+                   for n in names)
+        resize_tmpfs(disk, used + used // 2)
+        done = _torchrun(save, *extra)
+        assert done.returncode != 0
+        error = _only_error_line(done)
+        assert error.startswith(f"error: saving the checkpoint of iteration 4 to {save} failed "
+                                f"on rank 0: cannot write {save}/{step}4.tmp-"), error
+        assert ": no space left on device (" in error and " bytes needed, " in error
+        assert error.endswith("the tracker file still names the previous checkpoint")
+        assert sorted(n for n in os.listdir(save) if not n.startswith(".")) == kept
+        assert open(os.path.join(save, tracker)).read().strip() == names_two
+        if engine != "deepspeed":
+            return
+        with contextlib.suppress(OSError), open(os.path.join(disk, "filler"), "wb") as f:
+            while True:
+                f.write(b"x" * 65536)
+        full = _torchrun(save, *extra)
+        assert _only_error_line(full).startswith(
+            f"error: cannot lock --save: cannot write {save}/.megatron-save.lock: no space left "
+            "on device (")
 
 
 HOLDER = textwrap.dedent("""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -54,13 +53,12 @@ def _greedy(checkpoint, *extra, stdin=None):
                  "--max-new-tokens", 6, *extra], stdin=stdin)
 
 
-SAMPLE = re.compile(r"^===== sample (\d+) of (\d+) \| prompt: (.*) =====\n(.*?)\n"
-                    r"===== end of sample \1 =====$", re.M | re.S)
-
-
 def _samples(stdout: str) -> list[tuple[int, int, str, str]]:
     """generate_text.py's blocks: (index, count, prompt as printed, prompt + completion)."""
-    return [(int(i), int(n), prompt, text) for i, n, prompt, text in SAMPLE.findall(stdout)]
+    from tools.generate_text import SAMPLE_BLOCK
+
+    return [(int(i), int(n), prompt, text)
+            for i, n, prompt, text in SAMPLE_BLOCK.findall(stdout)]
 
 
 def _completions(stdout: str) -> list[str]:
