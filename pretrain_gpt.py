@@ -11,9 +11,9 @@ import torch
 
 from megatron.assembly.build import RunContext, gpt_model_provider
 from megatron.core.pipeline_parallel.schedules import StageInfo
+from megatron.masks import get_ltor_masks_and_position_ids
 from megatron.model.gpt_model import GPTModel
 from megatron.training import pretrain, print_rank_0
-from megatron.utils import get_ltor_masks_and_position_ids
 
 
 def model_provider(ctx: RunContext, pre_process: bool = True, post_process: bool = True,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from typing import Any, Optional
 
 from megatron.config import ConfigError, OptimizerConfig, SchedulerConfig
@@ -357,42 +356,3 @@ def build_optimizer_param_scheduler(scheduler_config: SchedulerConfig,
         lr_warmup_tokens=sc.lr_warmup_tokens, lr_decay_tokens=sc.lr_decay_tokens,
         samples_per_iteration=global_batch_size if train_iters is not None else 0,
     )
-
-
-class _NoParameters:
-    """An optimizer without parameters: what a scheduler built only to be compared needs."""
-
-    param_groups: list = []
-
-
-def check_resumed_schedule_or_exit(cfg: Any, ds_config: Optional[dict]) -> None:
-    """A ``--load`` whose schedule differs from this run's flags (another --lr, a longer
-    --train-iters that moves the decay) ends the run before any process group or model
-    exists: ``error: ...`` on rank 0 naming each value, its flags and the flag that resolves
-    it (exit status 2), instead of a ``ScheduleMismatchError`` on every rank at the load. The
-    same rule as the load: a scheduler built from the flags loads the checkpoint's state."""
-    from megatron import checkpointing
-    from megatron.utils import global_rank
-
-    ck, sc = cfg.checkpoint, cfg.scheduler
-    if (not ck.load or ck.finetune or ck.no_load_optim or ck.no_load_lr_state
-            or sc.override_opt_param_scheduler or sc.use_checkpoint_opt_param_scheduler
-            or (ds_config is not None and "scheduler" in ds_config)):
-        return
-    from megatron.checkpointing.folder import DEEPSPEED, MEGATRON
-
-    # --deepspeed resumes DeepSpeed's checkpoints, whose client state holds our schedule.
-    found = checkpointing.load_scheduler_state(
-        ck.load, DEEPSPEED if ds_config is not None else MEGATRON)
-    if found is None:
-        return
-    folder, saved = found
-    scheduler = build_optimizer_param_scheduler(
-        sc, cfg.optimizer, _NoParameters(), global_batch_size=cfg.training.global_batch_size,
-        train_iters=cfg.training.train_iters, train_samples=cfg.training.train_samples)
-    try:
-        scheduler.load_state_dict(saved)
-    except ScheduleMismatchError as error:
-        if global_rank() == 0:
-            print(f"error: --load {ck.load}: {folder}: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None

@@ -31,7 +31,7 @@ bytes from those counts and the formulas below (printed by ``format_plan``)::
                 + max(activations, step)
 
 Pipeline bubble: ``(p - 1) / (v m)`` of the ideal compute time (Megatron's 1F1B figure).
-FLOPs per iteration: ``megatron.training_log.flops_per_token`` x tokens of the global batch.
+FLOPs per iteration: ``megatron.flops.flops_per_token`` x tokens of the global batch.
 
 Against the published formulas (``tools/plan.py --compare-formulas``, megatron/memory_formulas.py:
 Korthikanti et al. 2022 and Megatron-LM's theoretical_memory_usage.py). For the GPT-3 175B
@@ -75,9 +75,9 @@ import torch
 from megatron.assembly.build import build_gpt_chunk, gradients_in_fp32
 from megatron.config import RunConfig
 from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
+from megatron.flops import flops_per_token
 from megatron.model.gpt_model import GPTModel
 from megatron.placement import stage_chunks
-from megatron.training_log import flops_per_token
 
 GB = 2**30
 

@@ -37,6 +37,7 @@ from megatron.assembly.build import (
 )
 from megatron.checkpointing.async_save import AsyncSaver
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.folder import DEEPSPEED, MEGATRON
 from megatron.checkpointing.load import checkpoint_model_settings
 from megatron.checkpointing.ranks import all_true, any_true, first_failure
 from megatron.config import (
@@ -51,6 +52,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import bubble
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.dataset_utils import train_valid_test_num_samples as data_sample_counts
+from megatron.flops import flops_per_token
 from megatron.initialize import initialize_megatron
 from megatron.integrations.deepspeed import deepspeed_config_or_exit
 from megatron.microbatches import NumMicroBatchesCalculator
@@ -67,7 +69,7 @@ from megatron.nonfinite import (
 )
 from megatron.optimizer_param_scheduler import (
     ScheduleMismatchError,
-    check_resumed_schedule_or_exit,
+    build_optimizer_param_scheduler,
 )
 from megatron.signals import INTERRUPTED_EXIT_STATUS, TERMINATED_EXIT_STATUS, ShutdownSignals
 from megatron.timers import Timers, format_across_ranks, gather_across_ranks
@@ -75,7 +77,6 @@ from megatron.training_log import (
     TensorBoard,
     WandbOffline,
     evaluation_series,
-    flops_per_token,
     format_eval,
     format_load_report,
     format_log_line,
@@ -789,7 +790,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     configure_output(cfg.logging.log_all_ranks)
     _check_device_support_or_exit(cfg)
     if training_xla.launches_replicas(cfg):
-        from megatron.initialize import free_port
+        from megatron.launch_env import free_port
 
         xla.launch_replicas(
             functools.partial(pretrain, train_valid_test_datasets_provider, model_provider,
@@ -1113,3 +1114,37 @@ def _finish() -> None:
     sys.stdout.flush()
     if dist.is_initialized():
         dist.barrier(group=parallel_state.get_control_group())
+
+
+class _NoParameters:
+    """An optimizer without parameters: what a scheduler built only to be compared needs."""
+
+    param_groups: list = []
+
+
+def check_resumed_schedule_or_exit(cfg: Any, ds_config: Optional[dict]) -> None:
+    """A ``--load`` whose schedule differs from this run's flags (another --lr, a longer
+    --train-iters that moves the decay) ends the run before any process group or model
+    exists: ``error: ...`` on rank 0 naming each value, its flags and the flag that resolves
+    it (exit status 2), instead of a ``ScheduleMismatchError`` on every rank at the load. The
+    same rule as the load: a scheduler built from the flags loads the checkpoint's state."""
+    from megatron import checkpointing
+
+    ck, sc = cfg.checkpoint, cfg.scheduler
+    if (not ck.load or ck.finetune or ck.no_load_optim or ck.no_load_lr_state
+            or sc.override_opt_param_scheduler or sc.use_checkpoint_opt_param_scheduler
+            or (ds_config is not None and "scheduler" in ds_config)):
+        return
+    # --deepspeed resumes DeepSpeed's checkpoints, whose client state holds our schedule.
+    found = checkpointing.load_scheduler_state(
+        ck.load, DEEPSPEED if ds_config is not None else MEGATRON)
+    if found is None:
+        return
+    folder, saved = found
+    scheduler = build_optimizer_param_scheduler(
+        sc, cfg.optimizer, _NoParameters(), global_batch_size=cfg.training.global_batch_size,
+        train_iters=cfg.training.train_iters, train_samples=cfg.training.train_samples)
+    try:
+        scheduler.load_state_dict(saved)
+    except ScheduleMismatchError as error:
+        refuse(f"--load {ck.load}: {folder}: {error}")

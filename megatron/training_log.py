@@ -1,17 +1,5 @@
-"""The Megatron log line, TensorBoard scalars, the FLOPs count behind TFLOP/s, and the lines
-that say what a load restored and how a run went.
-
-FLOPs of one training iteration (forward + backward, a matmul of m x k by k x n counted as
-2mkn), for B sequences of s tokens, L layers, hidden h, FFN width f, attention projection
-width a (= heads x kv_channels) and padded vocabulary V::
-
-    per token, forward:  L * (2*h*3a  +  2*a*h  +  2*2*h*f  +  2*2*s*a)  +  2*h*V
-                              qkv        proj      MLP        scores, weighted sum
-    training:            3 x forward (backward costs twice the forward)
-
-With f = 4h and a = h this is Megatron's ``72 B s L h^2 (1 + s/(6h) + V/(12 h L))``. We report
-*model* FLOPs: recomputed activations are not counted, so TFLOP/s is comparable across
-recompute settings (MFU, not HFU).
+"""The Megatron log line, TensorBoard scalars, and the lines that say what a load restored and
+how a run went. TFLOP/s counts model FLOPs (``megatron.flops``).
 """
 
 from __future__ import annotations
@@ -24,17 +12,6 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
-
-from megatron.config import ModelConfig
-
-
-def flops_per_token(config: ModelConfig, seq_length: Optional[int] = None) -> float:
-    """Training FLOPs per token (forward + backward) of the formula in the module docstring."""
-    s = seq_length or config.seq_length
-    h, f, a = config.hidden_size, config.ffn_hidden_size, config.projection_size
-    per_layer = 2 * h * 3 * a + 2 * a * h + 4 * h * f + 4 * s * a
-    forward = config.num_layers * per_layer + 2 * h * config.padded_vocab_size
-    return 3.0 * forward
 
 
 def memory_gb() -> float:

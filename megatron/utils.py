@@ -1,5 +1,5 @@
-"""Helpers shared by the entry scripts and the loop: masks and position ids for
-left-to-right LMs, and the rank-aware output every message goes through."""
+"""The rank-aware output every message goes through: global rank 0 speaks for all (or every rank,
+prefixed, with --log-all-ranks), and start-up refusals end every rank alike."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import os
 import sys
 from typing import NoReturn, Optional
 
-import torch
 import torch.distributed as dist
 
 # The ``megatron`` logger: its records and print_rank_0's messages leave through one
@@ -84,38 +83,3 @@ def print_rank_0(message: str) -> None:
     """Print (flushed) once, on global rank 0; on every rank, prefixed, under
     --log-all-ranks (see configure_output)."""
     (_installed_output() or RankOutput()).write(message)
-
-
-def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: Optional[int],
-                                    reset_position_ids: bool, reset_attention_mask: bool,
-                                    eod_mask_loss: bool):
-    """Masks for a batch of token ids ``[b, s]`` (Megatron's semantics).
-
-    Returns ``(attention_mask, loss_mask, position_ids)``: ``attention_mask`` is None for the
-    plain causal mask, or bool ``[b, 1, s, s]`` with True = masked when documents must not
-    attend across their EOD boundaries (``reset_attention_mask``); ``loss_mask`` ``[b, s]``
-    float, zero at EOD tokens with ``eod_mask_loss``; ``position_ids`` ``[b, s]``, restarting
-    after each EOD with ``reset_position_ids``.
-    """
-    b, s = tokens.shape
-    device = tokens.device
-    loss_mask = torch.ones(b, s, dtype=torch.float, device=device)
-    positions = torch.arange(s, dtype=torch.long, device=device)
-    # Element-wise only: nothing here waits for the device (no boolean indexing, no .tolist()).
-    is_eod = tokens == eod_token if eod_token is not None else None
-    if eod_mask_loss and is_eod is not None:
-        loss_mask.masked_fill_(is_eod, 0.0)
-    doc_start = torch.zeros(b, s, dtype=torch.long, device=device)
-    if (reset_position_ids or reset_attention_mask) and is_eod is not None:
-        # A document starts one past each EOD: position p's document starts one past the
-        # last EOD before p (a running maximum, shifted by one position).
-        after_eod = torch.where(is_eod, positions + 1, 0)
-        doc_start[:, 1:] = after_eod.cummax(dim=1).values[:, :-1]
-    position_ids = positions.expand(b, s) - (doc_start if reset_position_ids else 0)
-    attention_mask = None
-    if reset_attention_mask:
-        keys = positions.view(1, 1, 1, s)
-        queries = positions.view(1, 1, s, 1)
-        visible = (keys <= queries) & (keys >= doc_start.view(b, 1, s, 1))  # [b, 1, s, s]
-        attention_mask = ~visible  # True = masked out
-    return attention_mask, loss_mask, position_ids

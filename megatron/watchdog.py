@@ -26,7 +26,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron.core import parallel_state, timeouts
-from megatron.initialize import distributed_env
+from megatron.launch_env import distributed_env
 
 EXIT_STATUS = 1
 

@@ -30,8 +30,9 @@ from torch import nn
 from megatron.config import RunConfig
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel.schedules import StageInfo, get_forward_backward_func
+from megatron.masks import get_ltor_masks_and_position_ids
 from megatron.progress import percent_and_eta
-from megatron.utils import get_ltor_masks_and_position_ids, print_rank_0
+from megatron.utils import print_rank_0
 
 TASKS = ("WIKITEXT103", "LAMBADA")
 _SUM_NAMES = ("loss_sum", "scored_tokens", "correct", "examples")

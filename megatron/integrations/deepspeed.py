@@ -367,7 +367,7 @@ class _PipeBatches:
         return self
 
     def __next__(self):
-        from megatron.utils import get_ltor_masks_and_position_ids
+        from megatron.masks import get_ltor_masks_and_position_ids
 
         sample = next(self.iterator)["text"].to(self.device, non_blocking=True).long()
         tokens, labels = sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
@@ -719,7 +719,7 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
     _show_deepspeed_log()
     # DeepSpeed reads the launcher's variables; a plain `python pretrain_gpt.py` (or srun)
     # sets none of them.
-    from megatron.initialize import distributed_env
+    from megatron.launch_env import distributed_env
 
     env = distributed_env()
     os.environ.setdefault("LOCAL_RANK", str(env["local_rank"]))

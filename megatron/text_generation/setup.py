@@ -31,7 +31,8 @@ from megatron.inference_loading import (
     launch_layout,
     read_hf_model,
 )
-from megatron.initialize import distributed_env, initialize_distributed
+from megatron.initialize import initialize_distributed
+from megatron.launch_env import distributed_env
 from megatron.tokenizer import build_tokenizer
 from megatron.utils import global_rank
 

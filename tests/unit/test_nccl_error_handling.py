@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from megatron.initialize import nccl_error_handling_env
+from megatron.launch_env import nccl_error_handling_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SET = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
@@ -43,7 +43,7 @@ def test_the_mode_is_set_only_where_nobody_chose_one(env, launcher_env, expected
 WORKER = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, {repo!r})
-    from megatron.initialize import nccl_error_handling_env, parent_env
+    from megatron.launch_env import nccl_error_handling_env, parent_env
     print(json.dumps(nccl_error_handling_env(os.environ, parent_env())), flush=True)
 """)
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from megatron.config import parse_args
-from megatron.initialize import distributed_env, launched_by_srun, rendezvous_env
+from megatron.launch_env import distributed_env, launched_by_srun, rendezvous_env
 from megatron.slurm import DEFAULT_MASTER_PORT, expand_nodelist, first_host
 
 
