@@ -11,8 +11,8 @@ import torch
 
 from megatron.assembly.build import RunContext, gpt_model_provider
 from megatron.core.pipeline_parallel.schedules import StageInfo
-from megatron.masks import get_ltor_masks_and_position_ids
 from megatron.model.gpt_model import GPTModel
+from megatron.model.masks import get_ltor_masks_and_position_ids
 from megatron.training import pretrain, print_rank_0
 
 
@@ -88,7 +88,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     from megatron.checkpointing import CheckpointError
-    from megatron.utils import global_rank
+    from megatron.platform.output import global_rank
 
     try:
         main()

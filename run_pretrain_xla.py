@@ -8,7 +8,7 @@ The same as ``python pretrain_gpt.py --device xla --xla-processes 0 ...``: every
 of this host, data parallel over them: a replica process per device (torch_xla.launch, the
 ``xla`` backend) where torch_xla gives each device a process (TPU v4 and later, GPUs through
 its CUDA plugin), else SPMD in this process (TPU v2/v3, the CPU; ``--xla-spmd``, see
-megatron/xla.py). ``--xla-processes N`` given here takes N devices instead; under torchrun
+megatron/platform/xla.py). ``--xla-processes N`` given here takes N devices instead; under torchrun
 (one process per device already) it trains in each process as pretrain_gpt.py does.
 """
 

@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.inference_loading import build_inference_model  # noqa: E402
-from megatron.text_generation import GREEDY, generate_tokens  # noqa: E402
+from megatron.inference.loading import build_inference_model  # noqa: E402
+from megatron.inference.text_generation import GREEDY, generate_tokens  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -330,7 +330,7 @@ def smoke_command(scale: Scale, data_flags: list[str], *extra: str) -> list[str]
 
 def train(command: list[str]) -> tuple[list[tuple[float, float]], str]:
     """(lm loss, grad norm) per logged iteration, and the output; [] where it failed."""
-    from megatron.training_log import parse_log_lines
+    from megatron.training.log import parse_log_lines
 
     status, output = stream(command)
     if status != 0:

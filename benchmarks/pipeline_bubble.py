@@ -56,8 +56,8 @@ from megatron.config import ModelConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import bubble, schedules  # noqa: E402
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
-from megatron.placement import pipeline_chunks  # noqa: E402
-from megatron.timers import Timers  # noqa: E402
+from megatron.core.timers import Timers  # noqa: E402
+from megatron.model.placement import pipeline_chunks  # noqa: E402
 
 LAYERS_PER_STAGE = 2
 

@@ -17,7 +17,7 @@ logged loss of every attempt equals the uninterrupted run's at that iteration, a
 attempt's per-iteration losses and grad norms equal the uninterrupted run's bit for bit
 (``tests/distributed/pretrain_recorded.py`` writes them). ``--nodes 2`` starts two torchrun
 agents of one process each on this machine, as two nodes would (their restart counts can then
-differ: see ``megatron/rendezvous.py``). Prints one line per try and the tally; it is a
+differ: see ``megatron/platform/rendezvous.py``). Prints one line per try and the tally; it is a
 measurement of the fault path, not a unit test (``tests/functional/test_torchrun_restarts.py``
 runs two tries in CI).
 """

@@ -24,7 +24,7 @@ best rate of square fp32 matmuls over several sizes and repeats, taken between t
 both sides are measured against the faster kernel. The table also gives MFU against
 ``torch.mm``'s peak alone (the "fp32 matmul peak" of a plain PyTorch program, about 130-155
 GFLOP/s on 2 threads here, against about 200 for oneDNN). Model FLOPs per token come from
-``megatron.flops.flops_per_token``::
+``megatron.planning.flops.flops_per_token``::
 
     3 x [ L x (2h*3a + 2a*h + 4h*f + 4s*a) + 2h*V ]     (forward x 3 for forward + backward)
 
@@ -121,7 +121,7 @@ SHAPES_BY_DEVICE = {"cpu": SHAPES, "cuda": GPU_SHAPES}
 
 def flops_per_token(shape: Shape) -> float:
     from megatron.config import ModelConfig
-    from megatron.flops import flops_per_token as megatron_flops
+    from megatron.planning.flops import flops_per_token as megatron_flops
 
     config = ModelConfig(num_layers=shape.layers, hidden_size=shape.hidden,
                          num_attention_heads=shape.heads, seq_length=shape.seq,
@@ -192,7 +192,7 @@ def pretrain_command(shape: Shape, iters: int, clip_grad: float) -> list[str]:
 def tokens_per_second_from_log(log: str, warmup: int, tokens_per_iteration: int) -> float:
     """Tokens over time for the logged iterations after ``warmup`` (each line's TGS covers one
     iteration at --log-interval 1)."""
-    from megatron.training_log import parse_log_lines
+    from megatron.training.log import parse_log_lines
 
     tgs = [line["tokens per GPU per second (TGS)"] for line in parse_log_lines(log)
            if line["iteration"] > warmup]

@@ -6,7 +6,7 @@
 
 Under torchrun at any tensor/pipeline layout (the checkpoint's own loads file by file; another
 is merged and cut in memory). See
-megatron/evaluation/cli.py (and tools/evaluate.py for a shorter command).
+megatron/inference/evaluation/cli.py (and tools/evaluate.py for a shorter command).
 """
 
 import os
@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.evaluation.cli import main  # noqa: E402
+from megatron.inference.evaluation.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -35,7 +35,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.file_modes import chmod_as_created  # noqa: E402
+from megatron.platform.file_modes import chmod_as_created  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"

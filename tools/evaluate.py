@@ -8,7 +8,7 @@ tasks/main.py (the same code underneath).
     torchrun --nproc_per_node 2 tools/evaluate.py wikitext FILE --load CKPT_SAVED_AT_TP2
 
 The model's shape, tokenizer and tensor/pipeline layout come from the checkpoint unless
-given; any pretrain_gpt.py flag may follow. See megatron/evaluation/friendly.py.
+given; any pretrain_gpt.py flag may follow. See megatron/inference/evaluation/friendly.py.
 """
 
 import os
@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.evaluation.friendly import main  # noqa: E402
+from megatron.inference.evaluation.friendly import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -23,8 +23,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.text_generation import SamplingParams, generate_text  # noqa: E402
-from megatron.text_generation.setup import (  # noqa: E402
+from megatron.inference.text_generation import SamplingParams, generate_text  # noqa: E402
+from megatron.inference.text_generation.setup import (  # noqa: E402
     SetupError,
     add_model_args,
     broadcast_object,

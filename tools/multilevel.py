@@ -8,7 +8,7 @@
 ``decoalesce`` maps a small model back to the large shape (``--load-small`` optional there:
 the small checkpoint, for symmetry with interpolate); ``interpolate`` de-coalesces
 ``--load-small`` and writes ``(1 - alpha) * large + alpha * de-coalesced``. The operators are
-``megatron/multilevel.py``; see its docstring for the definitions.
+``megatron/research/multilevel.py``; see its docstring for the definitions.
 
 Each reads the latest checkpoint of ``--load`` (and ``--load-small``) at whatever tensor,
 pipeline and virtual-pipeline layout it was saved with, distributed optimizer or not
@@ -42,7 +42,7 @@ from megatron.conversion import (  # noqa: E402
     load_full_checkpoint,
     save_full_checkpoint,
 )
-from megatron.multilevel import (  # noqa: E402
+from megatron.research.multilevel import (  # noqa: E402
     PAIRINGS,
     MultilevelError,
     coalesce,

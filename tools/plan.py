@@ -12,11 +12,11 @@ Takes pretrain_gpt.py's flags (the model, layout, batch, precision, recomputatio
 tensor x pipeline), --zero-stage (DeepSpeed's ZeRO 0-3 for the memory figures) and
 --gpu-memory-gb, and --compare-formulas (print, instead of the plan, the first stage's memory
 beside Korthikanti et al. 2022 / Megatron-LM's theoretical_memory_usage.py, with and without
-sequence parallelism under each recompute setting: megatron/memory_formulas.py; the
-differences are explained in megatron/planner.py). The vocabulary is --vocab-size, or the tokenizer's when --vocab-file or
+sequence parallelism under each recompute setting: megatron/planning/memory_formulas.py; the
+differences are explained in megatron/planning/planner.py). The vocabulary is --vocab-size, or the tokenizer's when --vocab-file or
 --tokenizer-name-or-path is given, else GPT-2's 50257. Every rank's stage is built on the
 meta device, so nothing is allocated; the formulas are printed with the figures
-(megatron/planner.py). Exit status 0 when the plan fits (or no --gpu-memory-gb), 1 when not,
+(megatron/planning/planner.py). Exit status 0 when the plan fits (or no --gpu-memory-gb), 1 when not,
 2 on bad flags.
 """
 
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron.checkpointing import checkpoint_model_settings  # noqa: E402
 from megatron.config import ConfigError, RunConfig, parse_args  # noqa: E402
-from megatron.planner import Plan, build_plan, format_plan  # noqa: E402
+from megatron.planning.planner import Plan, build_plan, format_plan  # noqa: E402
 
 
 def _own_flags() -> argparse.ArgumentParser:
@@ -96,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Plan:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     if "--compare-formulas" in argv:
-        from megatron.memory_formulas import compare, format_comparison, variants
+        from megatron.planning.memory_formulas import compare, format_comparison, variants
 
         print(format_comparison([compare(c, label) for label, c in variants(config)]))
         raise SystemExit(0)

@@ -21,13 +21,13 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.text_generation.request_checks import MAX_PROMPTS  # noqa: E402
-from megatron.text_generation.server import (  # noqa: E402
+from megatron.inference.text_generation.request_checks import MAX_PROMPTS  # noqa: E402
+from megatron.inference.text_generation.server import (  # noqa: E402
     build_app,
     serve_other_ranks,
     stop_other_ranks,
 )
-from megatron.text_generation.setup import (  # noqa: E402
+from megatron.inference.text_generation.setup import (  # noqa: E402
     SetupError,
     add_model_args,
     is_rank_0,

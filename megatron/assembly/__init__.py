@@ -1,6 +1,6 @@
 """Assembling a run: one owner for what every entry point builds the same way.
 
-- ``megatron/placement.py`` (re-exported here): which layers each pipeline chunk holds
+- ``megatron/model/placement.py`` (re-exported here): which layers each pipeline chunk holds
   (``Chunk``, ``pipeline_chunks``, ``run_chunks``, ``stage_chunks``) and the tensor-parallel
   cut; it depends on the config only and sits outside this package, so checkpoints and
   conversion use it without importing the builders;
@@ -8,9 +8,9 @@
   wrappers, the optimizer and LR schedule, the tokenizer.
 
 Training (``megatron.training`` keeps the loop), evaluation, text generation (through
-``megatron.inference_loading``), the planner, conversion and the rehearsal all build here.
+``megatron.inference.loading``), the planner, conversion and the rehearsal all build here.
 """
 
-from megatron.placement import Chunk, pipeline_chunks, run_chunks, stage_chunks
+from megatron.model.placement import Chunk, pipeline_chunks, run_chunks, stage_chunks
 
 __all__ = ["Chunk", "pipeline_chunks", "run_chunks", "stage_chunks"]

@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import watchdog, xla
 from megatron.config import ConfigError, ModelConfig, OptimizerConfig, RunConfig
-from megatron.core import parallel_state
+from megatron.core import parallel_state, watchdog
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import build_optimizer_param_scheduler
+from megatron.core.timers import Timers
 from megatron.model.gpt_model import GPTModel
+from megatron.model.placement import Chunk, stage_chunks
 from megatron.model.transformer import compile_transformer_layers
-from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
-from megatron.placement import Chunk, stage_chunks
-from megatron.timers import Timers
-from megatron.utils import print_rank_0
+from megatron.platform import xla
+from megatron.platform.output import print_rank_0
 
 
 @dataclasses.dataclass

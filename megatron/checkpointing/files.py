@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from megatron.checkpointing.errors import CheckpointError
-from megatron.file_modes import write_failure
+from megatron.platform.file_modes import write_failure
 
 _CHUNK = 16 << 20  # bytes read at a time when checksumming a file
 

@@ -77,7 +77,7 @@ from megatron.checkpointing.paths import (
     TRACKER_FILENAME,
     mp_rank_dir_name,
 )
-from megatron.file_modes import chmod_as_created
+from megatron.platform.file_modes import chmod_as_created
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import time
 from typing import Optional
 
 from megatron.checkpointing.errors import CheckpointError
-from megatron.file_modes import write_failure
+from megatron.platform.file_modes import write_failure
 
 logger = logging.getLogger(__name__)
 

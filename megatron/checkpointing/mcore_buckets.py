@@ -17,7 +17,7 @@ parameter must start and end on a chunk boundary. A wrong rule fails that check 
 reading shifted values (parameters of equal size that swapped places would pass it; the
 module order below is megatron-core 0.16's).
 
-The tensor-parallel cut of each parameter is ours (``megatron/placement.py``), so a rebuilt
+The tensor-parallel cut of each parameter is ours (``megatron/model/placement.py``), so a rebuilt
 entry says where its range of the bucket sits in the global (model-space) tensor, and a
 reader asks for exactly the part each of its slots needs, through DCP: no rank reads more than
 the state it keeps, plus the rows of partly needed parameters. Tensor replicas (layer norms,
@@ -35,7 +35,7 @@ import torch
 from megatron.checkpointing import dcp
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.mcore_layout import Place, place, whole_model_shapes
-from megatron.placement import (
+from megatron.model.placement import (
     OUTPUT_LAYER,
     TIED_COPY,
     WORD_EMBEDDINGS,

@@ -16,7 +16,7 @@ Layers are stacked along a leading axis of size ``--num-layers`` (global layer n
 pipeline stage holds a slab of it). The layer norms sit in the names of the linear layer they
 feed (Transformer Engine fuses them; megatron-core's local spec maps its own names to these).
 The query/key/value rows are grouped per head (``[n, 3, d]``), as ours are. Tensor-parallel
-cuts are ours (``megatron/placement.py``'s ``tp_split_dim``). With tied embeddings the last
+cuts are ours (``megatron/model/placement.py``'s ``tp_split_dim``). With tied embeddings the last
 stage's copy of the word embeddings is the same global tensor (not written twice), and there
 is no ``output_layer.weight``.
 """
@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from megatron.placement import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, tp_split_dim
+from megatron.model.placement import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, tp_split_dim
 
 LAYERS = "decoder.layers."
 # Our per-layer parameter names (after "encoder.layers.{i}.") -> megatron-core's.

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import xla
 from megatron.checkpointing.ranks import RankLayout
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_rng_tracker
+from megatron.platform import xla
 
 logger = logging.getLogger(__name__)
 

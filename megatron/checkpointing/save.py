@@ -21,7 +21,6 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from megatron import xla
 from megatron.checkpointing.async_save import AsyncSaver, run_job
 from megatron.checkpointing.contents import (
     ModelChunks,
@@ -47,9 +46,10 @@ from megatron.checkpointing.publish import PublishedSave
 from megatron.checkpointing.ranks import RankLayout, broadcast_from_rank0, current_layout
 from megatron.checkpointing.rng import gather_rng_states
 from megatron.core import parallel_state
+from megatron.core.nonfinite import first_nonfinite_of
 from megatron.core.optimizer.distrib_optimizer import GATHERED_FORMAT, DistributedOptimizer
 from megatron.core.optimizer.shard_gather import ShardSnapshot, gather_to_first
-from megatron.nonfinite import first_nonfinite_of
+from megatron.platform import xla
 
 logger = logging.getLogger(__name__)
 

@@ -79,8 +79,8 @@ from megatron.checkpointing.publish import PublishedSave
 from megatron.checkpointing.ranks import RankLayout, all_true, raise_together
 from megatron.checkpointing.run_config import config_from_stored
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
+from megatron.core.nonfinite import first_nonfinite_of
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.nonfinite import first_nonfinite_of
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from megatron.config.base import (
 from megatron.config.data import DataConfig, canonical_tokenizer_type
 from megatron.config.run import SLICE_CLASSES, RunConfig
 from megatron.config.toml_io import dump_config, toml_settings
-from megatron.utils import global_rank, print_rank_0, refuse
+from megatron.platform.output import global_rank, print_rank_0, refuse
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], Optional[argparse.ArgumentParser]]
 # --load -> the model-shape values stored with its latest checkpoint (--use-checkpoint-args).
@@ -149,7 +149,7 @@ def parse_args(
     used when neither the command line nor the file gives it (Megatron's ``defaults``).
     require_training=False drops the requirements that only training has (a schedule length,
     a data source, tokenizer files). xla_spmd_devices: the XLA devices each process trains
-    over with SPMD (each a data-parallel rank; megatron.training_xla decides). announce=False
+    over with SPMD (each a data-parallel rank; megatron.training.xla_step decides). announce=False
     keeps the no-op flags' notices for a second reading of the same flags.
     checkpoint_settings: what --use-checkpoint-args reads (the entry points that take the flag
     pass ``megatron.checkpointing.checkpoint_model_settings``; the config package reads no

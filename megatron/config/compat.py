@@ -197,7 +197,7 @@ def announce_no_ops(ns: argparse.Namespace) -> list[str]:
         if dest == "local_rank" or value == noop.stores_false or (noop.takes_value
                                                                   and value is None):
             continue
-        from megatron.utils import print_rank_0  # rank 0 only, before and after start-up
+        from megatron.platform.output import print_rank_0  # rank 0 only, before and after start-up
 
         given_as = f"{noop.spelling} {value}" if noop.takes_value else noop.spelling
         print_rank_0(f"> {given_as} is accepted for compatibility and has no effect: "

@@ -8,7 +8,7 @@ from typing import Optional
 
 from megatron.config.base import Slice, check_refused, one_of, option, positive, require
 
-# How timers are reported across ranks (--timing-log-option; megatron/timers.py reports them).
+# How timers are reported across ranks (--timing-log-option; megatron/core/timers.py reports them).
 TIMING_LOG_OPTIONS = ("max", "minmax", "all")
 
 

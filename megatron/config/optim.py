@@ -114,7 +114,7 @@ class SchedulerConfig(Slice):
     """Learning-rate warm-up/decay and weight-decay increment.
 
     Lengths are in iterations, samples or (Megatron-DeepSpeed) tokens;
-    ``megatron.optimizer_param_scheduler.build_optimizer_param_scheduler`` resolves them
+    ``megatron.core.optimizer_param_scheduler.build_optimizer_param_scheduler`` resolves them
     against ``--train-iters`` or ``--train-samples``. ``start/end_weight_decay`` default to
     ``--weight-decay``.
     """

@@ -16,7 +16,7 @@ from megatron.config.model import ModelConfig
 from megatron.config.optim import OptimizerConfig, SchedulerConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.training import TrainingConfig
-from megatron.xla import SYNCFREE_OPTIMIZERS
+from megatron.platform.xla import SYNCFREE_OPTIMIZERS
 
 # The slices, in the order of --help and of the TOML file, with their table names.
 SLICE_CLASSES = {

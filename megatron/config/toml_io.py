@@ -23,7 +23,7 @@ else:  # pragma: no cover
 
 from megatron.config.base import ConfigError, option_fields, value_type
 from megatron.config.run import SLICE_CLASSES, RunConfig
-from megatron.file_modes import chmod_as_created
+from megatron.platform.file_modes import chmod_as_created
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 

@@ -18,7 +18,7 @@ from megatron.config.base import (
     require,
     set_field,
 )
-from megatron.device import resolve_backend
+from megatron.platform.device import resolve_backend
 
 
 @dataclass(frozen=True)

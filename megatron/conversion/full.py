@@ -63,7 +63,7 @@ from megatron.conversion.sharding import (
     split_tp,
     tp_piece,
 )
-from megatron.placement import Chunk, pipeline_chunks
+from megatron.model.placement import Chunk, pipeline_chunks
 
 logger = logging.getLogger(__name__)
 

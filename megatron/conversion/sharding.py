@@ -8,7 +8,7 @@ it is the last chunk but not the first, holds its own copy of the tied word embe
 ``word_embeddings.weight``.
 
 Which dimension each tensor is cut along over tensor-parallel ranks (``tp_split_dim``) and
-which layers a chunk holds are ``megatron/placement.py``'s rules; this module
+which layers a chunk holds are ``megatron/model/placement.py``'s rules; this module
 merges, splits and renames by them.
 """
 
@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from megatron.placement import (  # noqa: F401 - conversion's names
+from megatron.model.placement import (  # noqa: F401 - conversion's names
     OUTPUT_LAYER,
     TIED_COPY,
     VOCAB_TENSORS,

@@ -362,8 +362,8 @@ def is_rank_in_position_embedding_group() -> bool:
     return dist.is_initialized() and dist.get_rank() in _state.position_embedding_ranks
 
 
-_DEVICE: Optional[torch.device] = None  # set by set_default_device (megatron.initialize)
-_CONTROL_GROUP: Optional[Any] = None  # set by set_control_group (megatron.initialize)
+_DEVICE: Optional[torch.device] = None  # set by set_default_device (megatron.assembly.initialize)
+_CONTROL_GROUP: Optional[Any] = None  # set by set_control_group (megatron.assembly.initialize)
 
 
 def set_default_device(device: Optional[torch.device]) -> None:
@@ -375,7 +375,7 @@ def set_default_device(device: Optional[torch.device]) -> None:
 def get_default_device() -> torch.device:
     """The device this process computes on, where every tensor fed to a collective lives.
 
-    What ``set_default_device`` recorded (``megatron.initialize`` decides it once per run);
+    What ``set_default_device`` recorded (``megatron.assembly.initialize`` decides it once per run);
     otherwise, for library use, this process's CUDA device under an NCCL default group (NCCL
     carries nothing else) and the CPU in every other case.
     """
@@ -396,7 +396,7 @@ def set_control_group(group: Optional[Any]) -> None:
 def get_control_group() -> Optional[Any]:
     """The group in which host values (flags, counts, timings, pickled objects, barriers)
     meet: None, the default group, except in an XLA run, whose default group is torch_xla's
-    and carries XLA tensors only; there a gloo group of every rank (``megatron.xla``)."""
+    and carries XLA tensors only; there a gloo group of every rank (``megatron.platform.xla``)."""
     return _CONTROL_GROUP
 
 

@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from megatron.file_modes import write_failure
+from megatron.platform.file_modes import write_failure
 
 logger = logging.getLogger(__name__)
 

@@ -367,7 +367,7 @@ class _PipeBatches:
         return self
 
     def __next__(self):
-        from megatron.masks import get_ltor_masks_and_position_ids
+        from megatron.model.masks import get_ltor_masks_and_position_ids
 
         sample = next(self.iterator)["text"].to(self.device, non_blocking=True).long()
         tokens, labels = sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
@@ -433,7 +433,7 @@ class DeepSpeedRun:
         loss on any rank makes the last micro-batch's gradients NaN everywhere, so that rule
         applies even where the loss's own gradients stayed finite.
         """
-        from megatron.nonfinite import locate_nonfinite_loss
+        from megatron.core.nonfinite import locate_nonfinite_loss
 
         engine, check = self.engine, self.cfg.optimizer.check_for_nan_in_loss_and_grad
         bad_loss = None
@@ -496,7 +496,7 @@ class DeepSpeedRun:
         from megatron.checkpointing.async_save import raise_save_failure
         from megatron.checkpointing.folder import DEEPSPEED, make_tmp_folder
         from megatron.checkpointing.ranks import all_true, broadcast_from_rank0
-        from megatron.utils import print_rank_0
+        from megatron.platform.output import print_rank_0
 
         tag = DEEPSPEED.folder_name(iteration)
         rank0 = dist.get_rank() == 0
@@ -524,7 +524,7 @@ class DeepSpeedRun:
         """--load: DeepSpeed's latest checkpoint into the engine and our ``state``."""
         from megatron.checkpointing.folder import DEEPSPEED
         from megatron.checkpointing.rng import restore_rng_state
-        from megatron.utils import print_rank_0
+        from megatron.platform.output import print_rank_0
 
         ck = self.cfg.checkpoint
         folder = _on_rank0_for_all(lambda: _latest_deepspeed_folder(
@@ -571,7 +571,7 @@ def _refuse_nonfinite_steps(engine) -> None:
     every rank's gradients (one all-reduce: every rank steps together, in both engines), and
     skips when any is NaN/Inf, setting ``overflow``, which the engine reads (the step is not
     applied and counted as skipped)."""
-    from megatron.nonfinite import grads_are_finite, ranks_where
+    from megatron.core.nonfinite import grads_are_finite, ranks_where
 
     optimizer, model = engine.optimizer, engine.module
     if hasattr(optimizer, "overflow"):
@@ -712,14 +712,14 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
     import deepspeed
 
     from megatron.core.optimizer import build_torch_optimizer, get_param_groups
-    from megatron.optimizer_param_scheduler import build_optimizer_param_scheduler
-    from megatron.utils import print_rank_0
+    from megatron.core.optimizer_param_scheduler import build_optimizer_param_scheduler
+    from megatron.platform.output import print_rank_0
 
     cfg = ctx.config
     _show_deepspeed_log()
     # DeepSpeed reads the launcher's variables; a plain `python pretrain_gpt.py` (or srun)
     # sets none of them.
-    from megatron.launch_env import distributed_env
+    from megatron.platform.launch_env import distributed_env
 
     env = distributed_env()
     os.environ.setdefault("LOCAL_RANK", str(env["local_rank"]))

@@ -269,7 +269,7 @@ def _sample_and_evaluate(rank, world_size, runs, text_file):
     import contextlib
     import io
 
-    from megatron.evaluation.friendly import main as evaluate
+    from megatron.inference.evaluation.friendly import main as evaluate
     from tools import generate_text
 
     out = {}

@@ -71,7 +71,7 @@ PP4_VP2 = ("--pipeline-model-parallel-size", "4", "--num-layers", "8",
 
 
 def test_planned_counts_equal_the_built_model_per_rank_and_in_total():
-    from megatron.planner import build_plan
+    from megatron.planning.planner import build_plan
 
     per_rank = run_distributed(_count_built, 4, [TP2_PP2, PP4_VP2])
     [[(_, _, whole)]] = run_distributed(_count_built, 1, [()])
@@ -168,7 +168,7 @@ RECOMPUTE_SETTINGS = [(), ("--recompute-granularity", "full", "--recompute-metho
 
 
 def test_planned_memory_is_within_20_percent_of_the_measured_peak():
-    from megatron.planner import build_plan
+    from megatron.planning.planner import build_plan
 
     [peaks] = run_distributed(_measure_steps, 1, RECOMPUTE_SETTINGS)
     for extra, measured in zip(RECOMPUTE_SETTINGS, peaks):

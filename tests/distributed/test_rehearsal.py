@@ -15,11 +15,11 @@ import pytest
 import torch.distributed as dist
 
 from megatron.config import parse_args
-from megatron.rehearsal.entry import rehearse
-from megatron.rehearsal.ranks import RankGrid, plan_ranks
-from megatron.rehearsal.recorder import Recorder, installed
-from megatron.rehearsal.runner import run_planned_ranks, run_rank
-from megatron.rehearsal.setup import rehearsal_config
+from megatron.planning.rehearsal.entry import rehearse
+from megatron.planning.rehearsal.ranks import RankGrid, plan_ranks
+from megatron.planning.rehearsal.recorder import Recorder, installed
+from megatron.planning.rehearsal.runner import run_planned_ranks, run_rank
+from megatron.planning.rehearsal.setup import rehearsal_config
 from megatron.training import RunCallbacks, rank_starter
 from tests.dist_utils import run_distributed
 

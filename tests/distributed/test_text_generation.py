@@ -9,9 +9,9 @@ from megatron.checkpointing.run_config import with_layout
 from megatron.config import to_dict
 from megatron.conversion.full import FullCheckpoint, save_full_checkpoint
 from megatron.core import parallel_state
-from megatron.inference_loading import build_inference_model, config_from_checkpoint
-from megatron.text_generation import SamplingParams, generate_tokens
-from megatron.text_generation.generation import score_tokens
+from megatron.inference.loading import build_inference_model, config_from_checkpoint
+from megatron.inference.text_generation import SamplingParams, generate_tokens
+from megatron.inference.text_generation.generation import score_tokens
 from tests.dist_utils import run_distributed
 from tests.unit.text_generation.hf_utils import converted, prompts, tiny_hf_model
 
@@ -97,8 +97,12 @@ def _serve_tp2(rank, world_size, config, full):
 
     from werkzeug.serving import make_server
 
-    from megatron.text_generation.server import build_app, serve_other_ranks, stop_other_ranks
-    from megatron.text_generation.setup import GenerationModel
+    from megatron.inference.text_generation.server import (
+        build_app,
+        serve_other_ranks,
+        stop_other_ranks,
+    )
+    from megatron.inference.text_generation.setup import GenerationModel
     from megatron.tokenizer import build_tokenizer
     from tools.text_generation_cli import put
 
@@ -127,7 +131,7 @@ def _serve_tp2(rank, world_size, config, full):
 
 
 def test_server_on_two_tensor_parallel_ranks():
-    from megatron.text_generation import generate_text
+    from megatron.inference.text_generation import generate_text
     from megatron.tokenizer import build_tokenizer
 
     hf = tiny_hf_model()

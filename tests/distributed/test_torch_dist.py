@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import pretrain_gpt
+from megatron.assembly.initialize import initialize_megatron
 from megatron.checkpointing import (
     CheckpointError,
     checkpoint_model_settings,
@@ -39,8 +40,7 @@ from megatron.config import parse_args
 from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.initialize import initialize_megatron
-from megatron.text_generation.forward import forward_logits
+from megatron.inference.text_generation.forward import forward_logits
 from megatron.training import (
     RunContext,
     build_run_tokenizer,

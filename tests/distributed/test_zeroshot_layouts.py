@@ -58,11 +58,11 @@ def _one_process_model(flags: list[str], vocab_size: int):
 def _save_and_evaluate(rank, world_size, flags, save_dir, tasks):
     """Save this layout's model, then evaluate each task from that checkpoint."""
     from megatron.assembly.build import build_run_tokenizer
+    from megatron.assembly.initialize import initialize_megatron
     from megatron.checkpointing import save_checkpoint
     from megatron.config import parse_args
-    from megatron.evaluation.cli import main
-    from megatron.evaluation.model import _model_chunks
-    from megatron.initialize import initialize_megatron
+    from megatron.inference.evaluation.cli import main
+    from megatron.inference.evaluation.model import _model_chunks
 
     cfg = parse_args(flags + ["--save", save_dir, "--save-interval", "1"],
                      require_training=False)
@@ -121,7 +121,7 @@ def test_layout_gives_the_one_process_results(reference, at_layout, layout):
 
 
 def _evaluate(rank, world_size, flags, load_dir, tasks):
-    from megatron.evaluation.cli import main
+    from megatron.inference.evaluation.cli import main
 
     return [main(task + flags + ["--load", load_dir]) for task in tasks]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron.training_log import parse_log_lines  # noqa: F401  (tests import it from here)
+from megatron.training.log import parse_log_lines  # noqa: F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 

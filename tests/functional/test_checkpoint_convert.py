@@ -23,7 +23,7 @@ from megatron.checkpointing import read_manifest, read_tracker
 from megatron.conversion import load_full_checkpoint, model_config_from_dict
 from megatron.core import parallel_state
 from megatron.model.gpt_model import GPTModel
-from megatron.placement import pipeline_chunks
+from megatron.model.placement import pipeline_chunks
 from tests.dist_utils import run_distributed
 from tools import checkpoint_util
 from tools.checkpoint import convert

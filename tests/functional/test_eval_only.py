@@ -115,7 +115,7 @@ def test_eval_only_without_a_checkpoint_is_refused(corpus, tmp_path, capsys):
 
 def test_tools_evaluate_takes_model_tokenizer_and_layout_from_the_checkpoint(
         corpus, trained, tmp_path):
-    from megatron.evaluation.friendly import task_argv
+    from megatron.inference.evaluation.friendly import task_argv
 
     argv, ckpt, _ = trained
     vocab = argv[argv.index("--vocab-file") + 1]

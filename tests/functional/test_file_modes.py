@@ -80,7 +80,7 @@ def test_converted_checkpoint_follows_umask_022(tmp_path):
 
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
 def test_chmod_as_created_gives_the_umask_mode(tmp_path, umask):
-    script = ("import os, sys, tempfile; from megatron.file_modes import chmod_as_created; "
+    script = ("import os, sys, tempfile; from megatron.platform.file_modes import chmod_as_created; "
               "d = tempfile.mkdtemp(dir=sys.argv[1]); fd, f = tempfile.mkstemp(dir=d); "
               "chmod_as_created(d); chmod_as_created(f); print(d)")
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,

@@ -13,7 +13,7 @@ from megatron.checkpointing import CheckpointError, read_manifest, read_tracker
 from megatron.config import ModelConfig, to_dict
 from megatron.conversion import FullCheckpoint, load_full_checkpoint, save_full_checkpoint
 from megatron.model.gpt_model import GPTModel
-from megatron.multilevel import coalesce, decoalesce
+from megatron.research.multilevel import coalesce, decoalesce
 from tests.distributed.training_utils import load_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

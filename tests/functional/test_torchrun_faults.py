@@ -5,7 +5,7 @@ a stopped worker is named by the others instead of hanging them.
   prints the tally): one worker killed during a checkpoint save under static rendezvous, one
   during a training step under c10d rendezvous with two agents (two nodes on this machine,
   whose restart counts then differ). Each time torchrun restarts the workers, they meet again
-  (before megatron/rendezvous.py, 7 of 8 such restarts hung in init_process_group or failed
+  (before megatron/platform/rendezvous.py, 7 of 8 such restarts hung in init_process_group or failed
   with "Gloo connectFullMesh failed ... Connection refused"), resume from the newest complete
   checkpoint, and end with the uninterrupted run's losses and grad norms, bit for bit.
 - kill -9 of rank 0 or 1 with DataLoader workers on, ten times, under --max-restarts 1: each

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.evaluation.detokenizer import wikitext_detokenizer
+from megatron.inference.evaluation.detokenizer import wikitext_detokenizer
 from tests import zeroshot_data
 from tests.dist_utils import run_distributed
 from tests.distributed.training_utils import load_tool
@@ -101,7 +101,7 @@ def _hf_lambada_correct(hf, tok, path: str, strict: bool) -> list[bool]:
 
 
 def _run_tasks(rank, world_size, argvs):
-    from megatron.evaluation.cli import main
+    from megatron.inference.evaluation.cli import main
 
     return [main(argv) for argv in argvs]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.inference_loading import build_inference_model
-from megatron.text_generation import SamplingParams, generate_tokens
+from megatron.inference.loading import build_inference_model
+from megatron.inference.text_generation import SamplingParams, generate_tokens
 from tests.unit.text_generation.hf_utils import converted, prompts, tiny_hf_model
 
 pytestmark = pytest.mark.gpu

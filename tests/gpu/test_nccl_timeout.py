@@ -1,6 +1,6 @@
 """An NCCL collective that times out is reported in one line by the rank's own handler, which
 then exits with status 1, before NCCL's watchdog can take the process down (SIGABRT): with
-TORCH_NCCL_ASYNC_ERROR_HANDLING=2, which megatron/initialize.py sets where the user did not
+TORCH_NCCL_ASYNC_ERROR_HANDLING=2, which megatron/assembly/initialize.py sets where the user did not
 (tests/unit/test_nccl_error_handling.py checks that choice on the CPU).
 
 Needs two GPUs (NCCL refuses two ranks on one device); where there is one it is skipped, as
@@ -31,9 +31,9 @@ WORKER = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import torch
     import torch.distributed as dist
-    from megatron import watchdog
+    from megatron.core import watchdog
     from megatron.core import parallel_state
-    from megatron.initialize import initialize_distributed
+    from megatron.assembly.initialize import initialize_distributed
 
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", rank)

@@ -23,10 +23,10 @@ from megatron.config import (
     RunConfig,
 )
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import model_parallel_seed
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.model.gpt_model import GPTModel
-from megatron.optimizer_param_scheduler import OptimizerParamScheduler
 
 MICRO_BATCH = 2
 

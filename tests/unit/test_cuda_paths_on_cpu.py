@@ -18,7 +18,7 @@ from megatron.checkpointing import rng as checkpoint_rng
 from megatron.core.tensor_parallel import get_rng_tracker, model_parallel_seed
 from megatron.model import transformer
 from megatron.model.gpt_model import GPTModel
-from megatron.training_log import format_memory_report
+from megatron.training.log import format_memory_report
 from tests.distributed.tp_utils import batch, tiny_config
 
 

@@ -1,4 +1,4 @@
-"""The device and backend decision (megatron.device), and the device recorded for the run.
+"""The device and backend decision (megatron.platform.device), and the device recorded for the run.
 
 Whether a GPU is visible is faked with monkeypatch, so each branch runs on a CPU machine.
 """
@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 
-from megatron import device as device_mod
 from megatron.config import ConfigError, parse_args
 from megatron.core import parallel_state
+from megatron.platform import device as device_mod
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --micro-batch-size 1 --train-iters 2 --lr 1e-3 "
@@ -38,7 +38,7 @@ def test_auto_backend_follows_the_device(gpus, visible, use_cpu, expected):
 
 def test_nccl_without_a_gpu_falls_back_to_gloo_with_a_warning(gpus, caplog):
     gpus(0)
-    with caplog.at_level(logging.WARNING, logger="megatron.device"):
+    with caplog.at_level(logging.WARNING, logger="megatron.platform.device"):
         assert device_mod.resolve_backend("nccl", use_cpu=False) == "gloo"
     assert "none is visible" in caplog.text
 

@@ -1,4 +1,4 @@
-"""megatron/inference_loading.py's choices without a model: which layout a checkpoint runs at,
+"""megatron/inference/loading.py's choices without a model: which layout a checkpoint runs at,
 what a launch at another layout reads, and where a moved checkpoint's tokenizer is found."""
 
 import os
@@ -10,7 +10,7 @@ from megatron.checkpointing.run_config import with_layout
 from megatron.config import DataConfig, ModelConfig, to_dict
 from megatron.conversion.full import FullCheckpoint, save_full_checkpoint
 from megatron.conversion.hf import TOKENIZER_DIR
-from megatron.inference_loading import (
+from megatron.inference.loading import (
     InferenceLoadingError,
     build_inference_model,
     checkpoint_tokenizer_settings,
@@ -78,7 +78,7 @@ def test_megatron_deepspeed_checkpoint_runs_at_any_layout(tmp_path):
     ours only)."""
     import argparse
 
-    from megatron.inference_loading import _saved_at_this_layout
+    from megatron.inference.loading import _saved_at_this_layout
     from tests.unit.test_conversion import _megatron_deepspeed_model
 
     ours, state = _save(tmp_path / "ours", 2, 2)

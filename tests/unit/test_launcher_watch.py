@@ -1,4 +1,4 @@
-"""megatron/launcher_watch.py: a torchrun worker whose agent dies ends, by the kernel's
+"""megatron/platform/launcher_watch.py: a torchrun worker whose agent dies ends, by the kernel's
 parent-death signal or, where that is not set, by its own check of the parent. Here the
 "agent" is a small parent process killed with SIGKILL; tests/functional/test_torchrun_faults.py
 kills a real torchrun agent."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron import launcher_watch
+from megatron.platform import launcher_watch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
-    from megatron import launcher_watch
+    from megatron.platform import launcher_watch
     launcher_watch.POLL_SECONDS = 0.2
     if "--no-pdeathsig" in sys.argv:
         launcher_watch.set_parent_death_signal = lambda signum: False

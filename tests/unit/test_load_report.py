@@ -10,7 +10,7 @@ import torch
 
 from megatron import checkpointing as ckpt
 from megatron.checkpointing.contents import CONVERTED_KEY
-from megatron.training_log import format_load_report
+from megatron.training.log import format_load_report
 from tests.unit.test_checkpointing import MICRO_BATCH, build, run_config, trained_run
 
 ALL = "restored: model, optimizer state, LR schedule, RNG state"

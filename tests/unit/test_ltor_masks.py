@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from megatron.masks import get_ltor_masks_and_position_ids
+from megatron.model.masks import get_ltor_masks_and_position_ids
 
 EOD = 7
 

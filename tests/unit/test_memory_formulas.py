@@ -1,5 +1,5 @@
 """The planner beside Korthikanti et al. 2022 / Megatron-LM's theoretical_memory_usage.py for
-the GPT-3 175B recipe (megatron/memory_formulas.py): the figures megatron/planner.py's
+the GPT-3 175B recipe (megatron/planning/memory_formulas.py): the figures megatron/planning/planner.py's
 docstring and README.md show, and exactly the differences above 5% the docstring explains."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron.config import parse_args
-from megatron.memory_formulas import (
+from megatron.planning.memory_formulas import (
     compare,
     differences_above,
     formula_activations,
@@ -32,7 +32,7 @@ DOCUMENTED = {
     "no SP, recompute selective": (42.06, 46.88, 29.62, 30.91),
     "no SP, recompute full": (42.06, 46.88, 5.19, 4.92),
 }
-# The differences above 5% megatron/planner.py explains, by row.
+# The differences above 5% megatron/planning/planner.py explains, by row.
 EXPLAINED = {
     "SP, recompute none": {"state", "activations"},
     "SP, recompute selective": {"state"},
@@ -87,7 +87,7 @@ def test_with_fp32_gradients_the_weights_and_optimizer_agree_within_one_percent(
 def test_readme_shows_the_table_tools_plan_prints(rows):
     from pathlib import Path
 
-    from megatron.memory_formulas import format_comparison
+    from megatron.planning.memory_formulas import format_comparison
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert format_comparison(list(rows.values())) in readme

@@ -8,7 +8,7 @@ import torch
 
 from megatron.config import ModelConfig, to_dict
 from megatron.model.gpt_model import GPTModel
-from megatron.multilevel import (
+from megatron.research.multilevel import (
     MultilevelError,
     coalesce,
     decoalesce,

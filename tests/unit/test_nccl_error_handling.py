@@ -1,6 +1,6 @@
-"""NCCL's async error handling as megatron/initialize.py sets it before an NCCL group is made:
+"""NCCL's async error handling as megatron/assembly/initialize.py sets it before an NCCL group is made:
 "clean up only" (2), so that NCCL's watchdog aborts the communicators but leaves the process to
-the rank's own thread, which prints the one-line timeout report (megatron/watchdog.py) and
+the rank's own thread, which prints the one-line timeout report (megatron/core/watchdog.py) and
 exits; the user's own choice, in either spelling, is kept, and torchrun's default for its
 workers (1, which takes the process down first) is not a choice. The report itself on NCCL is
 tests/gpu/test_nccl_timeout.py (two GPUs)."""
@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from megatron.launch_env import nccl_error_handling_env
+from megatron.platform.launch_env import nccl_error_handling_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SET = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
@@ -43,7 +43,7 @@ def test_the_mode_is_set_only_where_nobody_chose_one(env, launcher_env, expected
 WORKER = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, {repo!r})
-    from megatron.launch_env import nccl_error_handling_env, parent_env
+    from megatron.platform.launch_env import nccl_error_handling_env, parent_env
     print(json.dumps(nccl_error_handling_env(os.environ, parent_env())), flush=True)
 """)
 

@@ -1,4 +1,4 @@
-"""megatron.nonfinite in one process: finding a NaN/Inf loss, counting non-finite iterations,
+"""megatron.core.nonfinite in one process: finding a NaN/Inf loss, counting non-finite iterations,
 and refusing to save NaN/Inf parameters or optimizer state."""
 
 import math
@@ -8,8 +8,7 @@ import torch
 
 from megatron.config import ConfigError, OptimizerConfig
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.optimizer import get_megatron_optimizer
-from megatron.nonfinite import (
+from megatron.core.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,
     OverflowGuard,
@@ -20,6 +19,7 @@ from megatron.nonfinite import (
     locate_nonfinite_loss,
     ranks_where,
 )
+from megatron.core.optimizer import get_megatron_optimizer
 
 NAN, INF = float("nan"), float("inf")
 
@@ -125,7 +125,7 @@ def test_grads_are_finite_reads_the_data_parallel_buffer():
 
 
 def test_all_finite_finds_nan_and_inf_anywhere_and_takes_large_values_as_finite():
-    from megatron.nonfinite import _all_finite
+    from megatron.core.nonfinite import _all_finite
 
     big = torch.full((2500,), 3e38)  # its fp32 sum would overflow
     assert _all_finite([big, torch.ones(3), torch.ones(0)]) == [True, True, True]

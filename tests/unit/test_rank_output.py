@@ -1,4 +1,4 @@
-"""megatron.utils' rank-aware output: print_rank_0 and the ``megatron`` loggers write once,
+"""megatron.platform.output' rank-aware output: print_rank_0 and the ``megatron`` loggers write once,
 from global rank 0 (RANK before torch.distributed is up), or from every rank prefixed
 ``[rank N] `` after configure_output(log_all_ranks=True); errors from any rank."""
 
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from megatron.utils import RankOutput, configure_output, print_rank_0
+from megatron.platform.output import RankOutput, configure_output, print_rank_0
 
 
 @pytest.fixture

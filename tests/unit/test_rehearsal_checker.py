@@ -4,9 +4,9 @@ and how classes of alike ranks are planned and moved."""
 
 from __future__ import annotations
 
-from megatron.rehearsal.checker import check
-from megatron.rehearsal.ranks import RankGrid, plan_ranks
-from megatron.rehearsal.records import CommOp
+from megatron.planning.rehearsal.checker import check
+from megatron.planning.rehearsal.ranks import RankGrid, plan_ranks
+from megatron.planning.rehearsal.records import CommOp
 
 GRID = RankGrid(tp=1, dp=2, pp=1)  # two ranks, one data-parallel group
 PLAN = plan_ranks(GRID, "all")
@@ -92,8 +92,8 @@ def test_classes_run_each_stages_first_rank_and_check_three_stages():
 
 def test_the_rehearsed_iteration_is_the_runs_first_or_at_the_full_batch():
     from megatron.config import parse_args
-    from megatron.rehearsal.facts import iteration_microbatches
-    from megatron.rehearsal.setup import rehearsal_config
+    from megatron.planning.rehearsal.facts import iteration_microbatches
+    from megatron.planning.rehearsal.setup import rehearsal_config
 
     flags = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
              "--seq-length", "2048", "--micro-batch-size", "1", "--global-batch-size", "1536",

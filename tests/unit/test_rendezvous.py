@@ -1,5 +1,5 @@
 """How the ranks of one torchrun attempt meet in the agent's long-lived store
-(megatron/rendezvous.py), on a real TCPStore with one client per rank (threads).
+(megatron/platform/rendezvous.py), on a real TCPStore with one client per rank (threads).
 
 The end-to-end proof, torchrun restarting workers killed with SIGKILL, is in
 tests/functional/test_torchrun_faults.py and benchmarks/torchrun_restarts.py.
@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from megatron import rendezvous
+from megatron.platform import rendezvous
 from tests.dist_utils import free_port
 
 TIMEOUT = datetime.timedelta(seconds=20)

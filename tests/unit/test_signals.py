@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
-from megatron.signals import ShutdownSignals
+from megatron.platform.signals import ShutdownSignals
 
 
 def test_restore_puts_the_previous_sigterm_handler_back_after_a_normal_run():

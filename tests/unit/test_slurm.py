@@ -8,8 +8,8 @@ import re
 import pytest
 
 from megatron.config import parse_args
-from megatron.launch_env import distributed_env, launched_by_srun, rendezvous_env
-from megatron.slurm import DEFAULT_MASTER_PORT, expand_nodelist, first_host
+from megatron.platform.launch_env import distributed_env, launched_by_srun, rendezvous_env
+from megatron.platform.slurm import DEFAULT_MASTER_PORT, expand_nodelist, first_host
 
 
 @pytest.mark.parametrize("nodelist,hosts", [

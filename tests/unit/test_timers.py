@@ -1,6 +1,6 @@
 import pytest
 
-from megatron.timers import Timers, format_across_ranks
+from megatron.core.timers import Timers, format_across_ranks
 
 RANKS = [{"forward-backward": 0.010, "optimizer": 0.004},
          {"forward-backward": 0.030, "pipeline-wait": 0.002}]

@@ -10,7 +10,7 @@ import pytest
 
 from megatron.config import ConfigError, parse_args
 from megatron.core import timeouts
-from megatron.watchdog import HangWatchdog, Progress
+from megatron.core.watchdog import HangWatchdog, Progress
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",

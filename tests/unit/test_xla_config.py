@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron import device as device_mod
-from megatron import training_xla, xla
 from megatron.config import ConfigError, parse_args
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32, grad_norm_on_device
-from megatron.training import pretrain, run_devices
+from megatron.platform import device as device_mod
+from megatron.platform import xla
+from megatron.training import pretrain, run_devices, xla_step
 from pretrain_gpt import loss_func
 from run_pretrain_xla import xla_argv
 
@@ -24,7 +24,7 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 
 @pytest.fixture
 def torch_xla_installed(monkeypatch):
-    """``installed(True/False)``: whether megatron.xla finds torch_xla."""
+    """``installed(True/False)``: whether megatron.platform.xla finds torch_xla."""
     def installed(present: bool) -> None:
         monkeypatch.setattr(xla, "torch_xla_importable", lambda: present)
     return installed
@@ -78,22 +78,22 @@ def test_an_xla_run_refuses_what_it_cannot_do(monkeypatch, torch_xla_installed, 
     torch_xla_installed(True)
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     ok = parse_args(TINY + ["--device", "xla", "--use-syncfree-optim"], world_size=world)
-    assert training_xla.unsupported_on_xla(ok) is None
+    assert xla_step.unsupported_on_xla(ok) is None
     cfg = parse_args(TINY + ["--device", "xla", "--use-syncfree-optim"] + flags,
                      world_size=world)
-    problem = training_xla.unsupported_on_xla(cfg)
+    problem = xla_step.unsupported_on_xla(cfg)
     assert problem is not None and named in problem
 
 
 def test_the_nan_check_on_xla_picks_the_syncfree_optimizer(torch_xla_installed, capsys):
     torch_xla_installed(True)
     plain = parse_args(TINY + ["--device", "xla"])
-    assert plain.optimizer.use_syncfree_optim and training_xla.unsupported_on_xla(plain) is None
+    assert plain.optimizer.use_syncfree_optim and xla_step.unsupported_on_xla(plain) is None
     assert capsys.readouterr().out.count("--use-syncfree-optim chosen") == 1
     for flags in (["--use-syncfree-optim"], ["--no-check-for-nan-in-loss-and-grad"]):
         cfg = parse_args(TINY + ["--device", "xla", *flags])  # chosen by the user: no notice
         assert "chosen" not in capsys.readouterr().out
-        assert training_xla.unsupported_on_xla(cfg) is None
+        assert xla_step.unsupported_on_xla(cfg) is None
     assert not cfg.optimizer.use_syncfree_optim  # no check: torch's optimizer
     assert not parse_args(list(TINY)).optimizer.use_syncfree_optim  # off XLA
     # A configuration made in code resolves alike (the check keeps the sync-free optimizer).
@@ -153,23 +153,23 @@ def test_spmd_is_the_default_where_one_process_drives_several_devices(monkeypatc
                                                                       torch_xla_installed):
     torch_xla_installed(True)
     monkeypatch.setattr(xla, "use_spmd", lambda: 2)  # torch_xla's; the runs are in tests/xla
-    assert training_xla.spmd_devices(_xla_run(monkeypatch)) == 2
-    assert training_xla.spmd_devices(_xla_run(monkeypatch, ["--xla-processes", "0"])) == 2
-    assert training_xla.spmd_devices(_xla_run(monkeypatch, ["--xla-spmd"], devices="1")) == 2
+    assert xla_step.spmd_devices(_xla_run(monkeypatch)) == 2
+    assert xla_step.spmd_devices(_xla_run(monkeypatch, ["--xla-processes", "0"])) == 2
+    assert xla_step.spmd_devices(_xla_run(monkeypatch, ["--xla-spmd"], devices="1")) == 2
     for flags, world, devices in ((["--no-xla-spmd"], 1, "2"), ([], 1, "1"), ([], 2, "2"),
                                   (["--xla-processes", "1"], 1, "2")):
-        assert training_xla.spmd_devices(_xla_run(monkeypatch, flags, world, devices)) is None
+        assert xla_step.spmd_devices(_xla_run(monkeypatch, flags, world, devices)) is None
     # --xla-processes 0 starts no replicas where they would be threads: SPMD trains here.
-    assert not training_xla.launches_replicas(_xla_run(monkeypatch, ["--xla-processes", "0"]))
-    assert training_xla.launches_replicas(
+    assert not xla_step.launches_replicas(_xla_run(monkeypatch, ["--xla-processes", "0"]))
+    assert xla_step.launches_replicas(
         _xla_run(monkeypatch, ["--xla-processes", "0", "--no-xla-spmd"]))
-    assert training_xla.launches_replicas(_xla_run(monkeypatch, ["--xla-processes", "1"]))
-    assert not training_xla.launches_replicas(_xla_run(monkeypatch))
+    assert xla_step.launches_replicas(_xla_run(monkeypatch, ["--xla-processes", "1"]))
+    assert not xla_step.launches_replicas(_xla_run(monkeypatch))
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     monkeypatch.setattr(xla, "_tpu_version", lambda: 4)  # a process per chip
     tpu = parse_args(TINY + ["--device", "xla", "--xla-processes", "0"])
-    assert training_xla.launches_replicas(tpu)
-    assert not training_xla.launches_replicas(
+    assert xla_step.launches_replicas(tpu)
+    assert not xla_step.launches_replicas(
         parse_args(TINY + ["--device", "xla", "--xla-processes", "0", "--xla-spmd"]))
 
 
@@ -181,7 +181,7 @@ def test_spmd_is_the_default_where_one_process_drives_several_devices(monkeypatc
 def test_spmd_refuses_what_it_does_not_do(monkeypatch, torch_xla_installed, flags, world,
                                           named):
     torch_xla_installed(True)
-    problem = training_xla.unsupported_on_xla(_xla_run(monkeypatch, flags, world))
+    problem = xla_step.unsupported_on_xla(_xla_run(monkeypatch, flags, world))
     assert problem is not None and named in problem
 
 
@@ -198,7 +198,7 @@ def test_spmd_batch_arithmetic_is_megatrons_with_a_rank_per_device():
 def test_spmd_batch_sizes_the_devices_cannot_split_stop_the_run(monkeypatch, capsys,
                                                                 torch_xla_installed):
     torch_xla_installed(True)
-    monkeypatch.setattr(training_xla, "spmd_devices", lambda cfg: 2)
+    monkeypatch.setattr(xla_step, "spmd_devices", lambda cfg: 2)
     with pytest.raises(SystemExit) as stop:
         pretrain(None, None, None, argv=TINY + ["--device", "xla", "--use-syncfree-optim",
                                                 "--global-batch-size", "3"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.evaluation.cli import main
+from megatron.inference.evaluation.cli import main
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--use-cpu",
@@ -47,7 +47,7 @@ def test_tools_evaluate_picks_the_layout_of_a_tensor_parallel_checkpoint(tmp_pat
                                                                         capsys):
     import torch
 
-    from megatron.evaluation.friendly import task_argv
+    from megatron.inference.evaluation.friendly import task_argv
 
     for rank in ("mp_rank_00", "mp_rank_01"):  # a release checkpoint saved at tp 2
         (tmp_path / "release" / rank).mkdir(parents=True)
@@ -66,7 +66,7 @@ def test_tools_evaluate_picks_the_layout_of_a_tensor_parallel_checkpoint(tmp_pat
 
 
 def test_tools_evaluate_finds_the_tokenizer_copy_of_a_moved_checkpoint(tmp_path):
-    from megatron.evaluation.friendly import _tokenizer_flags
+    from megatron.inference.evaluation.friendly import _tokenizer_flags
 
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "vocab.json").write_text("{}")
@@ -84,7 +84,7 @@ def test_tools_evaluate_finds_the_tokenizer_copy_of_a_moved_checkpoint(tmp_path)
 def test_tools_evaluate_help_lists_load_and_hf_model(capsys):
     """`tools/evaluate.py --help` names the model flags its README usage needs, and one of
     them is required."""
-    from megatron.evaluation.friendly import main as evaluate_main
+    from megatron.inference.evaluation.friendly import main as evaluate_main
 
     with pytest.raises(SystemExit) as exit_info:
         evaluate_main(["--help"])

@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from megatron.evaluation.datasets import (
+from megatron.inference.evaluation.datasets import (
     EvaluationDataError,
     LambadaDataset,
     WindowedLMDataset,
 )
-from megatron.evaluation.detokenizer import detokenizer_for, wikitext_detokenizer
+from megatron.inference.evaluation.detokenizer import detokenizer_for, wikitext_detokenizer
 
 
 class CharTokenizer:

@@ -127,7 +127,7 @@ def save_torch_dist(full, save_dir: str) -> str:
     from megatron.checkpointing import check_save_dir, save_checkpoint
     from megatron.config import CheckpointConfig
     from megatron.core import parallel_state
-    from megatron.inference_loading import build_inference_model, run_config_from_stored
+    from megatron.inference.loading import build_inference_model, run_config_from_stored
 
     check_save_dir(save_dir)
     cfg = run_config_from_stored(full.config, (1, 1), 1, 1, 1, CheckpointConfig(

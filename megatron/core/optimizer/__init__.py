@@ -91,7 +91,7 @@ def build_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.
     params = [p for g in groups for p in g["params"]]
     on_cuda = bool(params) and all(p.is_cuda for p in params)
     if config.use_syncfree_optim:  # an XLA device's: the NaN/Inf skip stays on the device
-        from megatron import xla
+        from megatron.platform import xla
 
         if config.optimizer == "adam":
             return xla.syncfree_optimizer(

@@ -56,7 +56,7 @@ class DynamicGradScaler(MegatronGradScaler):
     reaches zero every further overflow multiplies the scale by ``backoff_factor`` (never below
     ``min_scale``). After ``growth_interval`` clean steps in a row the scale grows by
     ``growth_factor`` and the hysteresis count is restored. Overflows that go on at the
-    minimum scale are the training loop's to stop (megatron/nonfinite.py OverflowGuard).
+    minimum scale are the training loop's to stop (megatron/core/nonfinite.py OverflowGuard).
     """
 
     def __init__(self, initial_scale: float, min_scale: float, growth_factor: float = 2.0,

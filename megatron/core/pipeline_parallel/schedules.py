@@ -41,7 +41,7 @@ needed for the backward, not its values: the schedules free its data
 engine directly (``custom_backward``), which skips the check that the gradient has the
 output's current shape. This saves one ``[s, b, h]`` activation per micro-batch in flight.
 
-With ``timers`` (megatron.timers.Timers), the pipelined schedules add up this rank's time in
+With ``timers`` (megatron.core.timers.Timers), the pipelined schedules add up this rank's time in
 ``forward-compute``, ``backward-compute`` and ``pipeline-wait`` (in point-to-point exchanges:
 waiting for a neighbour, i.e. the bubble, plus the transfer itself).
 """

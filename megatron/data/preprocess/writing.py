@@ -16,7 +16,7 @@ from megatron.data import indexed_dataset
 from megatron.data.preprocess.config import OutputError, PreprocessConfig
 from megatron.data.preprocess.encoding import ChunkResult, KeyArrays
 from megatron.data.preprocess.reading import Span
-from megatron.progress import percent_and_eta
+from megatron.platform.progress import percent_and_eta
 
 MAX_SKIP_EXAMPLES = 10
 

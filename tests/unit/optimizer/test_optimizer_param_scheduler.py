@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron.config import ConfigError, OptimizerConfig, SchedulerConfig
-from megatron.optimizer_param_scheduler import (
+from megatron.core.optimizer_param_scheduler import (
     OptimizerParamScheduler,
     ScheduleMismatchError,
     build_optimizer_param_scheduler,

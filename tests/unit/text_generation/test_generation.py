@@ -4,10 +4,10 @@ sampling settings, stops."""
 import pytest
 import torch
 
-from megatron.inference_loading import build_inference_model
+from megatron.inference.loading import build_inference_model
+from megatron.inference.text_generation import SamplingParams, generate_tokens, sample
+from megatron.inference.text_generation.generation import score_tokens
 from megatron.model.kv_cache import KVCache
-from megatron.text_generation import SamplingParams, generate_tokens, sample
-from megatron.text_generation.generation import score_tokens
 from tests.unit.text_generation.hf_utils import converted, prompts, tiny_hf_model
 
 pytest.importorskip("transformers")
@@ -125,7 +125,7 @@ def test_top_k_then_top_p_equals_hugging_face_warpers(temperature, top_k, top_p)
         TopPLogitsWarper,
     )
 
-    from megatron.text_generation.sampling import filter_logits
+    from megatron.inference.text_generation.sampling import filter_logits
 
     logits = 3 * torch.randn(6, 300, generator=torch.Generator().manual_seed(11))  # [b, V]
     warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
@@ -166,7 +166,7 @@ def test_whole_sequence_logprobs_of_a_completion_equal_hf(models):
     """generate_text with prompt_logprobs: the prompt's scores followed by the new tokens'
     score every token after the first, as HF's forward over the whole sequence does; with
     0 new tokens only the prompt is scored."""
-    from megatron.text_generation import generate_text
+    from megatron.inference.text_generation import generate_text
     from megatron.tokenizer import build_tokenizer
 
     hf, ours = models

@@ -1,0 +1,390 @@
+"""What a layout costs before it is launched: parameters, memory per GPU, bubble and FLOPs.
+
+Every (tensor rank, pipeline stage) of the layout is built as that rank would build it, on
+PyTorch's meta device (shapes, no memory), so the parameter counts are the model's own, not
+a formula's; the closed form they equal is printed beside them. Memory per GPU is counted in
+bytes from those counts and the formulas below (printed by ``format_plan``)::
+
+    weights     P x bytes(param dtype)                          (/ dp under ZeRO-3)
+    gradients   P x bytes(grad dtype: fp32 with --bf16, for fp32 models, or with
+                --accumulate-allreduce-grads-in-fp32; else the param dtype)  (/ dp ZeRO >= 2)
+    optimizer   P x (4 for the fp32 main copy under fp16/bf16 + 8 for Adam's two moments,
+                4 for SGD's momentum)          (/ dp with --use-distributed-optimizer or ZeRO >= 1)
+    activations per micro-batch in flight, per layer, in elements (t: tensor parallel size,
+                t_sp: t under --sequence-parallel else 1, f: FFN width, a: kv_channels x heads)
+                    s b (2h/t_sp + 2h/t_sp + (3a + a + a)/t + 2f/t)
+                    LN inputs, QKV/FC1 inputs (this rank's part of the sequence: the
+                    backward all-gathers it again), QKV out, attention out and its copy,
+                    FC1 out, GeLU out; attention in a fused kernel (no s^2 term)
+                + 2 s b h / t_sp bytes of dropout masks when --hidden-dropout > 0
+                selective recompute: less the attention output (s b a / t)
+                full recompute: s b h / t_sp per checkpointed block, plus one block's layers
+                  live while it is recomputed
+                first stage: embedding output s b h / t_sp; last stage: final LN input
+                  s b h / t_sp, its gathered copy s b h, and the fp32 logits s b V / t
+                micro-batches in flight on stage i: min(m, p - i) (1F1B); interleaved:
+                  min(m v, 2 (p - i - 1) + (v - 1) p + 1) chunks of L / (p v) layers,
+                  the first/last stage's extras on 1 in v of them
+    step        the fp32 copies of fp16/bf16 gradients made for the optimizer step
+                (P x 4 bytes when the gradient buffer is not fp32), live after the
+                activations are freed, so the peak is weights + grads + optimizer
+                + max(activations, step)
+
+Pipeline bubble: ``(p - 1) / (v m)`` of the ideal compute time (Megatron's 1F1B figure).
+FLOPs per iteration: ``megatron.planning.flops.flops_per_token`` x tokens of the global batch.
+
+Against the published formulas (``tools/plan.py --compare-formulas``, megatron/planning/memory_formulas.py:
+Korthikanti et al. 2022 and Megatron-LM's theoretical_memory_usage.py). For the GPT-3 175B
+recipe (tensor 8 x pipeline 8, micro-batch 1, sequence 2048, fp16, distributed optimizer over
+one replica), first stage, GB = 2^30 bytes, ours / formula:
+
+    layout                      weights+grads+optimizer   activations
+    SP, recompute none          42.06 / 46.88 (-10.3%)    10.17 / 32.09 (-68.3%)
+    SP, recompute selective     42.06 / 46.88 (-10.3%)     9.61 /  9.59  (+0.2%)
+    SP, recompute full          42.06 / 46.88 (-10.3%)     0.71 /  0.59 (+22.0%)
+    no SP, recompute none       42.06 / 46.88 (-10.3%)    30.19 / 54.53 (-44.6%)
+    no SP, recompute selective  42.06 / 46.88 (-10.3%)    29.62 / 30.91  (-4.2%)
+    no SP, recompute full       42.06 / 46.88 (-10.3%)     5.19 /  4.92  (+5.4%)
+
+Every difference above 5%, and why (each is what our code holds, not a miscount; the test
+tests/unit/test_memory_formulas.py keeps this list and the figures in step):
+
+- weights + gradients + optimizer, -10.3% everywhere: the formula's 18 bytes per parameter
+  assume fp32 gradients; an fp16 run without --accumulate-allreduce-grads-in-fp32 keeps its
+  gradient buffers in fp16 (16 bytes per parameter, -11.1%; with the flag the figures agree to
+  1%). We also count what the formula leaves out: learned position embeddings on the first
+  stage and the linear layers' biases (+0.9%).
+- activations without recomputation, -68% (SP) and -45% (no SP): the formula keeps attention's
+  scores, softmax and dropout mask (5 a s^2 b / t bytes per layer, 80 sbh/t at s = 2048); we
+  count a fused attention kernel (the recipe's --use-flash-attn, or PyTorch's SDPA flash
+  kernel on a GPU), which keeps none of the s x s tensors.
+- activations under full recompute, +22% (SP) and +5.4% (no SP): we add the working set the
+  backward rebuilds, one layer's full activations while it is recomputed (0.19 GB here), and
+  the first stage's embedding output per micro-batch in flight; the formula keeps only each
+  layer's input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from megatron.assembly.build import build_gpt_chunk, gradients_in_fp32
+from megatron.config import RunConfig
+from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
+from megatron.model.gpt_model import GPTModel
+from megatron.model.placement import stage_chunks
+from megatron.planning.flops import flops_per_token
+
+GB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes on one GPU, by kind."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    step: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + max(self.activations, self.step)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    pipeline_rank: int
+    layers: int
+    params_per_rank: tuple[int, ...]  # by tensor-parallel rank
+    memory: Memory  # of the tensor rank with the most parameters
+    microbatches_in_flight: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    config: RunConfig
+    zero_stage: int
+    stages: tuple[StagePlan, ...]
+    total_params: int  # unique: replicated and tied copies counted once
+    closed_form_params: int
+    closed_form: str
+    bubble_fraction: float
+    flops_per_iteration: float
+    gpu_memory_gb: Optional[float]
+
+    @property
+    def peak_memory(self) -> int:
+        return max(stage.memory.total for stage in self.stages)
+
+    @property
+    def fits(self) -> Optional[bool]:
+        if self.gpu_memory_gb is None:
+            return None
+        return self.peak_memory <= self.gpu_memory_gb * GB
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def build_rank_on_meta(config: RunConfig, tp_rank: int, pp_rank: int) -> list[GPTModel]:
+    """The model chunks rank (``tp_rank``, ``pp_rank``) builds, on the meta device."""
+    model_config = config.model.replace(perform_initialization=False)
+    with assume_tensor_parallel_rank(config.parallel.tensor_model_parallel_size, tp_rank):
+        return [build_gpt_chunk(model_config, chunk, torch.device("meta"))
+                for chunk in stage_chunks(config, pp_rank)]
+
+
+def _unique_count(chunks: list[GPTModel], tp_rank: int, pipeline_parallel: bool) -> int:
+    """Parameters of this rank that belong to no other rank of its pipeline stage: its
+    tensor-parallel shards, and the replicated ones on tensor rank 0 only. The last stage's
+    copy of the tied word embeddings is the first stage's weight again: not counted."""
+    n = 0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if pipeline_parallel and getattr(param, "shared_embedding", False):
+                continue
+            if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
+                n += param.numel()
+    return n
+
+
+def count_parameters(config: RunConfig) -> tuple[list[tuple[int, ...]], int]:
+    """Parameters on every rank, ``[pipeline rank][tensor rank]``, and the model's total."""
+    p = config.parallel
+    per_rank, total = [], 0
+    for pp_rank in range(p.pipeline_model_parallel_size):
+        row = []
+        for tp_rank in range(p.tensor_model_parallel_size):
+            chunks = build_rank_on_meta(config, tp_rank, pp_rank)
+            row.append(sum(param.numel() for c in chunks for param in c.parameters()))
+            total += _unique_count(chunks, tp_rank, p.pipeline_model_parallel_size > 1)
+        per_rank.append(tuple(row))
+    return per_rank, total
+
+
+def closed_form_parameters(config: RunConfig) -> tuple[int, str]:
+    """The parameter count in closed form, and the formula with this model's symbols.
+
+    Per layer: two LayerNorms (2h each), QKV (3ah + 3a), attention output (ah + h), FC1
+    (fh + f), FC2 (fh + h), biases only with --add-bias-linear; then the word embeddings
+    (V h, V padded), learned positions (P h), the final LayerNorm (2h) and, untied, the
+    output layer (V h). With a = h and f = 4h: 12 L h^2 + 13 L h + V h + P h + 2 h."""
+    m = config.model
+    h, f, a, L, V = m.hidden_size, m.ffn_hidden_size, m.projection_size, m.num_layers, \
+        m.padded_vocab_size
+    bias = 1 if m.add_bias_linear else 0
+    per_layer = 4 * h + 3 * a * h + a * h + 2 * f * h + bias * (3 * a + h + f + h)
+    pos = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else 0
+    heads = 2 if m.untie_embeddings_and_output_weights else 1
+    total = L * per_layer + heads * V * h + pos * h + 2 * h
+    if a == h and f == 4 * h and bias and heads == 1:
+        text = "12 L h^2 + 13 L h + V h + P h + 2 h" if pos else "12 L h^2 + 13 L h + V h + 2 h"
+    else:
+        text = ("L (4h + 4ah + 2fh" + (" + 3a + 2h + f" if bias else "") + ") + "
+                + ("2 " if heads == 2 else "") + "V h" + (" + P h" if pos else "") + " + 2 h")
+    symbols = f"L={L}, h={h}, V={V} (padded)" + (f", P={pos}" if pos else "") + \
+        ("" if a == h and f == 4 * h else f", a={a}, f={f}")
+    return total, f"{text} with {symbols}"
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def bytes_of(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def grad_bytes(config: RunConfig) -> int:
+    """Bytes per element of the data-parallel gradient buffers."""
+    return 4 if gradients_in_fp32(config.optimizer) else bytes_of(config.model.params_dtype)
+
+
+def _state_memory(config: RunConfig, params: int, zero_stage: int) -> tuple[int, int, int, int]:
+    """(weights, gradients, optimizer, step) bytes for ``params`` parameters on one rank."""
+    m, o = config.model, config.optimizer
+    dp = config.data_parallel_size
+    param_bytes = bytes_of(m.params_dtype)
+    mixed = m.fp16 or m.bf16
+    grad_fp32 = gradients_in_fp32(o)
+    if o.optimizer == "adam":
+        state_bytes = 8
+    else:
+        state_bytes = 4 if o.sgd_momentum > 0 else 0
+    state_bytes += 4 if mixed else 0
+    shard_optimizer = zero_stage >= 1 or o.use_distributed_optimizer
+    weights = params * param_bytes // (dp if zero_stage >= 3 else 1)
+    gradients = params * grad_bytes(config) // (dp if zero_stage >= 2 else 1)
+    optimizer = params * state_bytes // (dp if shard_optimizer else 1)
+    step = 0 if grad_fp32 else params * 4 // (dp if shard_optimizer else 1)
+    return weights, gradients, optimizer, step
+
+
+def layer_activationbytes_of(config: RunConfig) -> int:
+    """One transformer layer's saved activations for one micro-batch (module docstring)."""
+    m, t = config.model, config.parallel.tensor_model_parallel_size
+    t_sp = t if config.parallel.sequence_parallel else 1
+    s, b, h, f, a = m.seq_length, config.training.micro_batch_size, m.hidden_size, \
+        m.ffn_hidden_size, m.projection_size
+    attention_out = s * b * a // t
+    elements = s * b * 4 * h // t_sp + s * b * (5 * a + 2 * f) // t
+    if m.recompute_granularity == "selective":
+        elements -= attention_out
+    masks = 2 * s * b * h // t_sp if m.hidden_dropout > 0 else 0
+    return elements * bytes_of(m.params_dtype) + masks
+
+
+def _in_flight(config: RunConfig, pp_rank: int) -> tuple[int, int]:
+    """(model chunks in flight at the peak, layers per chunk) on stage ``pp_rank``."""
+    p = config.parallel.pipeline_model_parallel_size
+    v = config.parallel.virtual_pipeline_model_parallel_size or 1
+    m = config.num_microbatches
+    stage_layers = config.pipeline_stage_num_layers[pp_rank]
+    if v == 1:
+        return min(m, p - pp_rank), stage_layers
+    return min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1), stage_layers // v
+
+
+def _chunk_activations(config: RunConfig, layers: int) -> int:
+    """Saved activations of ``layers`` layers for one micro-batch, under the recompute
+    setting (full recomputation keeps block inputs; one block is live while recomputed)."""
+    m, per_layer = config.model, layer_activationbytes_of(config)
+    t_sp = config.parallel.tensor_model_parallel_size if config.parallel.sequence_parallel \
+        else 1
+    block_input = m.seq_length * config.training.micro_batch_size * m.hidden_size // t_sp \
+        * bytes_of(m.params_dtype)
+    if m.recompute_granularity != "full":
+        return layers * per_layer
+    k = min(m.recompute_num_layers or 1, layers)
+    if m.recompute_method == "uniform":
+        return math.ceil(layers / k) * block_input
+    return k * block_input + (layers - k) * per_layer
+
+
+def _working_set(config: RunConfig, layers: int) -> int:
+    """What full recomputation rebuilds at once during the backward pass (one block)."""
+    m = config.model
+    if m.recompute_granularity != "full":
+        return 0
+    k = min(m.recompute_num_layers or 1, layers)
+    return (k if m.recompute_method == "uniform" else 1) * layer_activationbytes_of(config)
+
+
+def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
+    """(bytes of activations at the peak, micro-batches in flight) on stage ``pp_rank``."""
+    m, p = config.model, config.parallel
+    t = p.tensor_model_parallel_size
+    t_sp = t if p.sequence_parallel else 1
+    chunks, layers = _in_flight(config, pp_rank)
+    tokens = m.seq_length * config.training.micro_batch_size
+    e = bytes_of(m.params_dtype)
+    extras = 0
+    if pp_rank == 0:
+        extras += tokens * m.hidden_size // t_sp * e
+    if pp_rank == p.pipeline_model_parallel_size - 1:
+        # final LN input, its gathered copy, and the logits (fp32, the softmax's dtype)
+        extras += tokens * m.hidden_size // t_sp * e + tokens * m.hidden_size * e \
+            + tokens * m.padded_vocab_size // t * 4
+    # Interleaved: only one of the v chunks of a stage holds the embeddings or the LM head.
+    v = p.virtual_pipeline_model_parallel_size or 1
+    total = chunks * _chunk_activations(config, layers) + math.ceil(chunks / v) * extras
+    return total + _working_set(config, layers), chunks
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def bubble_fraction(config: RunConfig) -> float:
+    """Pipeline bubble time over ideal compute time: (p - 1) / (v m)."""
+    p = config.parallel.pipeline_model_parallel_size
+    v = config.parallel.virtual_pipeline_model_parallel_size or 1
+    return (p - 1) / (v * config.num_microbatches)
+
+
+def flops_per_iteration(config: RunConfig) -> float:
+    """Model FLOPs (forward + backward) of one iteration at the full global batch."""
+    tokens = config.training.global_batch_size * config.model.seq_length
+    return flops_per_token(config.model) * tokens
+
+
+def _stage_plan(config: RunConfig, pp_rank: int, params_per_rank: tuple[int, ...],
+                zero_stage: int) -> StagePlan:
+    weights, grads, optimizer, step = _state_memory(config, max(params_per_rank), zero_stage)
+    activations, in_flight = activation_memory(config, pp_rank)
+    return StagePlan(pp_rank, config.pipeline_stage_num_layers[pp_rank], params_per_rank,
+                     Memory(weights, grads, optimizer, activations, step), in_flight)
+
+
+def plan_stage(config: RunConfig, pp_rank: int, zero_stage: int = 0) -> StagePlan:
+    """One pipeline stage's plan (its tensor ranks built on the meta device)."""
+    row = tuple(sum(p.numel() for c in build_rank_on_meta(config, tp_rank, pp_rank)
+                    for p in c.parameters())
+                for tp_rank in range(config.parallel.tensor_model_parallel_size))
+    return _stage_plan(config, pp_rank, row, zero_stage)
+
+
+def build_plan(config: RunConfig, zero_stage: int = 0,
+               gpu_memory_gb: Optional[float] = None) -> Plan:
+    """Count, size and time ``config``'s layout (see the module docstring)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage}")
+    per_rank, total = count_parameters(config)
+    stages = [_stage_plan(config, pp_rank, row, zero_stage)
+              for pp_rank, row in enumerate(per_rank)]
+    closed, text = closed_form_parameters(config)
+    return Plan(config, zero_stage, tuple(stages), total, closed, text,
+                bubble_fraction(config), flops_per_iteration(config), gpu_memory_gb)
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f} GB" if n >= GB else f"{n / 2**20:.2f} MB"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as the text ``tools/plan.py`` prints."""
+    cfg, m, p = plan.config, plan.config.model, plan.config.parallel
+    vp = p.virtual_pipeline_model_parallel_size or 1
+    lines = [
+        f"layout: tensor {p.tensor_model_parallel_size} x pipeline "
+        f"{p.pipeline_model_parallel_size} x data {cfg.data_parallel_size} = {p.world_size} "
+        f"GPUs" + (f", {vp} virtual stages" if vp > 1 else "")
+        + (", sequence parallel" if p.sequence_parallel else ""),
+        f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
+        f"sequence {m.seq_length}, vocabulary {m.vocab_size} padded to {m.padded_vocab_size}, "
+        f"{m.params_dtype}",
+        f"batch: global {cfg.training.global_batch_size}, micro {cfg.training.micro_batch_size}"
+        f", {cfg.num_microbatches} micro-batches per iteration per pipeline",
+        f"parameters: {plan.total_params:,} in total; closed form {plan.closed_form} = "
+        f"{plan.closed_form_params:,}"
+        + ("" if plan.total_params == plan.closed_form_params else "  (DIFFERS)"),
+    ]
+    optimizer = ("ZeRO-" + str(plan.zero_stage)) if plan.zero_stage else \
+        ("distributed optimizer" if cfg.optimizer.use_distributed_optimizer else
+         "optimizer state replicated")
+    recompute = m.recompute_granularity or "none"
+    if m.recompute_granularity == "full":
+        recompute += f" ({m.recompute_method}, {m.recompute_num_layers} layer(s) per block)"
+    lines.append(f"memory per GPU, GB = 2^30 bytes ({optimizer}; recompute: {recompute}):")
+    for st in plan.stages:
+        mem = st.memory
+        lines.append(
+            f"  stage {st.pipeline_rank}: {st.layers} layers, params per tensor rank "
+            f"{st.params_per_rank[0]:,}" + ("" if len(set(st.params_per_rank)) == 1
+                                            else f" (max {max(st.params_per_rank):,})")
+            + f" | weights {_gb(mem.weights)} | gradients {_gb(mem.gradients)} | optimizer "
+            f"{_gb(mem.optimizer)} | activations {_gb(mem.activations)} "
+            f"({st.microbatches_in_flight} in flight) | step {_gb(mem.step)} "
+            f"| total {_gb(mem.total)}")
+    lines.append(f"peak memory per GPU: {_gb(plan.peak_memory)}"
+                 + ("" if plan.fits is None else
+                    f" of {plan.gpu_memory_gb:g} GB: {'fits' if plan.fits else 'DOES NOT FIT'}"))
+    lines.append(f"pipeline bubble: (p - 1) / (v m) = {plan.bubble_fraction:.4f}")
+    lines.append(f"FLOPs per iteration: {plan.flops_per_iteration:.4e} "
+                 f"({plan.flops_per_iteration / p.world_size:.4e} per GPU)")
+    lines.append("formulas:" + __doc__.split("::", 1)[1].split("Pipeline bubble")[0].rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""The ranks of a launch, in Megatron's order (tensor fastest, then data, then pipeline), and
+which of them the rehearsal runs.
+
+Ranks of one pipeline stage are alike: their tensor and data-parallel indices choose which
+group each operation goes to and which values it carries, not which code runs. So a rank
+``(stage, data d, tensor t)`` issues the operations of ``(stage, 0, 0)`` with every rank they
+name moved by the same offsets (``RankGrid.mover``: data index + d, tensor index + t, modulo
+the sizes; a translation of the grid that maps each tensor, data, pipeline, model and
+embedding group onto another group of the same kind). In ``classes`` mode the rehearsal runs
+the first rank of each stage and, to check that claim, the last rank (data d-1, tensor t-1)
+of the first stage, of the last stage and of one middle stage (the middle stages run the same
+code, a longer or shorter warm-up apart): the checker compares its operations with the first
+rank's moved ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from megatron.core.parallel_state import RankGroups, build_rank_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class RankGrid:
+    tp: int
+    dp: int
+    pp: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, data-parallel index, tensor-parallel index)."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def rank(self, stage: int, d: int, t: int) -> int:
+        return stage * self.dp * self.tp + d * self.tp + t
+
+    def describe(self, rank: int) -> str:
+        stage, d, t = self.coords(rank)
+        return f"rank {rank} (stage {stage}, tensor {t}, data {d})"
+
+    def mover(self, source: int, target: int) -> Callable[[int], int]:
+        """The grid translation that sends ``source`` to ``target`` (same stage)."""
+        s_stage, s_d, s_t = self.coords(source)
+        t_stage, t_d, t_t = self.coords(target)
+        if s_stage != t_stage:
+            raise ValueError(f"ranks {source} and {target} hold different pipeline stages")
+        dd, dt = t_d - s_d, t_t - s_t
+
+        def move(rank: int) -> int:
+            stage, d, t = self.coords(rank)
+            return self.rank(stage, (d + dd) % self.dp, (t + dt) % self.tp)
+        return move
+
+    def groups(self) -> RankGroups:
+        return build_rank_groups(self.world, self.tp, self.pp)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """Which ranks run (in this order) and whose operations every rank of the world has."""
+
+    grid: RankGrid
+    run: tuple[int, ...]
+    source: tuple[int, ...]  # source[r]: the run rank whose operations rank r issues
+    checks: tuple[tuple[int, int], ...]  # (first rank, last rank) of a stage, both run
+
+    @property
+    def derived(self) -> int:
+        return self.grid.world - len(self.run)
+
+
+def plan_ranks(grid: RankGrid, mode: str) -> RankPlan:
+    """``all``: every rank runs. ``classes``: per stage its first rank, and the last rank of
+    three stages (see the module docstring). Both run the last pipeline stage first (where the loss and the
+    step's decisions come from; see ``megatron.planning.rehearsal.recorder``)."""
+    run, checks = [], []
+    source = list(range(grid.world))
+    checked_stages = {0, min(1, grid.pp - 1), grid.pp - 1}
+    for stage in reversed(range(grid.pp)):
+        first, last = grid.rank(stage, 0, 0), grid.rank(stage, grid.dp - 1, grid.tp - 1)
+        if mode == "all":
+            run.extend(grid.rank(stage, d, t) for d in range(grid.dp) for t in range(grid.tp))
+            continue
+        run.append(first)
+        checked = last != first and stage in checked_stages
+        if checked:
+            run.append(last)
+            checks.append((first, last))
+        for d in range(grid.dp):
+            for t in range(grid.tp):
+                r = grid.rank(stage, d, t)
+                source[r] = last if checked and r == last else first
+    return RankPlan(grid, tuple(run), tuple(source), tuple(checks))
+
+
+GROUP_KINDS = ("tensor", "data", "pipeline", "embedding", "model")
+
+
+def group_kinds(grid: RankGrid, groups: RankGroups, ranks: tuple[int, ...]) -> frozenset[str]:
+    """Every kind of group ``ranks`` is (with two stages the embedding group is also the
+    pipeline group): tensor, data, pipeline, embedding, model, world."""
+    members = list(ranks)
+    kinds = {kind for kind in GROUP_KINDS if members in getattr(groups, kind)}
+    if len(members) == grid.world and grid.world > 1:
+        kinds.add("world")
+    return frozenset(kinds)
+
+
+def group_kind(grid: RankGrid, groups: RankGroups, ranks: tuple[int, ...]) -> str:
+    """The group's name in messages: its first kind, else world or other."""
+    kinds = group_kinds(grid, groups, ranks)
+    for kind in (*GROUP_KINDS, "world"):
+        if kind in kinds:
+            return kind
+    return "other"

@@ -1,0 +1,1 @@
+"""Seed workflows beside the main path: the multi-level (V-cycle) operators."""
