@@ -13,7 +13,8 @@ from megatron.assembly.build import RunContext, gpt_model_provider
 from megatron.core.pipeline_parallel.schedules import StageInfo
 from megatron.model.gpt_model import GPTModel
 from megatron.model.masks import get_ltor_masks_and_position_ids
-from megatron.training import pretrain, print_rank_0
+from megatron.platform.output import print_rank_0
+from megatron.training import pretrain
 
 
 def model_provider(ctx: RunContext, pre_process: bool = True, post_process: bool = True,

@@ -456,10 +456,8 @@ class DeepSpeedRun:
                 engine.step()  # applies the update at the accumulation boundary only
         applied = engine.was_step_applied()
         norm = engine.get_global_grad_norm()
-        if applied and self.scheduler is not None:
-            t = self.cfg.training
-            self.scheduler.step(increment=num_microbatches * t.micro_batch_size
-                                * parallel_state.get_data_parallel_world_size())
+        # Our learning-rate schedule, where it drives the engine's optimizer, advances in the
+        # training loop, as for every engine.
         return losses, applied, float(norm) if norm is not None else None, bad_loss
 
     def eval_step(self, forward_step: Callable, data_iterator, num_microbatches: int):

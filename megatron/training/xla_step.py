@@ -1,7 +1,7 @@
 """The training step on an XLA device, and what an XLA run refuses at start-up.
 
-``train_step`` is ``megatron.training.train_step`` shaped for a traced device: forward and
-backward over the micro-batches, the data-parallel gradient average, the NaN/Inf check,
+``train_step`` is ``NativeEngine.train_step`` (megatron.training.engines) shaped for a traced
+device: forward and backward over the micro-batches, the data-parallel gradient average, the NaN/Inf check,
 clipping and the optimizer update (``MegatronOptimizer.step_on_device``) are all traced
 into one graph without reading a device value; ``mark_step`` ends it once per iteration,
 and the values the log needs (the reduced losses, the gradient norm, whether the step was
@@ -144,7 +144,7 @@ def unsupported_off_xla(cfg: RunConfig) -> Optional[str]:
 
 def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
     """Names and their values averaged over micro-batches and data-parallel ranks, as a
-    device tensor (``megatron.training._reduce_losses`` without the host read)."""
+    device tensor (``megatron.training.engines.reduce_losses`` without the host read)."""
     names = sorted({name for d in losses for name in d})
     device = parallel_state.get_default_device()
     values = torch.stack([torch.stack([d[n].detach().float() for d in losses]).mean()

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import pretrain_gpt
+from megatron.assembly.build import RunContext, build_run_tokenizer, setup_model_and_optimizer
 from megatron.assembly.initialize import initialize_megatron
 from megatron.checkpointing import (
     CheckpointError,
@@ -41,12 +42,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.inference.text_generation.forward import forward_logits
-from megatron.training import (
-    RunContext,
-    build_run_tokenizer,
-    pretrain,
-    setup_model_and_optimizer,
-)
+from megatron.training import pretrain
 from tests.dist_utils import run_distributed
 from tests.distributed.training_utils import captured_stdout
 

@@ -26,9 +26,9 @@ def _argv() -> list[str]:
 
 
 def _run(rank: int, world_size: int, window: int) -> dict:
-    import megatron.training
+    from megatron.training import state as training_state
 
-    megatron.training.HISTORY_WINDOW = window
+    training_state.HISTORY_WINDOW = window
     parallel_state.destroy_model_parallel()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

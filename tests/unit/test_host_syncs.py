@@ -21,13 +21,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import pretrain_gpt
+from megatron.assembly.build import RunContext
 from megatron.config import parse_args
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 from megatron.core.tensor_parallel import model_parallel_seed
 from megatron.model.gpt_model import GPTModel
-from megatron.training import RunContext
 
 HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu",
               "numpy"}

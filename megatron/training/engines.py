@@ -1,0 +1,284 @@
+"""Step engines: what one training iteration, one evaluation iteration, a save and a load are
+for the engine that trains (``StepEngine``). The loop (``megatron.training.loop``) calls these
+and nothing engine-specific:
+
+- ``NativeEngine``: our schedules (1F1B, interleaved), gradient reduction and optimizer;
+- ``XlaEngine``: the same, as one traced graph per iteration on an XLA device
+  (``megatron.training.xla_step``);
+- ``DeepSpeedEngine``: DeepSpeed's engine (``megatron.integrations.deepspeed.DeepSpeedRun``),
+  which replaces the schedule, the step and the checkpoint files.
+
+A step reports a ``StepResult``; the learning-rate schedule advances in the loop, once per
+applied step, whatever the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron.assembly.build import RunContext
+from megatron.config import RunConfig
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.nonfinite import (
+    check_finite_for_save,
+    describe_nonfinite_grad_norm,
+    describe_nonfinite_loss,
+    locate_nonfinite_loss,
+)
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.platform import xla
+from megatron.platform.output import print_rank_0
+from megatron.training import xla_step
+from megatron.training.log import format_load_report
+from megatron.training.state import TrainState, data_parallel_size
+
+
+class StepResult(NamedTuple):
+    losses: dict[str, float]  # reduced over micro-batches and data-parallel ranks
+    skipped: bool  # no update applied (fp16 overflow or a non-finite step)
+    grad_norm: Optional[float]
+    num_zeros: Optional[int]
+    nonfinite: Optional[str]  # what was NaN/Inf when the guard skipped the step, else None
+
+
+class StepEngine(Protocol):
+    """One engine's iteration, evaluation, save and load (see the module docstring)."""
+
+    chunks: list  # this rank's model chunks
+    optimizer: Any
+    scheduler: Any  # ours, or None where the engine's JSON brings its own
+    records_best: bool  # save() records a --save-best checkpoint's validation loss itself
+
+    def train_step(self, data_iterator, num_microbatches: int) -> StepResult:
+        """Forward and backward over the micro-batches and the optimizer step."""
+
+    def eval_losses(self, data_iterator, num_microbatches: int) -> list[dict]:
+        """One forward-only iteration: its micro-batches' loss dicts (last stage)."""
+
+    def save(self, state: TrainState, valid_loss: Optional[float], saver: Any) -> str:
+        """This iteration's checkpoint (every rank); returns its folder."""
+
+    def load(self, state: TrainState, cfg: RunConfig) -> None:
+        """``cfg.checkpoint.load``'s latest checkpoint into the engine and ``state``."""
+
+
+def build_engine(ctx: RunContext, forward_step: Callable, chunks: list, optimizer: Any,
+                 scheduler: Any, deepspeed_run: Any = None) -> StepEngine:
+    """The engine of this run: DeepSpeed's where ``deepspeed_run`` is given, else ours (on an
+    XLA device, its traced form)."""
+    if deepspeed_run is not None:
+        return DeepSpeedEngine(deepspeed_run, forward_step, ctx)
+    if ctx.device.type == "xla":
+        return XlaEngine(forward_step, chunks, optimizer, scheduler, ctx)
+    return NativeEngine(forward_step, chunks, optimizer, scheduler, ctx)
+
+
+def reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Mean over micro-batches here, then over data-parallel ranks; sent from the last
+    pipeline stage to every rank of its pipeline group."""
+    names = sorted({name for d in losses for name in d}) if losses else []
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        # Other stages do not know the names: the last stage's list is canonical.
+        names = [names]
+        dist.broadcast_object_list(names, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        names = names[0]
+    # On the compute device: NCCL carries nothing else. One host copy at the end.
+    device = parallel_state.get_default_device()
+    values = torch.zeros(len(names), dtype=torch.float64, device=device)
+    if losses:
+        for i, name in enumerate(names):
+            values[i] = torch.stack([d[name].detach().to(device, torch.float64)
+                                     for d in losses]).mean()
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        values.zero_()
+    # Groups of one are skipped: under XLA SPMD the one rank's group is gloo, which carries
+    # no XLA tensor (its devices' losses are averaged inside the graph).
+    dp_size = parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1
+    if dp_size > 1:
+        values /= dp_size
+        dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+    if dist.is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+    if device.type == "xla":  # run the traced evaluation step before reading it
+        xla.mark_step()
+    return dict(zip(names, values.tolist()))
+
+
+def empty_cuda_cache(ctx: RunContext, level: int) -> None:
+    """--empty-unused-memory-level: hand the CUDA allocator's cached blocks back at ``level``."""
+    if ctx.config.training.empty_unused_memory_level >= level and ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class NativeEngine:
+    """Our schedules, gradient reduction and optimizer, and Megatron's checkpoint files."""
+
+    records_best = True
+
+    def __init__(self, forward_step: Callable, chunks: list, optimizer: Any, scheduler: Any,
+                 ctx: RunContext) -> None:
+        self.forward_step, self.chunks, self.ctx = forward_step, chunks, ctx
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    def train_step(self, data_iterator, num_microbatches: int) -> StepResult:
+        """Forward and backward over all micro-batches, gradient reduction, optimizer step.
+
+        With --check-for-nan-in-loss-and-grad a step whose loss or grad norm is NaN/Inf on
+        any rank is not applied (see megatron/core/nonfinite.py).
+        """
+        cfg, timers, optimizer = self.ctx.config, self.ctx.timers, self.optimizer
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        optimizer.start_exchange()  # --dp-overlap: the neighbour average runs meanwhile
+        timers("forward-backward", log_level=1).start()
+        schedule = get_forward_backward_func()
+        losses = schedule(forward_step_func=self.forward_step, data_iterator=data_iterator,
+                          model=self.chunks, num_microbatches=num_microbatches,
+                          seq_length=cfg.model.seq_length,
+                          micro_batch_size=cfg.training.micro_batch_size,
+                          grad_scale_func=optimizer.scale_loss, timers=timers)
+        timers("forward-backward").stop()
+        empty_cuda_cache(self.ctx, level=2)
+        timers("grads-reduce", log_level=1).start()
+        finalize_model_grads(self.chunks)
+        timers("grads-reduce").stop()
+        check = cfg.optimizer.check_for_nan_in_loss_and_grad
+        bad_loss = locate_nonfinite_loss(losses) if check else None
+        updated, grad_norm, num_zeros, nonfinite = False, None, None, None
+        if bad_loss is not None:  # every rank: no step, and the exchange (if any) is dropped
+            optimizer.cancel_exchange()
+            nonfinite = describe_nonfinite_loss(*bad_loss, num_microbatches)
+        else:
+            timers("optimizer", log_level=1).start()
+            updated, grad_norm, num_zeros = optimizer.step()
+            timers("optimizer").stop()
+            if check and not updated and grad_norm is not None:  # not an fp16 overflow
+                nonfinite = describe_nonfinite_grad_norm(grad_norm, self.chunks)
+        return StepResult(reduce_losses(losses), not updated, grad_norm, num_zeros, nonfinite)
+
+    def eval_losses(self, data_iterator, num_microbatches: int) -> list[dict]:
+        cfg = self.ctx.config
+        schedule = get_forward_backward_func()
+        return schedule(forward_step_func=self.forward_step, data_iterator=data_iterator,
+                        model=self.chunks, num_microbatches=num_microbatches,
+                        seq_length=cfg.model.seq_length,
+                        micro_batch_size=cfg.training.micro_batch_size, forward_only=True)
+
+    def save(self, state: TrainState, valid_loss: Optional[float], saver: Any) -> str:
+        """Megatron's checkpoint of ``state.iteration``; with ``saver`` (--async-save)
+        written in the background from a host copy (which is checked for NaN/Inf there)."""
+        from megatron import checkpointing
+
+        self.optimizer.average_replicas()  # --dp-mode decentralized saves the replicas' mean
+        if saver is None:  # a background save checks its host copy, off the loop
+            check_finite_for_save(self.chunks, self.optimizer, state.iteration)
+        return checkpointing.save_checkpoint(
+            state.iteration, self.chunks, self.optimizer, self.scheduler, self.ctx.config,
+            consumed_train_samples=state.consumed_train_samples,
+            consumed_valid_samples=state.consumed_valid_samples, valid_loss=valid_loss,
+            saver=saver, refuse_nonfinite=saver is not None)
+
+    def load(self, state: TrainState, cfg: RunConfig) -> None:
+        """Restore the latest checkpoint into the model, optimizer, scheduler and ``state``;
+        say on one line (rank 0) what was loaded and what starts anew."""
+        from megatron import checkpointing
+
+        loaded = checkpointing.load_checkpoint(self.chunks, self.optimizer, self.scheduler, cfg)
+        state.iteration, state.consumed_train_samples, state.consumed_valid_samples = loaded
+        if loaded.report is None:
+            return  # no checkpoint there (checkpointing warned)
+        print_rank_0(format_load_report(loaded.report, cfg.checkpoint,
+                                        state.consumed_train_samples,
+                                        evaluating=cfg.training.eval_only))
+        if state.iteration > 0 and not cfg.checkpoint.finetune:
+            state.last_saved = state.iteration  # nothing new to save before a step
+            state.last_checkpoint = loaded.report.folder
+
+
+class XlaEngine(NativeEngine):
+    """``NativeEngine`` on an XLA device: each iteration one traced graph (xla_step)."""
+
+    def train_step(self, data_iterator, num_microbatches: int) -> StepResult:
+        step = xla_step.train_step(self.forward_step, data_iterator, self.chunks,
+                                   self.optimizer, self.ctx.config, num_microbatches,
+                                   self.ctx.timers)
+        return StepResult(step.losses, not step.updated, step.grad_norm, None, step.nonfinite)
+
+
+class DeepSpeedEngine:
+    """DeepSpeed's engine (``DeepSpeedRun``): its step, its schedule of micro-batches and its
+    checkpoint files; our loop, log, evaluation and exits."""
+
+    records_best = False
+
+    def __init__(self, run: Any, forward_step: Callable, ctx: RunContext) -> None:
+        self.run, self.forward_step, self.ctx = run, forward_step, ctx
+        self.chunks, self.optimizer, self.scheduler = run.chunks, run.optimizer, run.scheduler
+
+    def train_step(self, data_iterator, num_microbatches: int) -> StepResult:
+        """One iteration through DeepSpeed's engine, reported as ours reports it."""
+        timers = self.ctx.timers
+        timers("forward-backward-optimizer", log_level=1).start()
+        losses, applied, grad_norm, bad_loss = self.run.train_step(
+            self.forward_step, data_iterator, num_microbatches)
+        timers("forward-backward-optimizer").stop()
+        opt = self.ctx.config.optimizer
+        nonfinite = None
+        if bad_loss is not None:  # not applied (see DeepSpeedRun.train_step)
+            nonfinite = describe_nonfinite_loss(*bad_loss, num_microbatches)
+        elif opt.check_for_nan_in_loss_and_grad and not applied and not opt.fp16:
+            # Not an fp16 overflow (the loss scaler's business, as in the built-in engine).
+            nonfinite = (f"the grad norm ({grad_norm}; every micro-batch loss was finite; "
+                         "DeepSpeed found NaN/Inf gradients)")
+        return StepResult(reduce_losses(losses), not applied, grad_norm, None, nonfinite)
+
+    def eval_losses(self, data_iterator, num_microbatches: int) -> list[dict]:
+        return self.run.eval_step(self.forward_step, data_iterator, num_microbatches)
+
+    def save(self, state: TrainState, valid_loss: Optional[float], saver: Any) -> str:
+        return self.run.save(self.ctx.config.checkpoint.save, state.iteration,
+                             state.consumed_train_samples, state.consumed_valid_samples)
+
+    def load(self, state: TrainState, cfg: RunConfig) -> None:
+        self.run.load(state)
+
+
+def evaluate(engine: StepEngine, data_iterator, num_microbatches: int,
+             eval_iters: int) -> dict[str, float]:
+    """Mean loss over ``eval_iters`` forward-only iterations of ``engine``."""
+    for chunk in engine.chunks:
+        chunk.eval()
+    totals: dict[str, float] = {}
+    for _ in range(eval_iters):
+        for name, value in reduce_losses(engine.eval_losses(data_iterator,
+                                                            num_microbatches)).items():
+            totals[name] = totals.get(name, 0.0) + value
+    for chunk in engine.chunks:
+        chunk.train()
+    return {name: value / max(eval_iters, 1) for name, value in totals.items()}
+
+
+def train_step(forward_step: Callable, data_iterator, chunks, optimizer, scheduler,
+               ctx: RunContext, num_microbatches: int) -> StepResult:
+    """One iteration of our engine for ``chunks`` (what benchmarks and tests time), the
+    schedule advanced as the loop advances it."""
+    engine = build_engine(ctx, forward_step, chunks, optimizer, scheduler)
+    result = engine.train_step(data_iterator, num_microbatches)
+    advance_schedule(scheduler, result, num_microbatches, ctx.config)
+    return result
+
+
+def advance_schedule(scheduler: Any, result: StepResult, num_microbatches: int,
+                     cfg: RunConfig) -> None:
+    """The learning-rate schedule moves by the samples of an applied step (a skipped one,
+    fp16 overflow or NaN/Inf, moves nothing), for every engine."""
+    if scheduler is not None and not result.skipped:
+        scheduler.step(increment=num_microbatches * cfg.training.micro_batch_size
+                       * data_parallel_size(cfg))
