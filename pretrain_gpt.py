@@ -11,8 +11,8 @@ import torch
 
 from megatron.assembly.build import RunContext, gpt_model_provider
 from megatron.core.pipeline_parallel.schedules import StageInfo
+from megatron.model.gpt_batch import gpt_batch, masked_mean_loss
 from megatron.model.gpt_model import GPTModel
-from megatron.model.masks import get_ltor_masks_and_position_ids
 from megatron.platform.output import print_rank_0
 from megatron.training import pretrain
 
@@ -25,25 +25,15 @@ def model_provider(ctx: RunContext, pre_process: bool = True, post_process: bool
 
 def get_batch(ctx: RunContext, data_iterator):
     """tokens/labels ``[b, s]``, loss mask, attention mask (None = causal), position ids."""
-    data = ctx.config.data
-    sample = ctx.batch_to_device(next(data_iterator)["text"]).long()  # [b, s + 1]
-    tokens, labels = sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
+    sample = ctx.batch_to_device(next(data_iterator)["text"])  # [b, s + 1]
     eod = ctx.tokenizer.eod if ctx.tokenizer is not None else None
-    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        tokens, eod, data.reset_position_ids, data.reset_attention_mask, data.eod_mask_loss)
-    return tokens, labels, loss_mask, attention_mask, position_ids
+    return gpt_batch(sample, eod, ctx.config.data)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, ranks: int = 1):
-    """Mean of the per-token losses where the loss mask is one, of each data-parallel rank's
-    micro-batch; averaged over ``ranks`` where the batch holds several ranks' micro-batches
-    one after another (XLA SPMD), as data parallelism averages its ranks' gradients."""
-    losses = output_tensor.float()  # [b, s]
-    if ranks == 1:
-        loss = torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
-    else:
-        losses, mask = losses.view(ranks, -1), loss_mask.view(ranks, -1)  # [ranks, b/ranks*s]
-        loss = (torch.sum(losses * mask, dim=1) / mask.sum(dim=1)).mean()
+    """The masked mean of the per-token losses ``output_tensor`` ``[b, s]``
+    (``masked_mean_loss``: of each of ``ranks`` data-parallel ranks' micro-batches)."""
+    loss = masked_mean_loss(output_tensor, loss_mask, ranks)
     return loss, {"lm loss": loss.detach()}
 
 

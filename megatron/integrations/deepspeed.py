@@ -356,8 +356,8 @@ def _show_deepspeed_log() -> None:
 
 
 class _PipeBatches:
-    """Our micro-batches as DeepSpeed's pipeline engine reads them:
-    ``((tokens, position_ids), (labels, loss_mask))``, each ``[b, s]``."""
+    """Our micro-batches (``gpt_batch``, pretrain_gpt.py's) as DeepSpeed's pipeline engine
+    reads them: ``((tokens, position_ids), (labels, loss_mask))``, each ``[b, s]``."""
 
     def __init__(self, iterator: Iterator, cfg: RunConfig, eod: Optional[int],
                  device: torch.device) -> None:
@@ -367,13 +367,11 @@ class _PipeBatches:
         return self
 
     def __next__(self):
-        from megatron.model.masks import get_ltor_masks_and_position_ids
+        from megatron.model.gpt_batch import gpt_batch
 
-        sample = next(self.iterator)["text"].to(self.device, non_blocking=True).long()
-        tokens, labels = sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
-        _, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-            tokens, self.eod, self.data.reset_position_ids, False, self.data.eod_mask_loss)
-        return (tokens, position_ids), (labels, loss_mask)
+        sample = next(self.iterator)["text"].to(self.device, non_blocking=True)
+        batch = gpt_batch(sample, self.eod, self.data, causal_only=True)
+        return (batch.tokens, batch.position_ids), (batch.labels, batch.loss_mask)
 
 
 class EngineOptimizer:

@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core import tensor_parallel
+from megatron.model.gpt_batch import masked_mean_loss
 from megatron.model.gpt_model import Embedding
 from megatron.model.layer_norm import build_layer_norm
 from megatron.model.rotary import rotary_freqs
@@ -64,8 +65,7 @@ def lm_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
 
 def lm_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Mean cross entropy where the loss mask is one: logits ``[s, b, V/tp]``, labels and
-    loss mask ``[b, s]`` (the same reduction as pretrain_gpt.loss_func)."""
+    loss mask ``[b, s]`` (``masked_mean_loss``, pretrain_gpt.loss_func's reduction)."""
     targets, loss_mask = labels
     losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets.t())  # [s, b]
-    losses = losses.t().contiguous()  # [b, s]
-    return torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    return masked_mean_loss(losses.t(), loss_mask)  # [b, s]
