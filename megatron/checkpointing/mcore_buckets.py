@@ -35,13 +35,8 @@ import torch
 from megatron.checkpointing import dcp
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.mcore_layout import Place, place, whole_model_shapes
-from megatron.model.placement import (
-    OUTPUT_LAYER,
-    TIED_COPY,
-    WORD_EMBEDDINGS,
-    pipeline_chunks,
-    tp_split_dim,
-)
+from megatron.model.names import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, layer_key, tp_split_dim
+from megatron.model.placement import pipeline_chunks
 
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.*)"
                      r"\.bucket_idx_(\d+)\.([A-Za-z_]+)")
@@ -191,8 +186,8 @@ def _domain_order(shapes: dict, run: _Run, num_layers: int, pp_rank: int) -> lis
     if stage.pre_process:
         order += [(n, None) for n in (WORD_EMBEDDINGS, POSITIONS) if n in shapes]
     for layer in range(stage.first_layer, stage.first_layer + stage.num_layers):
-        order += [(f"encoder.layers.{layer}.{s}", layer) for s in run.layer_order
-                  if f"encoder.layers.{layer}.{s}" in shapes]
+        order += [(layer_key(layer, s), layer) for s in run.layer_order
+                  if layer_key(layer, s) in shapes]
     if stage.post_process:
         order += [(n, None) for n in FINAL_NORM if n in shapes]
         if OUTPUT_LAYER in shapes:

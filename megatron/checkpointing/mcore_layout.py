@@ -24,14 +24,20 @@ is no ``output_layer.weight``.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from megatron.model.placement import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, tp_split_dim
+from megatron.model.names import (
+    OUTPUT_LAYER,
+    POSITION_EMBEDDINGS,
+    TIED_COPY,
+    WORD_EMBEDDINGS,
+    parse_layer_key,
+    tp_split_dim,
+)
 
 LAYERS = "decoder.layers."
 # Our per-layer parameter names (after "encoder.layers.{i}.") -> megatron-core's.
@@ -52,7 +58,7 @@ _LAYER_NAMES = {
 _OTHER_NAMES = {
     WORD_EMBEDDINGS: WORD_EMBEDDINGS,
     TIED_COPY: WORD_EMBEDDINGS,  # the last stage's copy of tied embeddings: the same tensor
-    "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+    POSITION_EMBEDDINGS: POSITION_EMBEDDINGS,
     "final_layernorm.weight": "decoder.final_layernorm.weight",
     "final_layernorm.bias": "decoder.final_layernorm.bias",
     OUTPUT_LAYER: OUTPUT_LAYER,
@@ -61,7 +67,6 @@ _OTHER_NAMES = {
 # local layers) per linear layer of each transformer layer; its loader asks for them.
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv",
                        "mlp.linear_fc1", "mlp.linear_fc2")
-_OUR_LAYER_RE = re.compile(r"encoder\.layers\.(\d+)\.(.+)")
 # Optimizer state of a parameter is stored under "optimizer.state.<kind>.<its key>".
 OPTIMIZER_PREFIX = "optimizer.state."
 
@@ -97,9 +102,9 @@ def place(name: str, shape: tuple[int, ...], layer: Optional[int], num_layers: i
         full[dim] *= tp_size
         offset[dim] = tp_rank * shape[dim]
     writer = (dim is not None or tp_rank == 0) and name != TIED_COPY
-    m = _OUR_LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return Place(LAYERS + _LAYER_NAMES[m.group(2)], (num_layers, *full), (layer, *offset),
+    parsed = parse_layer_key(name)
+    if parsed and parsed[1] in _LAYER_NAMES:
+        return Place(LAYERS + _LAYER_NAMES[parsed[1]], (num_layers, *full), (layer, *offset),
                      True, writer)
     if name not in _OTHER_NAMES:
         raise KeyError(f"no megatron-core name for parameter {name!r}")
@@ -111,8 +116,8 @@ def chunk_places(chunk: nn.Module, num_layers: int, tp_rank: int,
     """``(name, parameter, place)`` of every parameter of one model chunk (unwrapped)."""
     layers = getattr(getattr(chunk, "encoder", None), "layers", [])
     for name, param in chunk.named_parameters():
-        m = _OUR_LAYER_RE.fullmatch(name)
-        layer = layers[int(m.group(1))].layer_number - 1 if m else None
+        parsed = parse_layer_key(name)
+        layer = layers[parsed[0]].layer_number - 1 if parsed else None
         yield name, param, place(name, tuple(param.shape), layer, num_layers, tp_rank, tp_size)
 
 
@@ -140,8 +145,8 @@ def full_places(names_and_shapes: dict[str, torch.Size],
     numbers, as ``conversion/`` holds them)."""
     out = {}
     for name, shape in names_and_shapes.items():
-        m = _OUR_LAYER_RE.fullmatch(name)
-        out[name] = place(name, tuple(shape), int(m.group(1)) if m else None, num_layers, 0, 1)
+        parsed = parse_layer_key(name)
+        out[name] = place(name, tuple(shape), parsed[0] if parsed else None, num_layers, 0, 1)
     return out
 
 

@@ -56,8 +56,9 @@ from megatron.conversion.full_state import (
     repad_vocab,
     source_config,
 )
-from megatron.conversion.sharding import TIED_COPY, merge_tp
+from megatron.conversion.sharding import merge_tp
 from megatron.conversion.zero_optim import read_zero_optimizer
+from megatron.model.names import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, layer_key
 
 _ZERO3_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt")
 # DeepSpeed names the tensor ("model") rank only when the topology has that axis.
@@ -172,17 +173,17 @@ def _pipeline_model(step_dir: str, files: list) -> dict:
         state = {_OLD_ATTENTION_RE.sub(r"\1self_attention.", _PIPE_LAYER_PREFIX_RE.sub("", k)): v
                  for k, v in read_torch(path).items()}
         if "word_embeddings.weight" in state:
-            if "embedding.word_embeddings.weight" not in out:
+            if WORD_EMBEDDINGS not in out:
                 out.update({f"embedding.{k}": v for k, v in state.items()})
         elif "input_layernorm.weight" in state:
-            out.update({f"encoder.layers.{layer}.{k}": v for k, v in state.items()})
+            out.update({layer_key(layer, k): v for k, v in state.items()})
             layer += 1
         elif state and all(k.startswith("final_layernorm.") for k in state):  # ours
             out.update(state)
         elif set(state) <= {"weight", "bias"} and state["weight"].dim() == 1:
             out.update({f"final_layernorm.{k}": v for k, v in state.items()})
         elif set(state) == {"weight"}:
-            out["output_layer.weight"] = state["weight"]
+            out[OUTPUT_LAYER] = state["weight"]
         else:
             raise CheckpointError(f"{path}: cannot tell which layer it is (entries "
                                   f"{sorted(state)[:6]})")

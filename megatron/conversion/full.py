@@ -52,8 +52,6 @@ from megatron.conversion.full_state import (
     source_config,
 )
 from megatron.conversion.sharding import (
-    TIED_COPY,
-    VOCAB_TENSORS,
     chunk_to_full_names,
     chunks_from_layer_counts,
     full_to_chunk_names,
@@ -63,6 +61,7 @@ from megatron.conversion.sharding import (
     split_tp,
     tp_piece,
 )
+from megatron.model.names import TIED_COPY, VOCAB_TENSORS
 from megatron.model.placement import Chunk, pipeline_chunks
 
 logger = logging.getLogger(__name__)

@@ -17,12 +17,14 @@ older saves), and the run's flags as an argparse Namespace under ``args``. From
 
 from __future__ import annotations
 
+from megatron.model.names import LAYER_PREFIX
+
 _PREFIXES = (
     ("language_model.embedding.", "embedding."),
     ("language_model.encoder.final_layernorm.", "final_layernorm."),
     ("language_model.transformer.final_layernorm.", "final_layernorm."),
-    ("language_model.encoder.layers.", "encoder.layers."),
-    ("language_model.transformer.layers.", "encoder.layers."),
+    ("language_model.encoder.layers.", LAYER_PREFIX),
+    ("language_model.transformer.layers.", LAYER_PREFIX),
     ("language_model.output_layer.", "output_layer."),
     ("word_embeddings_for_head.", "word_embeddings."),
 )

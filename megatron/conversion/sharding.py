@@ -7,28 +7,26 @@ untied embeddings, ``output_layer.weight``. A pipeline chunk numbers its layers 
 it is the last chunk but not the first, holds its own copy of the tied word embeddings as
 ``word_embeddings.weight``.
 
-Which dimension each tensor is cut along over tensor-parallel ranks (``tp_split_dim``) and
-which layers a chunk holds are ``megatron/model/placement.py``'s rules; this module
-merges, splits and renames by them.
+Which dimension each tensor is cut along over tensor-parallel ranks (``tp_split_dim``) is
+``megatron/model/names.py``'s rule and which layers a chunk holds
+``megatron/model/placement.py``'s; this module merges, splits and renames by them.
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-from megatron.model.placement import (  # noqa: F401 - conversion's names
+from megatron.model.names import (
     OUTPUT_LAYER,
     TIED_COPY,
-    VOCAB_TENSORS,
     WORD_EMBEDDINGS,
-    Chunk,
-    pipeline_chunks,
+    model_order_key,
+    parse_layer_key,
+    renumber_layer,
     tp_split_dim,
 )
+from megatron.model.placement import Chunk
 
-_LAYER_RE = re.compile(r"encoder\.layers\.(\d+)\.(.+)")
 
 def merge_tp(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
     """The full tensor from each tensor-parallel rank's piece, in rank order."""
@@ -84,7 +82,7 @@ def chunks_from_layer_counts(counts: list[list[int]]) -> list[list[Chunk]]:
 
 
 def layer_count(chunk_state: dict) -> int:
-    found = {int(m.group(1)) for m in map(_LAYER_RE.fullmatch, chunk_state) if m}
+    found = {parsed[0] for parsed in map(parse_layer_key, chunk_state) if parsed}
     if found and found != set(range(len(found))):
         raise ValueError(f"chunk layers are numbered {sorted(found)}, expected 0..{len(found) - 1}")
     return len(found)
@@ -93,13 +91,8 @@ def layer_count(chunk_state: dict) -> int:
 def chunk_to_full_names(chunk_state: dict, chunk: Chunk) -> dict:
     """A chunk's entries under full names; the tied copy (``word_embeddings.weight``) stays
     under its own name for the caller to check or drop."""
-    out = {}
-    for name, value in chunk_state.items():
-        m = _LAYER_RE.fullmatch(name)
-        if m:
-            name = f"encoder.layers.{chunk.first_layer + int(m.group(1))}.{m.group(2)}"
-        out[name] = value
-    return out
+    return {renumber_layer(name, chunk.first_layer): value
+            for name, value in chunk_state.items()}
 
 
 def full_to_chunk_names(full: dict, chunk: Chunk, tied: bool) -> dict:
@@ -107,11 +100,10 @@ def full_to_chunk_names(full: dict, chunk: Chunk, tied: bool) -> dict:
     out = {}
     last = chunk.first_layer + chunk.num_layers
     for name, value in full.items():
-        m = _LAYER_RE.fullmatch(name)
-        if m:
-            i = int(m.group(1))
-            if chunk.first_layer <= i < last:
-                out[f"encoder.layers.{i - chunk.first_layer}.{m.group(2)}"] = value
+        parsed = parse_layer_key(name)
+        if parsed:
+            if chunk.first_layer <= parsed[0] < last:
+                out[renumber_layer(name, -chunk.first_layer)] = value
         elif name.startswith("embedding."):
             if chunk.pre_process:
                 out[name] = value
@@ -123,26 +115,5 @@ def full_to_chunk_names(full: dict, chunk: Chunk, tied: bool) -> dict:
     return _in_model_order(out)
 
 
-def _order_key(name: str) -> tuple:
-    """Keys in the order GPTModel registers its parameters (its state_dict order)."""
-    if name.startswith("embedding.word"):
-        return (0, 0, "")
-    if name.startswith("embedding."):
-        return (0, 1, name)
-    m = _LAYER_RE.fullmatch(name)
-    if m:
-        return (1, int(m.group(1)), _LAYER_PARAM_ORDER.index(m.group(2)))
-    return (2, ("final_layernorm.weight", "final_layernorm.bias", OUTPUT_LAYER, TIED_COPY)
-            .index(name), "")
-
-
-_LAYER_PARAM_ORDER = [
-    f"{module}.{kind}" for module in (
-        "input_layernorm", "self_attention.query_key_value", "self_attention.dense",
-        "post_attention_layernorm", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
-    for kind in ("weight", "bias")
-]
-
-
 def _in_model_order(state: dict) -> dict:
-    return {k: state[k] for k in sorted(state, key=_order_key)}
+    return {k: state[k] for k in sorted(state, key=model_order_key)}

@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from megatron.conversion.sharding import VOCAB_TENSORS, merge_tp, resize_vocab
+from megatron.conversion.sharding import merge_tp, resize_vocab
+from megatron.model.names import VOCAB_TENSORS, layer_key
 
 _OPTIM_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -72,7 +73,7 @@ def our_name(pipe_name: str) -> str:
         return "embedding." + pipe_name.removeprefix("tied_modules.embed.")
     m = _PIPE_LAYER_RE.fullmatch(pipe_name)
     if m:
-        return f"encoder.layers.{int(m.group(1)) - 1}.{m.group(2)}"
+        return layer_key(int(m.group(1)) - 1, m.group(2))
     m = _PIPE_FINAL_RE.fullmatch(pipe_name)
     if m:
         return m.group(1)

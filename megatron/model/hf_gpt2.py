@@ -13,6 +13,13 @@ from typing import Any
 import torch
 
 from megatron.config import ModelConfig
+from megatron.model.names import (
+    FINAL_NORM,
+    OUTPUT_LAYER,
+    POSITION_EMBEDDINGS,
+    WORD_EMBEDDINGS,
+    layer_key,
+)
 
 
 def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
@@ -68,23 +75,24 @@ def hf_to_megatron_state_dict(hf_sd: dict[str, torch.Tensor],
     wte = sd["wte.weight"]
     pad = config.padded_vocab_size - wte.size(0)
     out = {
-        "embedding.word_embeddings.weight": torch.cat([wte, wte.new_zeros(pad, wte.size(1))]),
-        "embedding.position_embeddings.weight": sd["wpe.weight"],
-        "final_layernorm.weight": sd["ln_f.weight"],
-        "final_layernorm.bias": sd["ln_f.bias"],
+        WORD_EMBEDDINGS: torch.cat([wte, wte.new_zeros(pad, wte.size(1))]),
+        POSITION_EMBEDDINGS: sd["wpe.weight"],
+        FINAL_NORM[0]: sd["ln_f.weight"],
+        FINAL_NORM[1]: sd["ln_f.bias"],
     }
     for i in range(config.num_layers):
-        src, dst = f"h.{i}.", f"encoder.layers.{i}."
+        src = f"h.{i}."
         for ours, theirs in _LAYER_NAMES.items():
             weight = sd[src + theirs + ".weight"]
-            out[dst + ours + ".weight"] = weight if "layernorm" in ours else weight.t()
-            out[dst + ours + ".bias"] = sd[src + theirs + ".bias"]
+            out[layer_key(i, ours + ".weight")] = weight if "layernorm" in ours else weight.t()
+            out[layer_key(i, ours + ".bias")] = sd[src + theirs + ".bias"]
         qkv = "self_attention.query_key_value"
-        out[dst + qkv + ".weight"] = _qkv_rows_per_head(sd[src + "attn.c_attn.weight"].t(), heads)
-        out[dst + qkv + ".bias"] = _qkv_rows_per_head(sd[src + "attn.c_attn.bias"], heads)
+        out[layer_key(i, qkv + ".weight")] = _qkv_rows_per_head(
+            sd[src + "attn.c_attn.weight"].t(), heads)
+        out[layer_key(i, qkv + ".bias")] = _qkv_rows_per_head(sd[src + "attn.c_attn.bias"], heads)
     if config.untie_embeddings_and_output_weights:
         head = hf_sd.get("lm_head.weight", wte)
-        out["output_layer.weight"] = torch.cat([head, head.new_zeros(pad, head.size(1))])
+        out[OUTPUT_LAYER] = torch.cat([head, head.new_zeros(pad, head.size(1))])
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
@@ -93,20 +101,20 @@ def megatron_to_hf_state_dict(sd: dict[str, torch.Tensor],
     """The inverse of ``hf_to_megatron_state_dict`` (the vocabulary padding is dropped)."""
     heads, vocab = config.num_attention_heads, config.vocab_size
     out = {
-        "transformer.wte.weight": sd["embedding.word_embeddings.weight"][:vocab],
-        "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
-        "transformer.ln_f.weight": sd["final_layernorm.weight"],
-        "transformer.ln_f.bias": sd["final_layernorm.bias"],
+        "transformer.wte.weight": sd[WORD_EMBEDDINGS][:vocab],
+        "transformer.wpe.weight": sd[POSITION_EMBEDDINGS],
+        "transformer.ln_f.weight": sd[FINAL_NORM[0]],
+        "transformer.ln_f.bias": sd[FINAL_NORM[1]],
     }
     for i in range(config.num_layers):
-        src, dst = f"encoder.layers.{i}.", f"transformer.h.{i}."
+        dst = f"transformer.h.{i}."
         for ours, theirs in _LAYER_NAMES.items():
-            weight = sd[src + ours + ".weight"]
+            weight = sd[layer_key(i, ours + ".weight")]
             out[dst + theirs + ".weight"] = weight if "layernorm" in ours else weight.t()
-            out[dst + theirs + ".bias"] = sd[src + ours + ".bias"]
-        qkv = src + "self_attention.query_key_value"
+            out[dst + theirs + ".bias"] = sd[layer_key(i, ours + ".bias")]
+        qkv = layer_key(i, "self_attention.query_key_value")
         out[dst + "attn.c_attn.weight"] = _qkv_rows_per_kind(sd[qkv + ".weight"], heads).t()
         out[dst + "attn.c_attn.bias"] = _qkv_rows_per_kind(sd[qkv + ".bias"], heads)
-    head = sd.get("output_layer.weight", sd["embedding.word_embeddings.weight"])
+    head = sd.get(OUTPUT_LAYER, sd[WORD_EMBEDDINGS])
     out["lm_head.weight"] = head[:vocab]
     return {k: v.contiguous().clone() for k, v in out.items()}

@@ -7,14 +7,7 @@ The layer counts per stage come from ``megatron.config`` (``split_pipeline_layer
 with --decoder-first/last-pipeline-num-layers); the first chunk of the first stage holds the
 embeddings (``pre_process``), the last chunk of the last stage the final LayerNorm and the LM
 head (``post_process``).
-
-And the tensor-parallel rule (Megatron's): which dimension of each of our parameters is cut
-over the tensor-parallel ranks (``tp_split_dim``). The QKV projection and ``dense_h_to_4h``
-are column-parallel (rows split; our QKV rows are grouped per head, so a contiguous split
-gives whole heads), the attention output ``dense`` and ``dense_4h_to_h`` weights row-parallel
-(columns split, bias replicated), word embeddings and the output layer split over the padded
-vocabulary, everything else (layer norms, positions) replicated. Names are a chunk's
-(``GPTModel``'s): the last stage keeps its copy of tied word embeddings as ``TIED_COPY``.
+Parameter names and each one's tensor-parallel cut are ``megatron.model.names``'.
 """
 
 from __future__ import annotations
@@ -23,23 +16,6 @@ from typing import NamedTuple, Optional
 
 from megatron.config import RunConfig
 from megatron.config.parallel import layer_range, split_pipeline_layers
-
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
-TIED_COPY = "word_embeddings.weight"  # the last stage's copy of the tied word embeddings
-OUTPUT_LAYER = "output_layer.weight"
-VOCAB_TENSORS = (WORD_EMBEDDINGS, TIED_COPY, OUTPUT_LAYER)
-_COLUMN_SUFFIXES = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
-                    "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
-_ROW_SUFFIXES = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
-
-
-def tp_split_dim(name: str) -> Optional[int]:
-    """The dimension ``name`` is split along over tensor-parallel ranks (None: replicated)."""
-    if name in VOCAB_TENSORS or name.endswith(_COLUMN_SUFFIXES):
-        return 0
-    if name.endswith(_ROW_SUFFIXES):
-        return 1
-    return None
 
 
 class Chunk(NamedTuple):

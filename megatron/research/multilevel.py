@@ -33,17 +33,23 @@ code. Optimizer state does not survive any of these operators (the tools reset i
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch
 
 from megatron.config import ModelConfig
+from megatron.model.names import (
+    OUTPUT_LAYER,
+    POSITION_EMBEDDINGS,
+    TIED_COPY,
+    WORD_EMBEDDINGS,
+    layer_key,
+    parse_layer_key,
+)
 
 PAIRINGS = ("adjacent", "halves")
 StateDict = dict[str, torch.Tensor]
 
-_LAYER_KEY = re.compile(r"encoder\.layers\.(\d+)\.(.+)")
 
 
 class MultilevelError(ValueError):
@@ -133,16 +139,15 @@ def _width_layer_param(name: str, t: torch.Tensor, maps: _WidthMaps, out_op, in_
     raise MultilevelError(f"no width map for layer parameter {name!r}")
 
 
-_EMBEDDINGS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
-               "output_layer.weight", "word_embeddings.weight")
+_EMBEDDINGS = (WORD_EMBEDDINGS, POSITION_EMBEDDINGS, OUTPUT_LAYER, TIED_COPY)
 
 
 def _map_width(state: Mapping[str, torch.Tensor], maps: _WidthMaps, out_op, in_op) -> StateDict:
     out = {}
     for key, t in state.items():
-        m = _LAYER_KEY.fullmatch(key)
-        if m:
-            out[key] = _width_layer_param(m.group(2), t, maps, out_op, in_op)
+        parsed = parse_layer_key(key)
+        if parsed:
+            out[key] = _width_layer_param(parsed[1], t, maps, out_op, in_op)
         elif key in _EMBEDDINGS:
             out[key] = in_op(t, 1, maps.hidden)  # [rows, h]: hidden is the input side
         elif key.startswith("final_layernorm."):
@@ -177,9 +182,9 @@ def _layer_params(state: Mapping[str, torch.Tensor]) -> tuple[dict[int, dict], S
     layers: dict[int, dict] = {}
     rest = {}
     for key, t in state.items():
-        m = _LAYER_KEY.fullmatch(key)
-        if m:
-            layers.setdefault(int(m.group(1)), {})[m.group(2)] = t
+        parsed = parse_layer_key(key)
+        if parsed:
+            layers.setdefault(parsed[0], {})[parsed[1]] = t
         else:
             rest[key] = t
     return layers, rest
@@ -189,7 +194,7 @@ def _coalesce_depth(state: Mapping[str, torch.Tensor], num_layers: int) -> State
     layers, out = _layer_params(state)
     for i in range(num_layers // 2):
         for name, t in layers[2 * i].items():
-            out[f"encoder.layers.{i}.{name}"] = (t + layers[2 * i + 1][name]) / 2
+            out[layer_key(i, name)] = (t + layers[2 * i + 1][name]) / 2
     return out
 
 
@@ -197,8 +202,8 @@ def _decoalesce_depth(state: Mapping[str, torch.Tensor], num_layers: int) -> Sta
     layers, out = _layer_params(state)
     for i in range(num_layers):
         for name, t in layers[i].items():
-            out[f"encoder.layers.{2 * i}.{name}"] = t.clone()
-            out[f"encoder.layers.{2 * i + 1}.{name}"] = t.clone()
+            out[layer_key(2 * i, name)] = t.clone()
+            out[layer_key(2 * i + 1, name)] = t.clone()
     return out
 
 

@@ -14,15 +14,10 @@ from megatron.checkpointing.run_config import with_layout
 from megatron.config import ModelConfig, OptimizerConfig, to_dict
 from megatron.conversion import FullCheckpoint, load_full_checkpoint, save_full_checkpoint
 from megatron.conversion import full as full_module
-from megatron.conversion.sharding import (
-    Chunk,
-    chunks_from_layer_counts,
-    full_to_chunk_names,
-    pipeline_chunks,
-    split_tp,
-)
+from megatron.conversion.sharding import chunks_from_layer_counts, full_to_chunk_names, split_tp
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.model.gpt_model import GPTModel
+from megatron.model.placement import Chunk, pipeline_chunks
 from tools.checkpoint import convert
 
 

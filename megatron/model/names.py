@@ -1,0 +1,132 @@
+"""GPT's parameter names: the one owner of how our state dicts name tensors, in which order a
+model registers them, and how each is cut over tensor-parallel ranks.
+
+A model chunk (``GPTModel``) names its tensors::
+
+    embedding.word_embeddings.weight           [V/tp, h]   first chunk (pre_process)
+    embedding.position_embeddings.weight       [P, h]      first chunk, learned positions only
+    encoder.layers.{i}.<layer parameter>                   i counted from the chunk's first layer
+    final_layernorm.weight, .bias              [h]         last chunk (post_process)
+    output_layer.weight                        [V/tp, h]   last chunk, untied embeddings
+    word_embeddings.weight                     [V/tp, h]   last chunk of a tied model that is
+                                                           not also the first: its copy
+
+A whole model (tp 1, one chunk) uses the same names with global layer numbers. Each layer's
+parameters, in registration order, with the dimension each is split along over the
+tensor-parallel ranks (``LAYER_PARAMS``; QKV and ``dense_h_to_4h`` are column-parallel,
+``dense`` and ``dense_4h_to_h`` row-parallel with a replicated bias, layer norms
+replicated); ``--disable-bias-linear`` drops the linear layers' biases. The word embeddings,
+their copy and the output layer are split over the (padded) vocabulary.
+
+Names of other programs (Hugging Face, megatron-core, Megatron-DeepSpeed, DeepSpeed's
+pipeline) are their adapters' business; they build and parse ours through this module.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple, Optional
+
+from megatron.config import ModelConfig
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
+TIED_COPY = "word_embeddings.weight"  # the last stage's copy of the tied word embeddings
+OUTPUT_LAYER = "output_layer.weight"
+FINAL_NORM = ("final_layernorm.weight", "final_layernorm.bias")
+VOCAB_TENSORS = (WORD_EMBEDDINGS, TIED_COPY, OUTPUT_LAYER)
+LAYER_PREFIX = "encoder.layers."
+
+
+class LayerParam(NamedTuple):
+    """One parameter of a transformer layer: its name inside the layer, the dimension it is
+    split along over tensor-parallel ranks (None: replicated), whether it is a linear
+    layer's bias (gone under --disable-bias-linear)."""
+
+    name: str
+    tp_dim: Optional[int]
+    linear_bias: bool = False
+
+
+LAYER_PARAMS = (
+    LayerParam("input_layernorm.weight", None),
+    LayerParam("input_layernorm.bias", None),
+    LayerParam("self_attention.query_key_value.weight", 0),
+    LayerParam("self_attention.query_key_value.bias", 0, True),
+    LayerParam("self_attention.dense.weight", 1),
+    LayerParam("self_attention.dense.bias", None, True),
+    LayerParam("post_attention_layernorm.weight", None),
+    LayerParam("post_attention_layernorm.bias", None),
+    LayerParam("mlp.dense_h_to_4h.weight", 0),
+    LayerParam("mlp.dense_h_to_4h.bias", 0, True),
+    LayerParam("mlp.dense_4h_to_h.weight", 1),
+    LayerParam("mlp.dense_4h_to_h.bias", None, True),
+)
+_TP_DIMS = {p.name: p.tp_dim for p in LAYER_PARAMS}
+_LAYER_ORDER = {p.name: i for i, p in enumerate(LAYER_PARAMS)}
+_LAYER_KEY = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)")
+
+
+def layer_params(config: Optional[ModelConfig] = None) -> tuple[LayerParam, ...]:
+    """A layer's parameters for ``config`` (all of them without one), in model order."""
+    if config is None or config.add_bias_linear:
+        return LAYER_PARAMS
+    return tuple(p for p in LAYER_PARAMS if not p.linear_bias)
+
+
+def layer_key(layer: int, name: str) -> str:
+    """``encoder.layers.{layer}.{name}``."""
+    return f"{LAYER_PREFIX}{layer}.{name}"
+
+
+def parse_layer_key(key: str) -> Optional[tuple[int, str]]:
+    """``(layer, name inside the layer)`` of a layer's key, None for any other key."""
+    m = _LAYER_KEY.fullmatch(key)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def renumber_layer(key: str, offset: int) -> str:
+    """A layer's key with its layer number moved by ``offset`` (other keys unchanged)."""
+    parsed = parse_layer_key(key)
+    return key if parsed is None else layer_key(parsed[0] + offset, parsed[1])
+
+
+def tp_split_dim(name: str) -> Optional[int]:
+    """The dimension tensor ``name`` is split along over tensor-parallel ranks (None:
+    replicated)."""
+    if name in VOCAB_TENSORS:
+        return 0
+    parsed = parse_layer_key(name)
+    return _TP_DIMS.get(parsed[1]) if parsed is not None else None
+
+
+def chunk_names(config: ModelConfig, num_layers: int, pre_process: bool,
+                post_process: bool) -> list[str]:
+    """The parameter names of a ``GPTModel`` chunk of ``num_layers`` layers, in its
+    ``named_parameters()`` order."""
+    names = []
+    if pre_process:
+        names.append(WORD_EMBEDDINGS)
+        if config.position_embedding_type == "learned_absolute":
+            names.append(POSITION_EMBEDDINGS)
+    for layer in range(num_layers):
+        names += [layer_key(layer, p.name) for p in layer_params(config)]
+    if post_process:
+        names += list(FINAL_NORM)
+        if config.untie_embeddings_and_output_weights:
+            names.append(OUTPUT_LAYER)
+        elif not pre_process:
+            names.append(TIED_COPY)
+    return names
+
+
+def model_order_key(name: str) -> tuple:
+    """Sort key putting a chunk's names in the order the model registers them."""
+    if name == WORD_EMBEDDINGS:
+        return (0, 0, 0)
+    if name.startswith("embedding."):
+        return (0, 1, name)
+    parsed = parse_layer_key(name)
+    if parsed is not None:
+        return (1, parsed[0], _LAYER_ORDER[parsed[1]])
+    return (2, (*FINAL_NORM, OUTPUT_LAYER, TIED_COPY).index(name), 0)
