@@ -15,7 +15,7 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.paths import CHECKPOINT_VERSION
 from megatron.checkpointing.ranks import RankLayout
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import shards_state
 
 ModelChunks = Union[nn.Module, Sequence[nn.Module]]
 
@@ -97,7 +97,7 @@ def build_state(iteration: int, chunks: list[nn.Module], optimizer: Any, schedul
                 consumed: tuple[int, int], extra: Optional[dict]) -> dict:
     """The dict this rank's ``model_optim_rng.pt`` holds (its tensors are the live ones)."""
     save_optim = not config.checkpoint.no_save_optim
-    distributed = save_optim and isinstance(optimizer, DistributedOptimizer)
+    distributed = save_optim and shards_state(optimizer)
     return rank_file_state(
         iteration=iteration, config=config_dict(config),
         parallel_layout=parallel_layout_dict(layout, len(chunks)), consumed=consumed,

@@ -55,7 +55,7 @@ from megatron.checkpointing.ranks import (
 from megatron.checkpointing.rng import restore_rng_state, rng_state_for
 from megatron.config import ConfigError
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import shards_state
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ def _load_model(state: dict, chunks: list[nn.Module], path: str, strict: bool,
 def _read_distrib_optim(state: dict, optimizer: Any, path: str) -> Optional[dict]:
     """The distributed optimizer's saved state, after checking the optimizer kinds match."""
     saved_distributed = bool(state.get("distributed_optimizer"))
-    running_distributed = isinstance(optimizer, DistributedOptimizer)
+    running_distributed = shards_state(optimizer)
     if saved_distributed != running_distributed:
         how = "with" if saved_distributed else "without"
         raise CheckpointError(

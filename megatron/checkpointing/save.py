@@ -47,7 +47,8 @@ from megatron.checkpointing.ranks import RankLayout, broadcast_from_rank0, curre
 from megatron.checkpointing.rng import gather_rng_states
 from megatron.core import parallel_state
 from megatron.core.nonfinite import first_nonfinite_of
-from megatron.core.optimizer.distrib_optimizer import GATHERED_FORMAT, DistributedOptimizer
+from megatron.core.optimizer.distrib_optimizer import GATHERED_FORMAT
+from megatron.core.optimizer.optimizer import shards_state
 from megatron.core.optimizer.shard_gather import ShardSnapshot, gather_to_first
 from megatron.platform import xla
 
@@ -133,7 +134,7 @@ def _torch_state(iteration: int, chunks: list, optimizer: Any, opt_param_schedul
     """What a torch-format save takes: the distributed optimizer's shard snapshot, and on
     data-parallel rank 0 the model file's dict (or the error making it)."""
     shards = None
-    if isinstance(optimizer, DistributedOptimizer) and not config.checkpoint.no_save_optim:
+    if shards_state(optimizer) and not config.checkpoint.no_save_optim:
         shards = optimizer.shard_snapshot(copy_to_host)  # collective over data parallel
     model_state, problem = None, None
     if layout.dp_rank == 0:  # the replicas' model files would be the same

@@ -80,7 +80,7 @@ from megatron.checkpointing.ranks import RankLayout, all_true, raise_together
 from megatron.checkpointing.run_config import config_from_stored
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.nonfinite import first_nonfinite_of
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import shards_state
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ def _common(iteration: int, chunks: list[nn.Module], optimizer: Any, scheduler: 
     }
     if optimizer_common is not None:
         common["optimizer"] = optimizer_common
-        if isinstance(optimizer, DistributedOptimizer):
+        if shards_state(optimizer):
             common["content_metadata"]["distrib_optim_sharding_type"] = "fully_reshardable"
     if scheduler is not None and not config.checkpoint.no_save_optim:
         common["opt_param_scheduler"] = scheduler.state_dict()

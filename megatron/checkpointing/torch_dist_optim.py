@@ -28,8 +28,8 @@ from megatron.checkpointing import dcp, mcore_buckets
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.mcore_layout import OPTIMIZER_PREFIX, Place, optimizer_key
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, merge_param_groups
-from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+from megatron.core.optimizer.distrib_optimizer import merge_param_groups
+from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer, shards_state
 
 MAIN_KINDS = ("param", "fp32_param")  # where fp32 main weights are stored
 
@@ -50,7 +50,7 @@ class Slot(NamedTuple):
 
 
 def optimizer_slots(optimizer: Any, chunks: list[nn.Module]) -> list[Slot]:
-    if isinstance(optimizer, DistributedOptimizer):
+    if shards_state(optimizer):
         return [Slot(c, n, lo, hi, True) for c, n, lo, hi in optimizer.main_shards()]
     where = {p: (i, n) for i, c in enumerate(chunks)
              for n, p in unwrap_model(c).named_parameters()}
@@ -83,7 +83,7 @@ def boxes(place: Place, shape: tuple, flat: torch.Tensor, lo: Optional[int],
 
 def optimizer_common(optimizer: Any) -> dict:
     """Step, hyper-parameters and loss scale (a collective for the distributed optimizer)."""
-    if isinstance(optimizer, DistributedOptimizer):
+    if shards_state(optimizer):
         step = optimizer.global_step()
     else:
         steps = [float(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s]
@@ -99,7 +99,7 @@ def optimizer_pieces(optimizer: Any, chunks: list[nn.Module], places: Places,
     """What this rank writes of the optimizer state: its shards (distributed optimizer), or
     on data-parallel rank 0 its whole parameters' state; replicas over tensor parallelism
     are written by tensor rank 0."""
-    distributed = isinstance(optimizer, DistributedOptimizer)
+    distributed = shards_state(optimizer)
     if not distributed and dp_rank != 0:
         return []  # replicas hold the same state
     main_kind = "param" if distributed else "fp32_param"
@@ -255,7 +255,7 @@ def apply_optimizer(optimizer: Any, read: OptimizerRead, common: dict) -> None:
         if slot.has_main:
             entry["param"] = stored[0] if stored else main.detach().float().reshape(-1)
         entries.append(entry)
-    if isinstance(optimizer, DistributedOptimizer):
+    if shards_state(optimizer):
         optimizer.load_shard_state(entries, groups, step, scaler)
         return
     current = optimizer.optimizer.state_dict()["param_groups"]

@@ -126,6 +126,8 @@ def _pieces(buffer: ParamAndGradBuffer, start: int, end: int,
 class DistributedOptimizer(MegatronOptimizer):
     """Main weights and optimizer state sharded over data parallel (see module docstring)."""
 
+    shards_state = True
+
     def __init__(self, config: OptimizerConfig, model_chunks: Sequence[nn.Module],
                  param_groups: Sequence[dict], make_optimizer: OptimizerFactory,
                  grad_scaler: Optional[MegatronGradScaler]) -> None:

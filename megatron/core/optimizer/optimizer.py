@@ -76,8 +76,17 @@ def _with_params(groups: Sequence[dict], params: Sequence[Sequence[torch.Tensor]
     return [{**g, "params": list(p)} for g, p in zip(groups, params)]
 
 
+def shards_state(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (any, or None) keeps only this rank's shard of its state."""
+    return bool(getattr(optimizer, "shards_state", False))
+
+
 class MegatronOptimizer(ABC):
     """The step protocol shared by every wrapper (see the module docstring)."""
+
+    # Whether each data-parallel rank holds only its shard of the main weights and optimizer
+    # state (the distributed optimizer); what checkpoints ask instead of the class.
+    shards_state = False
 
     def __init__(self, config: OptimizerConfig, optimizer: torch.optim.Optimizer,
                  grad_scaler: Optional[MegatronGradScaler] = None) -> None:
