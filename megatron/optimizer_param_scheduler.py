@@ -383,7 +383,7 @@ def check_resumed_schedule_or_exit(cfg: Any, ds_config: Optional[dict]) -> None:
 
     # --deepspeed resumes DeepSpeed's checkpoints, whose client state holds our schedule.
     found = checkpointing.load_scheduler_state(
-        ck.load, DEEPSPEED if ds_config is not None else MEGATRON)
+        ck.load, DEEPSPEED if ds_config is not None else MEGATRON, ck.universal_checkpoint)
     if found is None:
         return
     folder, saved = found

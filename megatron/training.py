@@ -947,8 +947,15 @@ def load_into(state: TrainState, chunks, optimizer, scheduler, cfg: RunConfig) -
     """--load: restore the latest checkpoint into the model, optimizer, scheduler and
     ``state``; say on one line (rank 0) what was loaded and what starts anew."""
     from megatron import checkpointing
+    from megatron.checkpointing.universal import find_universal
 
-    loaded = checkpointing.load_checkpoint(chunks, optimizer, scheduler, cfg)
+    universal = find_universal(cfg.checkpoint.load, cfg.checkpoint.universal_checkpoint)
+    if universal is not None:  # DeepSpeed's, read whole and cut for this layout
+        from megatron.conversion.universal import load_universal_checkpoint
+
+        loaded = load_universal_checkpoint(universal, chunks, optimizer, scheduler, cfg)
+    else:
+        loaded = checkpointing.load_checkpoint(chunks, optimizer, scheduler, cfg)
     state.iteration, state.consumed_train_samples, state.consumed_valid_samples = loaded
     if loaded.report is None:
         return  # no checkpoint there (checkpointing warned)
@@ -1072,7 +1079,8 @@ def _check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
 
     try:
         if cfg.checkpoint.load:
-            checkpointing.check_load_dir(cfg.checkpoint.load, cfg.deepspeed.deepspeed)
+            checkpointing.check_load_dir(cfg.checkpoint.load, cfg.deepspeed.deepspeed,
+                                         cfg.checkpoint.universal_checkpoint)
         if cfg.checkpoint.save:
             checkpointing.check_save_dir(cfg.checkpoint.save)
     except checkpointing.CheckpointError as error:

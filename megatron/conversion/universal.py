@@ -1,0 +1,371 @@
+"""DeepSpeed's universal checkpoints (``ds_to_universal.py``'s folders) read as ours.
+
+The folder itself is ``megatron/checkpointing/universal.py``'s. Here:
+
+- ``full_names``: its parameter names (``zero/<name>``) as ours. It holds the engine's names:
+  our plain model's (ours already), our pipeline module's (``tied_modules.embed.*``,
+  ``{i}.layers.0.*``, ``{i}.final_layernorm.*``), Megatron-DeepSpeed's plain model's
+  (``language_model.*``) or its ``GPTModelPipe``'s (``{i}.input_layernorm.weight``, ...,
+  ``{i}.weight`` for the final norm, ``{i}.lm_head.weight``).
+- ``read_universal``: the folder (or the parameters one rank needs) as a ``FullCheckpoint``:
+  each ``fp32.pt`` the model and the fp32 main copy, ``exp_avg``/``exp_avg_sq`` Adam's
+  moments, ``step.pt`` the step, ``zero/optimizer_state.pt`` the hyper-parameters; iteration,
+  consumed samples and (ours) the LR schedule from the copied model-state file. Vocabulary
+  tensors, stored without padding, are padded with zero rows.
+- ``load_universal_checkpoint``: ``--load`` of one into the built-in engine at any
+  tensor/pipeline/data layout: this rank's parameters are read and cut by the same code that
+  writes converted checkpoints (``conversion.full.LayoutCut``), then loaded as a checkpoint
+  file of this layout would be (``checkpointing.load.load_built_state``).
+- For ``--deepspeed`` (``integrations/deepspeed.py``): ``universal_checkpoint_info``, the
+  description our DeepSpeed saves carry so that ``ds_to_universal.py`` joins tensor-parallel
+  pieces as our model cuts them, and ``engine_names`` / ``check_engine_files``.
+
+Rows past the true vocabulary (padding) are not in a universal checkpoint: they start at zero.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from megatron.checkpointing.contents import stored_config
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.model_shape import check_model_shape, saved_model_fields
+from megatron.checkpointing.run_config import is_our_config
+from megatron.checkpointing.universal import STATE_KEYS, UniversalFolder
+from megatron.conversion import megatron_deepspeed as mds
+from megatron.conversion.full_state import FullCheckpoint, model_config_from_dict, source_config
+from megatron.conversion.sharding import (
+    TIED_COPY,
+    VOCAB_TENSORS,
+    WORD_EMBEDDINGS,
+    chunk_to_full_names,
+    resize_vocab,
+    tp_split_dim,
+)
+from megatron.conversion.zero_optim import our_name
+
+_OURS_RE = re.compile(r"(embedding\.|encoder\.layers\.\d+\.|final_layernorm\.|output_layer\.)")
+_PIPE_RE = re.compile(r"(\d+)\.(.+)")
+_TIED = "tied_modules.embed."
+_OUR_LAYER_PREFIX = "layers.0."  # our TransformerLayerPipe holds one layer of a transformer
+
+
+# Names -------------------------------------------------------------------------------------
+
+
+def full_names(names: list[str], where: str) -> dict[str, str]:
+    """Our full name -> the folder's name, for every parameter ``names`` lists; a
+    ``CheckpointError`` naming ``where`` for a name of no known model."""
+    try:
+        if all(_OURS_RE.match(n) for n in names):
+            return {n: n for n in names}
+        if all(n.startswith("language_model.") for n in names):
+            return {ours: theirs for ours, theirs in mds.our_names({n: n for n in names}).items()}
+        return _pipeline_names(names)
+    except ValueError as error:
+        raise CheckpointError(f"{where}: {error}") from None
+
+
+def _pipeline_names(names: list[str]) -> dict[str, str]:
+    """A pipeline module's names, told apart by what each layer spec holds (our
+    ``TransformerLayerPipe``'s ``layers.0.`` prefix dropped), as ours."""
+    specs: dict[int, dict[str, str]] = {}
+    out = {}
+    for name in names:
+        if name.startswith(_TIED):
+            out["embedding." + name.removeprefix(_TIED)] = name
+            continue
+        m = _PIPE_RE.fullmatch(name)
+        if m is None:
+            raise ValueError(f"parameter {name!r} is not one of a GPT pipeline module's")
+        specs.setdefault(int(m.group(1)), {})[m.group(2).removeprefix(_OUR_LAYER_PREFIX)] = name
+    layer = 0
+    for index in sorted(specs):
+        entries = specs[index]
+        if "input_layernorm.weight" in entries:
+            out.update({f"encoder.layers.{layer}.{k}": v for k, v in entries.items()})
+            layer += 1
+        elif "word_embeddings.weight" in entries:  # an untied embedding
+            out.update({f"embedding.{k}": v for k, v in entries.items()})
+        elif all(k.startswith("final_layernorm.") for k in entries):  # ours
+            out.update(entries)
+        elif set(entries) <= {"weight", "bias"}:  # Megatron-DeepSpeed's final norm
+            out.update({f"final_layernorm.{k}": v for k, v in entries.items()})
+        elif set(entries) == {"lm_head.weight"}:
+            out["output_layer.weight"] = entries["lm_head.weight"]
+        else:
+            raise ValueError(f"pipeline layer {index} ({', '.join(sorted(entries.values()))}) "
+                             "is not one of GPT's layers")
+    return out
+
+
+def engine_names(module: nn.Module, pipeline: bool) -> dict[str, str]:
+    """DeepSpeed's engine's parameter name (``module.named_parameters()``) -> our full name:
+    the plain model's are ours; the pipeline module's as ``zero_optim.our_name`` maps them."""
+    return {n: our_name(n) if pipeline else n for n, _ in module.named_parameters()}
+
+
+def chunk_full_names(chunk_state_names: list[str], chunk: Any) -> list[str]:
+    """The full names a model chunk's state dict entries stand for (the last stage's tied
+    copy stands for the word embeddings)."""
+    named = chunk_to_full_names({n: n for n in chunk_state_names}, chunk)
+    return sorted({WORD_EMBEDDINGS if k == TIED_COPY else k for k in named})
+
+
+# Reading -----------------------------------------------------------------------------------
+
+
+def read_universal(folder: UniversalFolder, *, optimizer: bool = True,
+                   names: Optional[list[str]] = None,
+                   true_vocab_size: Optional[int] = None) -> FullCheckpoint:
+    """The universal checkpoint ``folder`` as one ``FullCheckpoint`` (tp 1, one stage; the
+    vocabulary padded for tp 1): every parameter, or only the full ``names`` given.
+    ``optimizer=False``: the model only. A parameter the folder lacks, or a file that is
+    missing or unreadable, is a ``CheckpointError`` naming it."""
+    common = folder.common
+    theirs = not is_our_config(stored_config(common))
+    config = source_config(common, theirs, true_vocab_size, folder.path)
+    mapping = full_names(folder.param_dirs(), folder.zero_dir)
+    wanted = sorted(mapping) if names is None else names
+    if names is None:
+        _check_complete(mapping, config, folder)
+    rows = model_config_from_dict(config["model"]).padded_vocab_size
+    model, param_state, step = {}, {}, None
+    for name in wanted:
+        param = _dir_of(mapping, name, folder)
+        main = _fit_vocab(name, folder.read_state(param, "fp32")["param"], rows, folder, param)
+        model[name] = main
+        if optimizer:
+            param_state[name] = {"param": main, **{
+                key: _fit_vocab(name, folder.read_state(param, key)["param"], rows, folder, param)
+                for key in STATE_KEYS[1:]}}
+            found = folder.read_step(param)
+            step = found if found is not None else step
+    optimizer_state = None
+    if optimizer:
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in folder.optimizer_state().get("param_groups", [])]
+        optimizer_state = {"param_groups": groups, "step": step, "param_state": param_state,
+                           "grad_scaler": None}
+    train, valid = _consumed(common)
+    return FullCheckpoint(
+        config=config, model=model, optimizer=optimizer_state,
+        iteration=int(common.get("iteration", common.get("global_steps", 0)) or 0),
+        consumed_train_samples=train, consumed_valid_samples=valid,
+        scheduler=None if theirs else common.get("opt_param_scheduler"))
+
+
+def _consumed(common: dict) -> tuple[int, int]:
+    from megatron.checkpointing.contents import consumed_samples
+
+    train, valid = consumed_samples(common)
+    return train or int(common.get("global_samples", 0) or 0), valid
+
+
+def _dir_of(mapping: dict, name: str, folder: UniversalFolder) -> str:
+    if name not in mapping:
+        raise CheckpointError(f"universal checkpoint {folder.zero_dir} has no parameter folder "
+                              f"for {name} (it holds {len(mapping)} parameters): "
+                              "ds_to_universal.py did not finish, or a folder was removed")
+    return mapping[name]
+
+
+def _fit_vocab(name: str, tensor: torch.Tensor, rows: int, folder: UniversalFolder,
+               param: str) -> torch.Tensor:
+    """The vocabulary tensors (stored unpadded) padded with zero rows to ``rows``."""
+    if name not in VOCAB_TENSORS:
+        return tensor
+    if tensor.size(0) > rows:
+        raise CheckpointError(f"{folder.file(param, 'fp32')}: {tensor.size(0)} vocabulary rows, "
+                              f"more than the {rows} this model has")
+    return resize_vocab(tensor, rows)
+
+
+def _check_complete(mapping: dict, config: dict, folder: UniversalFolder) -> None:
+    """Every parameter of the checkpoint's model has its folder."""
+    expected = expected_full_names(config["model"])
+    missing = [n for n in expected if n not in mapping]
+    if missing:
+        _dir_of(mapping, missing[0], folder)
+
+
+def expected_full_names(model_fields: dict) -> list[str]:
+    """The full names of the parameters of a GPT with these model fields (built on the meta
+    device: no memory)."""
+    from megatron.model.gpt_model import GPTModel
+
+    with torch.device("meta"):
+        model = GPTModel(model_config_from_dict(model_fields))
+    return [n for n, _ in model.named_parameters()]
+
+
+# Checks against the run ----------------------------------------------------------------------
+
+
+def check_against_run(folder: UniversalFolder, model_config: Any) -> None:
+    """The folder's model has this run's shapes (its padding aside: any layout pads the
+    vocabulary its own way), and its vocabulary fits."""
+    saved = stored_config(folder.common)
+    fields = saved_model_fields(saved)
+    unpadded = {k: v for k, v in fields.items()
+                if k not in ("padded_vocab_size", "make_vocab_size_divisible_by",
+                             "tensor_model_parallel_size", "vocab_size")}
+    where = f"{folder.path} (--load {folder.load_dir})"
+    check_model_shape(unpadded, model_config, where)
+    info = folder.common.get("universal_checkpoint_info") or {}
+    theirs = info.get("original_vocab_size") or fields.get("vocab_size")
+    if isinstance(theirs, int) and theirs != model_config.vocab_size:
+        raise CheckpointError(f"checkpoint {where} has a vocabulary of {theirs} tokens, this "
+                              f"run's tokenizer {model_config.vocab_size}: run with the "
+                              "checkpoint's tokenizer")
+
+
+# Our DeepSpeed saves ---------------------------------------------------------------------------
+
+# DeepSpeed's names (deepspeed/checkpoint/constants.py) of what ds_to_universal.py reads.
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+_VOCABULARY = "vocabulary_parameter_patterns"
+_PIPELINE_REPLICATED = "pipeline_replicated_parameter_patterns"
+_TP_REPLICATED = "tp_replicated_parameter_patterns"
+_ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
+
+
+def universal_checkpoint_info(names: dict[str, str], pipeline: bool, true_vocab: int,
+                              padded_vocab: int) -> dict:
+    """What our DeepSpeed checkpoints tell ``ds_to_universal.py`` (as Megatron-DeepSpeed's
+    do): which parameters (``names``: the engine's -> our full names) are replicated over
+    tensor-parallel ranks, which are cut along their columns (row-parallel), which are
+    vocabulary tensors (their padding is dropped) and, in the pipeline module, which appear
+    on two stages (the tied embedding). Every other parameter was cut along its rows. The
+    rule is ``placement.tp_split_dim``'s; layer numbers become ``\\d+``."""
+    by_kind: dict[str, list[str]] = {_VOCABULARY: [], _PIPELINE_REPLICATED: [],
+                                     _TP_REPLICATED: [], _ROW_PARALLEL: []}
+    for engine_name, full in names.items():
+        pattern = re.sub(r"\d+", r"\\d+", re.escape(engine_name)) + "$"
+        dim = tp_split_dim(full)
+        kind = _TP_REPLICATED if dim is None else _ROW_PARALLEL if dim == 1 else None
+        for key, member in ((kind, kind is not None), (_VOCABULARY, full in VOCAB_TENSORS),
+                            (_PIPELINE_REPLICATED, pipeline and engine_name.startswith(_TIED))):
+            if member and pattern not in by_kind[key]:
+                by_kind[key].append(pattern)
+    return {**by_kind, "original_vocab_size": true_vocab, "padded_vocab_size": padded_vocab}
+
+
+def check_engine_files(folder: UniversalFolder, names: dict[str, str],
+                       shapes: dict[str, torch.Size], tp: int, optimizer: bool) -> dict[str, str]:
+    """Before DeepSpeed's engine reads ``folder``: each of this rank's parameters (``names``:
+    the engine's -> ours; ``shapes``: this rank's piece's) has its files, readable, with the
+    whole tensor this layout cuts its piece from, and was joined along the dimension our
+    model cuts it (a tensor-parallel size 1 Megatron-DeepSpeed checkpoint records none).
+    Returns the engine's name -> the folder's, for the engine to read by."""
+    mapping = full_names(folder.param_dirs(), folder.zero_dir)
+    out = {}
+    for engine_name, full in names.items():
+        param = _dir_of(mapping, full, folder)
+        out[engine_name] = param
+        for key in STATE_KEYS if optimizer else STATE_KEYS[:1]:
+            state = folder.read_state(param, key, mmap=True)
+            _check_piece(folder.file(param, key), full, state, shapes[engine_name], tp)
+    folder.optimizer_state()
+    return out
+
+
+def _check_piece(path: str, full: str, state: dict, piece: torch.Size, tp: int) -> None:
+    dim = tp_split_dim(full)
+    whole = list(piece)
+    if dim is not None:
+        whole[dim] *= tp
+    got = list(state["param"].shape)
+    if full in VOCAB_TENSORS:
+        fits = got[1:] == whole[1:] and got[0] <= whole[0]
+    else:
+        fits = got == whole
+    if not fits:
+        raise CheckpointError(f"{path} holds a tensor of shape {tuple(got)}; {full} of this "
+                              f"model is {tuple(whole)} (its pieces {tuple(piece)} at "
+                              f"tensor-parallel size {tp})")
+    joined = state.get("cat_dim")
+    if tp > 1 and dim is not None and joined is not None and joined != dim:
+        raise CheckpointError(f"{path} records its tensor-parallel pieces joined along "
+                              f"dimension {joined}, but {full} is cut along dimension {dim}: "
+                              "DeepSpeed's engine would cut it wrongly; load it without "
+                              "--deepspeed, or convert it with tools/checkpoint/convert.py "
+                              "--loader universal")
+
+
+# --load into the built-in engine ---------------------------------------------------------------
+
+
+def load_universal_checkpoint(folder: UniversalFolder, model_chunks: Any, optimizer: Any,
+                              scheduler: Any, config: Any) -> Any:
+    """``--load`` of the universal checkpoint ``folder`` into this rank's model chunks,
+    optimizer and scheduler, at this run's tensor/pipeline/data layout: the weights, the
+    optimizer state (fp32 main copies, Adam's moments, step; unless --no-load-optim or
+    --finetune), the LR schedule, the iteration and consumed samples. Returns
+    ``checkpointing.load``'s ``LoadedCheckpoint``. The generators start from --seed (their
+    states belong to the source's ranks). Every rank must call it."""
+    from megatron.checkpointing.contents import as_chunks, config_dict
+    from megatron.checkpointing.load import load_built_state
+    from megatron.conversion.full import LayoutCut, mixed_precision
+    from megatron.core import parallel_state
+    from megatron.core.distributed.distributed_data_parallel import unwrap_model
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.placement import stage_chunks
+
+    chunks = as_chunks(model_chunks)
+    ckpt, p = config.checkpoint, config.parallel
+    load_optim = optimizer is not None and not (ckpt.finetune or ckpt.no_load_optim)
+
+    def build() -> tuple[str, dict, Optional[dict]]:
+        check_against_run(folder, config.model)
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        placed = stage_chunks(config, pp_rank)
+        names = sorted({n for chunk, placement in zip(chunks, placed) for n in chunk_full_names(
+            list(unwrap_model(chunk).state_dict()), placement)})
+        full = read_universal(folder, optimizer=load_optim, names=names)
+        run = config_dict(config)
+        cut = LayoutCut(full, p.tensor_model_parallel_size, run,
+                        distributed=isinstance(optimizer, DistributedOptimizer),
+                        mixed=mixed_precision(run), source=f"universal:{folder.path}")
+        state, distrib = cut.rank_files(placed, parallel_state.get_tensor_model_parallel_rank(),
+                                        p.pipeline_model_parallel_size)
+        return folder.path, state, distrib
+
+    return load_built_state(build, chunks, optimizer, scheduler, config, folder.path)
+
+
+def load_engine_weights(folder: UniversalFolder, module: nn.Module, names: dict[str, str],
+                        optimizer: Any, tp: int, tp_rank: int, padded_vocab: int) -> bool:
+    """DeepSpeed's engine at ZeRO stage 0 (its optimizer ours, bare), or loading the weights
+    only: this rank's pieces of ``folder``'s fp32 weights into ``module`` (``names``: the
+    engine's -> our full names) and, when ``optimizer`` (a torch optimizer over the module's
+    parameters, grouped as ``get_param_groups`` groups them) is given, its state: Adam's
+    moments and step. Returns whether an optimizer state was loaded."""
+    from megatron.conversion import optim_state
+    from megatron.conversion.sharding import tp_piece
+
+    full = read_universal(folder, optimizer=optimizer is not None,
+                          names=sorted(set(names.values())))
+
+    def piece(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in VOCAB_TENSORS:
+            tensor = resize_vocab(tensor, padded_vocab)
+        return tp_piece(name, tensor, tp, tp_rank)
+
+    params = list(module.named_parameters())
+    with torch.no_grad():
+        for engine_name, param in params:
+            param.copy_(piece(names[engine_name], full.model[names[engine_name]]))
+    if optimizer is None:
+        return False
+    state = {names[n]: {k: piece(names[n], v)
+                        for k, v in full.optimizer["param_state"][names[n]].items()}
+             for n, _ in params}
+    optimizer.load_state_dict(optim_state.torch_from_named(
+        state, full.optimizer["param_groups"], full.optimizer["step"],
+        [(names[n], p.shape) for n, p in params]))
+    return True
