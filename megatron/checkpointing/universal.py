@@ -124,18 +124,18 @@ class UniversalFolder:
         step = read_file(path)
         return float(step.item() if isinstance(step, torch.Tensor) else step)
 
-    def optimizer_state(self) -> dict:
-        """``zero/optimizer_state.pt``: ``param_groups`` and the loss scaler."""
-        return read_file(os.path.join(self.zero_dir, OPTIMIZER_STATE_FILE), deepspeed=True)
+    def optimizer_state(self, classes: list) -> dict:
+        """``zero/optimizer_state.pt``: ``param_groups`` and the loss scaler (``classes``:
+        DeepSpeed's, which it pickles)."""
+        return read_file(os.path.join(self.zero_dir, OPTIMIZER_STATE_FILE), classes=classes)
 
 
-def read_file(path: str, *, mmap: bool = False, deepspeed: bool = False) -> Any:
+def read_file(path: str, *, mmap: bool = False, classes: Optional[list] = None) -> Any:
     """One file of a universal folder, with an error naming it when it is missing or does
-    not unpickle (truncated, corrupt). ``deepspeed``: it may hold DeepSpeed's loss-scaler
-    and ZeRO-stage objects (``zero/optimizer_state.pt``)."""
+    not unpickle (truncated, corrupt). ``classes``: further classes it may hold."""
     if not os.path.isfile(path):
         raise CheckpointError(f"universal checkpoint file {path} does not exist")
-    allowed = _legacy_safe_globals() + (_deepspeed_globals() if deepspeed else [])
+    allowed = _legacy_safe_globals() + list(classes or [])
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -144,13 +144,6 @@ def read_file(path: str, *, mmap: bool = False, deepspeed: bool = False) -> Any:
                               f"({os.path.getsize(path)} bytes): it is truncated, corrupt or "
                               f"not a torch file ({type(error).__name__}: "
                               f"{str(error)[:200]})") from None
-
-
-def _deepspeed_globals() -> list:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum]
 
 
 def find_universal(load_dir: str, requested: bool, flag: str = "--load",

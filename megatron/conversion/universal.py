@@ -25,6 +25,7 @@ Rows past the true vocabulary (padding) are not in a universal checkpoint: they 
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Optional
 
@@ -148,7 +149,7 @@ def read_universal(folder: UniversalFolder, *, optimizer: bool = True,
     optimizer_state = None
     if optimizer:
         groups = [{k: v for k, v in g.items() if k != "params"}
-                  for g in folder.optimizer_state().get("param_groups", [])]
+                  for g in _optimizer_state(folder).get("param_groups", [])]
         optimizer_state = {"param_groups": groups, "step": step, "param_state": param_state,
                            "grad_scaler": None}
     train, valid = _consumed(common)
@@ -157,6 +158,12 @@ def read_universal(folder: UniversalFolder, *, optimizer: bool = True,
         iteration=int(common.get("iteration", common.get("global_steps", 0)) or 0),
         consumed_train_samples=train, consumed_valid_samples=valid,
         scheduler=None if theirs else common.get("opt_param_scheduler"))
+
+
+def _optimizer_state(folder: UniversalFolder) -> dict:
+    from megatron.integrations.deepspeed import pickled_classes
+
+    return folder.optimizer_state(pickled_classes())
 
 
 def _consumed(common: dict) -> tuple[int, int]:
@@ -193,14 +200,18 @@ def _check_complete(mapping: dict, config: dict, folder: UniversalFolder) -> Non
         _dir_of(mapping, missing[0], folder)
 
 
-def expected_full_names(model_fields: dict) -> list[str]:
-    """The full names of the parameters of a GPT with these model fields (built on the meta
-    device: no memory)."""
+def expected_full_names(model: Any) -> list[str]:
+    """The full names of the parameters of a GPT of ``model`` (a ``ModelConfig``, or its
+    fields as a dict), built on the meta device: no memory."""
+    import dataclasses
+
     from megatron.model.gpt_model import GPTModel
 
+    config = model_config_from_dict(model if isinstance(model, dict)
+                                    else dataclasses.asdict(model))
     with torch.device("meta"):
-        model = GPTModel(model_config_from_dict(model_fields))
-    return [n for n, _ in model.named_parameters()]
+        built = GPTModel(config)
+    return [n for n, _ in built.named_parameters()]
 
 
 # Checks against the run ----------------------------------------------------------------------
@@ -234,25 +245,40 @@ _TP_REPLICATED = "tp_replicated_parameter_patterns"
 _ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
 
 
-def universal_checkpoint_info(names: dict[str, str], pipeline: bool, true_vocab: int,
-                              padded_vocab: int) -> dict:
+def universal_checkpoint_info(model_config: Any, pipeline: bool) -> dict:
     """What our DeepSpeed checkpoints tell ``ds_to_universal.py`` (as Megatron-DeepSpeed's
-    do): which parameters (``names``: the engine's -> our full names) are replicated over
-    tensor-parallel ranks, which are cut along their columns (row-parallel), which are
-    vocabulary tensors (their padding is dropped) and, in the pipeline module, which appear
-    on two stages (the tied embedding). Every other parameter was cut along its rows. The
-    rule is ``placement.tp_split_dim``'s; layer numbers become ``\\d+``."""
+    do), for the model of ``model_config`` in the plain engine or (``pipeline``) in our
+    pipeline module: which parameters are replicated over tensor-parallel ranks, which are
+    cut along their columns (row-parallel), which are vocabulary tensors (their padding is
+    dropped: ``original_vocab_size`` rows are kept) and, in the pipeline module, which
+    appear on two stages (the tied embedding). Every other parameter was cut along its rows.
+    The rule is ``placement.tp_split_dim``'s; the patterns cover every stage's parameters,
+    layer numbers written ``\\d+``."""
     by_kind: dict[str, list[str]] = {_VOCABULARY: [], _PIPELINE_REPLICATED: [],
                                      _TP_REPLICATED: [], _ROW_PARALLEL: []}
-    for engine_name, full in names.items():
-        pattern = re.sub(r"\d+", r"\\d+", re.escape(engine_name)) + "$"
+    for full in expected_full_names(model_config):
+        engine_name = _pipeline_name(full) if pipeline else full
+        pattern = r"\.".join(r"\d+" if part.isdigit() else re.escape(part)
+                              for part in engine_name.split(".")) + "$"
         dim = tp_split_dim(full)
         kind = _TP_REPLICATED if dim is None else _ROW_PARALLEL if dim == 1 else None
         for key, member in ((kind, kind is not None), (_VOCABULARY, full in VOCAB_TENSORS),
-                            (_PIPELINE_REPLICATED, pipeline and engine_name.startswith(_TIED))):
+                            (_PIPELINE_REPLICATED, engine_name.startswith(_TIED))):
             if member and pattern not in by_kind[key]:
                 by_kind[key].append(pattern)
-    return {**by_kind, "original_vocab_size": true_vocab, "padded_vocab_size": padded_vocab}
+    return {**by_kind, "original_vocab_size": model_config.vocab_size,
+            "padded_vocab_size": model_config.padded_vocab_size}
+
+
+def _pipeline_name(full: str) -> str:
+    """Our pipeline module's name of a full name (``zero_optim.our_name`` backwards; the
+    layer numbers only need to be numbers: the patterns match any)."""
+    if full.startswith("embedding."):
+        return _TIED + full.removeprefix("embedding.")
+    m = re.fullmatch(r"encoder\.layers\.(\d+)\.(.+)", full)
+    if m:
+        return f"{int(m.group(1)) + 1}.{_OUR_LAYER_PREFIX}{m.group(2)}"
+    return f"0.{full}"  # final_layernorm.*
 
 
 def check_engine_files(folder: UniversalFolder, names: dict[str, str],
@@ -270,7 +296,7 @@ def check_engine_files(folder: UniversalFolder, names: dict[str, str],
         for key in STATE_KEYS if optimizer else STATE_KEYS[:1]:
             state = folder.read_state(param, key, mmap=True)
             _check_piece(folder.file(param, key), full, state, shapes[engine_name], tp)
-    folder.optimizer_state()
+    _optimizer_state(folder)
     return out
 
 
@@ -369,3 +395,97 @@ def load_engine_weights(folder: UniversalFolder, module: nn.Module, names: dict[
         state, full.optimizer["param_groups"], full.optimizer["step"],
         [(names[n], p.shape) for n, p in params]))
     return True
+
+
+# --load into DeepSpeed's engine -------------------------------------------------------------
+
+
+def load_into_deepspeed(run: Any, state: Any, folder: UniversalFolder) -> None:
+    """``--load`` of the universal checkpoint ``folder`` into ``run`` (``integrations.
+    deepspeed.DeepSpeedRun``) at its layout: by DeepSpeed's engine where its config says it
+    reads universal checkpoints (``engine_reads_universal``: its optimizer restores the
+    fp32 main copies and moments), each parameter read from the folder's name for it; else
+    the weights, and at stage 0 our bare optimizer's state, by ``load_engine_weights``.
+    Then the iteration, consumed samples and LR schedule into ``state`` and the scheduler;
+    the generators start from --seed. Every rank must call it."""
+    from megatron.checkpointing.ranks import raise_together
+    from megatron.core import parallel_state
+    from megatron.utils import print_rank_0
+
+    engine, ck = run.engine, run.cfg.checkpoint
+    load_optim = not (ck.finetune or ck.no_load_optim)
+    by_engine = engine.load_universal_checkpoint()
+    names = engine_names(engine.module, run.pipeline)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    error, dirs, restored = None, None, by_engine and load_optim
+    try:
+        check_against_run(folder, run.cfg.model)
+        shapes = {n: getattr(p, "ds_shape", p.shape) for n, p in engine.module.named_parameters()}
+        dirs = check_engine_files(folder, names, shapes, tp, by_engine)
+        if not by_engine:
+            restored = load_engine_weights(
+                folder, engine.module, names, _bare_optimizer(engine) if load_optim else None,
+                tp, parallel_state.get_tensor_model_parallel_rank(),
+                run.cfg.model.padded_vocab_size)
+            if not restored and hasattr(engine.optimizer, "refresh_fp32_params"):
+                engine.optimizer.refresh_fp32_params()  # the main copies follow the weights
+    except Exception as exc:  # noqa: BLE001 - raised on every rank, before any collective
+        error = exc
+    raise_together(error)
+    if by_engine:
+        _engine_load(engine, folder, dirs)
+    reset = _restore_counters(run, state, folder, load_optim, restored)
+    how = "by DeepSpeed's engine" if by_engine else "into the engine's model"
+    print_rank_0(f" loaded universal checkpoint {folder.path} {how} at iteration "
+                 f"{state.iteration} (consumed samples {state.consumed_train_samples}); "
+                 f"starting anew: {', '.join(reset)}")
+
+
+def _restore_counters(run: Any, state: Any, folder: UniversalFolder, load_optim: bool,
+                      restored: bool) -> list[str]:
+    """The iteration, consumed samples and schedule of ``folder`` into ``state`` and
+    ``run``'s scheduler (not under --finetune); returns what starts anew."""
+    ck, common = run.cfg.checkpoint, folder.common
+    reset = ["random states (this layout's are not in a universal checkpoint)"]
+    if ck.finetune:
+        return reset + ["iteration, data position, optimizer (--finetune)"]
+    state.iteration = int(common.get("iteration", 0))
+    state.consumed_train_samples, state.consumed_valid_samples = _consumed(common)
+    state.last_saved, state.last_checkpoint = state.iteration, folder.path
+    schedule = common.get("opt_param_scheduler")
+    if run.scheduler is not None and schedule is not None and load_optim \
+            and not ck.no_load_lr_state:
+        run.scheduler.load_state_dict(schedule)
+    if not restored:
+        reset.append("optimizer state" + (" (--no-load-optim)" if ck.no_load_optim else ""))
+    return reset
+
+
+def _bare_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The engine's optimizer where it is ours, bare (ZeRO stage 0 in fp32)."""
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise CheckpointError(f"--load of a universal checkpoint: DeepSpeed's "
+                              f"{type(optimizer).__name__} (ZeRO stage 0) cannot take its "
+                              "optimizer state; use --zero-stage 1, or --no-load-optim")
+    return optimizer
+
+
+def _engine_load(engine: Any, folder: UniversalFolder, dirs: dict[str, str]) -> None:
+    """DeepSpeed's own universal load, each parameter read from the folder
+    ``check_engine_files`` found for it (the folder may name it otherwise than this engine:
+    another engine's names, or Megatron-DeepSpeed's)."""
+    optimizer = engine.optimizer
+    own = optimizer.param_names
+    by_param = {p: dirs[n] for n, p in engine.module.named_parameters()}
+    optimizer.param_names = {p: by_param.get(p, name) for p, name in own.items()}
+    try:
+        path, _ = engine.load_checkpoint(os.path.dirname(folder.path),
+                                         tag=os.path.basename(folder.path),
+                                         load_optimizer_states=True,
+                                         load_lr_scheduler_states=False)
+    finally:
+        optimizer.param_names = own
+    if path is None:
+        raise CheckpointError(f"--load {folder.load_dir}: DeepSpeed could not load the "
+                              f"universal checkpoint {folder.path}")

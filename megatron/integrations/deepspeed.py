@@ -517,8 +517,7 @@ class DeepSpeedRun:
             "rng_states": rng_states, "config": self.cfg.to_dict(),
             # What DeepSpeed's ds_to_universal.py needs to join tensor-parallel pieces.
             universal.UNIVERSAL_CHECKPOINT_INFO: universal.universal_checkpoint_info(
-                universal.engine_names(self.engine.module, self.pipeline), self.pipeline,
-                self.cfg.model.vocab_size, self.cfg.model.padded_vocab_size),
+                self.cfg.model, self.pipeline),
         }
         from megatron.checkpointing.async_save import raise_save_failure
         from megatron.checkpointing.folder import DEEPSPEED, make_tmp_folder
@@ -557,7 +556,9 @@ class DeepSpeedRun:
         ck = self.cfg.checkpoint
         universal = _on_rank0_for_all(lambda: find_universal(ck.load, ck.universal_checkpoint))
         if universal is not None:
-            self._load_universal(state, universal)
+            from megatron.conversion.universal import load_into_deepspeed
+
+            load_into_deepspeed(self, state, universal)
             return
         folder = _on_rank0_for_all(lambda: _latest_deepspeed_folder(
             ck.load, checksums=not ck.no_verify_checkpoint))
@@ -594,93 +595,6 @@ class DeepSpeedRun:
         print_rank_0(f" loaded DeepSpeed checkpoint {path} at iteration {state.iteration} "
                      f"(consumed samples {state.consumed_train_samples})"
                      + (f"; starting anew: {', '.join(reset)}" if reset else ""))
-
-
-    def _load_universal(self, state: Any, folder: Any) -> None:
-        """--load of a DeepSpeed universal checkpoint at this run's layout: by DeepSpeed's
-        engine where it restores the optimizer (``engine_reads_universal``), the folder's
-        parameter names given as ours where they differ; else the weights (and at stage 0
-        our optimizer's state) by ``conversion.universal.load_engine_weights``. Then the
-        iteration, consumed samples and LR schedule; the generators start from --seed."""
-        from megatron.checkpointing.ranks import raise_together
-        from megatron.conversion import universal
-        from megatron.utils import print_rank_0
-
-        ck, module = self.cfg.checkpoint, self.engine.module
-        load_optim = not (ck.finetune or ck.no_load_optim)
-        by_engine = self.engine.load_universal_checkpoint()
-        names = universal.engine_names(module, self.pipeline)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        error, dirs, restored = None, None, by_engine and load_optim
-        try:
-            universal.check_against_run(folder, self.cfg.model)
-            shapes = {n: getattr(p, "ds_shape", p.shape) for n, p in module.named_parameters()}
-            dirs = universal.check_engine_files(folder, names, shapes, tp, by_engine)
-            if not by_engine:
-                restored = universal.load_engine_weights(
-                    folder, module, names, self._bare_optimizer() if load_optim else None, tp,
-                    parallel_state.get_tensor_model_parallel_rank(),
-                    self.cfg.model.padded_vocab_size)
-                if not restored and hasattr(self.engine.optimizer, "refresh_fp32_params"):
-                    self.engine.optimizer.refresh_fp32_params()  # main copies follow
-        except Exception as exc:  # noqa: BLE001 - raised on every rank, before any collective
-            error = exc
-        raise_together(error)
-        if by_engine:
-            self._engine_load_universal(folder, dirs)
-        common = folder.common
-        reset = ["random states (this layout's are not in a universal checkpoint)"]
-        if ck.finetune:
-            reset.append("iteration, data position, optimizer (--finetune)")
-        else:
-            state.iteration = int(common.get("iteration", 0))
-            state.consumed_train_samples = int(common.get("consumed_train_samples", 0))
-            state.consumed_valid_samples = int(common.get("consumed_valid_samples", 0))
-            state.last_saved, state.last_checkpoint = state.iteration, folder.path
-            sched = common.get("opt_param_scheduler")
-            if self.scheduler is not None and sched is not None and load_optim \
-                    and not ck.no_load_lr_state:
-                self.scheduler.load_state_dict(sched)
-            if not restored:
-                reset.append("optimizer state" + (" (--no-load-optim)" if ck.no_load_optim
-                                                  else ""))
-        how = "by DeepSpeed's engine" if by_engine else "into the engine's model"
-        print_rank_0(f" loaded universal checkpoint {folder.path} {how} at iteration "
-                     f"{state.iteration} (consumed samples {state.consumed_train_samples}); "
-                     f"starting anew: {', '.join(reset)}")
-
-    def _bare_optimizer(self) -> Any:
-        """The engine's optimizer where it is ours, bare (ZeRO stage 0 in fp32): its state
-        is loaded as a torch optimizer's."""
-        from megatron.checkpointing import CheckpointError
-
-        optimizer = self.engine.optimizer
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise CheckpointError(f"--load of a universal checkpoint: DeepSpeed's "
-                                  f"{type(optimizer).__name__} (ZeRO stage 0) cannot take its "
-                                  "optimizer state; use --zero-stage 1, or --no-load-optim")
-        return optimizer
-
-    def _engine_load_universal(self, folder: Any, dirs: dict[str, str]) -> None:
-        """DeepSpeed's own universal load, each parameter read from the folder
-        ``check_engine_files`` found for it (the folder may name it otherwise: another
-        engine's, or Megatron-DeepSpeed's names)."""
-        from megatron.checkpointing import CheckpointError
-
-        optimizer = self.engine.optimizer
-        own = optimizer.param_names
-        by_param = {p: dirs[n] for n, p in self.engine.module.named_parameters()}
-        optimizer.param_names = {p: by_param.get(p, name) for p, name in own.items()}
-        try:
-            with contextlib.redirect_stdout(sys.stderr):  # its progress lines
-                path, _ = self.engine.load_checkpoint(
-                    os.path.dirname(folder.path), tag=os.path.basename(folder.path),
-                    load_optimizer_states=True, load_lr_scheduler_states=False)
-        finally:
-            optimizer.param_names = own
-        if path is None:
-            raise CheckpointError(f"--load {folder.load_dir}: DeepSpeed could not load the "
-                                  f"universal checkpoint {folder.path}")
 
 
 def _refuse_nonfinite_steps(engine) -> None:
@@ -905,10 +819,15 @@ def zero3_full_weights(load_dir: str, tag: str) -> dict:
 def read_zero_optimizer_file(path: str) -> dict:
     """A ``zero_pp_rank_*_optim_states.pt`` file, unpickled with only the DeepSpeed classes it
     holds (loss scaler, ZeRO stage, fragment addresses) allowed beside tensors."""
+    with torch.serialization.safe_globals(pickled_classes()):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def pickled_classes() -> list:
+    """The DeepSpeed classes its optimizer files pickle (loss scaler, ZeRO stage, fragment
+    addresses): none runs code when unpickled."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]

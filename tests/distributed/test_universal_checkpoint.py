@@ -79,15 +79,19 @@ def universal_launch(tmp_path_factory):
     """One 4-rank launch: the ZeRO-1 and ZeRO-2 sources (tp 2 x dp 2), the conversions,
     then the resumed runs; returns (results, log, folder)."""
     tmp = tmp_path_factory.mktemp("universal")
-    z1, z2 = tmp / "z1", tmp / "z2"
+    z1, z2, pipe = tmp / "z1", tmp / "z2", tmp / "pipe"
     saving = {"--save-interval": SAVED_AT, "--tensor-model-parallel-size": 2}
     universal_z2 = z2 / f"global_step{SAVED_AT}_universal"
     damaged = tmp / "damaged"
     runs = {
         "z1_source": _ds(1, **saving, **{"--save": z1}),
         "z2_source": _ds(2, **saving, **{"--save": z2}),
+        # DeepSpeed's pipeline engine (its own parameter names, one file per layer) at
+        # tp 2 x pp 2.
+        "pipe_source": _run(**saving, **{"--deepspeed": True, "--zero-stage": 1, "--save": pipe,
+                                         "--pipeline-model-parallel-size": 2}),
         "convert": {"commands": [
-            _convert_command(z1), _convert_command(z2),
+            _convert_command(z1), _convert_command(z2), _convert_command(pipe),
             # A copy missing one parameter's Adam moment, for --deepspeed to refuse.
             ["cp", "-r", str(universal_z2), str(damaged)],
             ["rm", str(damaged / "zero" / "encoder.layers.1.mlp.dense_4h_to_h.weight"
@@ -106,6 +110,8 @@ def universal_launch(tmp_path_factory):
                                "--pipeline-model-parallel-size": 2, "--load": z1,
                                "--universal-checkpoint": True}),
         "ds_z0_dp4": _ds(0, **{"--load": z2, "--universal-checkpoint": True}),
+        "native_from_pipe": _run(**{"--tensor-model-parallel-size": 4, "--load": pipe,
+                                    "--universal-checkpoint": True}),
         "ds_damaged": {"argv": _ds(1, **{"--load": damaged}), "expect_error": True},
     }
     results, log = launch(4, runs, tmp)
@@ -114,16 +120,18 @@ def universal_launch(tmp_path_factory):
 
 def test_ds_to_universal_folders_resume_at_other_layouts(universal_launch):
     results, log, tmp = universal_launch
-    for source in ("z1", "z2"):
+    # Each parameter under the engine's name: the plain model's are ours, the pipeline
+    # module's its own.
+    names = {"z1": "encoder.layers.0", "z2": "encoder.layers.0", "pipe": "1.layers.0"}
+    for source, layer in names.items():
         folder = tmp / source / f"global_step{SAVED_AT}_universal"
         assert (tmp / source / "latest_universal").read_text().strip() == folder.name
-        assert (folder / "zero" / "encoder.layers.0.self_attention.dense.weight" /
-                "exp_avg.pt").is_file()
+        assert (folder / "zero" / f"{layer}.self_attention.dense.weight" / "exp_avg.pt").is_file()
     assert_same(results["z2_source"], results["z1_source"])  # the two sources agree
     want = {"train": results["z1_source"]["train"][SAVED_AT:],
             "valid": results["z1_source"]["valid"]}
     resumed = ("native_pp2", "native_dp4_distributed", "ds_z1_dp4", "ds_z2_tp4",
-               "ds_pipe_pp2", "ds_z0_dp4")
+               "ds_pipe_pp2", "ds_z0_dp4", "native_from_pipe")
     for run in resumed:
         got = results[run]
         assert [t[0] for t in got["train"]] == [4, 5], run
