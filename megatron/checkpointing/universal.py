@@ -48,13 +48,14 @@ UNIVERSAL_TRACKER = "latest_universal"
 ZERO_DIR = "zero"
 OPTIMIZER_STATE_FILE = "optimizer_state.pt"
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # files of each parameter; step.pt besides
-_MODEL_STATES_RE = re.compile(r"mp_rank_(\d{2})_model_states\.pt")
+# ZeRO-3's model-state files are one per data-parallel rank (they hold no weights).
+_MODEL_STATES_RE = re.compile(r"(?:zero_pp_rank_\d+_)?mp_rank_(\d{2})_model_states\.pt")
 FLAG = "--universal-checkpoint"
 
 
 def is_universal_folder(path: str) -> bool:
-    """Whether ``path`` is a folder ``ds_to_universal.py`` wrote (``zero/`` beside
-    ``mp_rank_XX_model_states.pt`` files)."""
+    """Whether ``path`` is a folder ``ds_to_universal.py`` wrote (``zero/`` beside the
+    model-state files it copies)."""
     return (os.path.isdir(os.path.join(path, ZERO_DIR))
             and any(_MODEL_STATES_RE.fullmatch(n) for n in _listdir(path)))
 
@@ -79,9 +80,19 @@ class UniversalFolder:
         return os.path.join(self.path, ZERO_DIR)
 
     def model_state_files(self) -> list[str]:
-        """The copied ``mp_rank_XX_model_states.pt`` files, in model-parallel rank order."""
+        """The copied ``mp_rank_XX_model_states.pt`` files (ZeRO-3's
+        ``zero_pp_rank_D_mp_rank_XX_model_states.pt``), the first model-parallel rank's
+        first."""
         names = [n for n in _listdir(self.path) if _MODEL_STATES_RE.fullmatch(n)]
+        names.sort(key=lambda n: (_MODEL_STATES_RE.fullmatch(n).group(1), len(n), n))
         return [os.path.join(self.path, n) for n in names]
+
+    @property
+    def from_zero3(self) -> bool:
+        """Converted from a ZeRO-3 checkpoint: its model-state files are ZeRO-3's (one per
+        data-parallel rank) and each parameter's tensors are stored flat."""
+        return any(os.path.basename(f).startswith("zero_pp_rank_")
+                   for f in self.model_state_files())
 
     @functools.cached_property
     def common(self) -> dict:
@@ -108,9 +119,11 @@ class UniversalFolder:
 
     def read_state(self, param: str, key: str, *, mmap: bool = False) -> dict:
         """``zero/<param>/<key>.pt`` (``key`` one of ``STATE_KEYS``): its dict, with the
-        whole tensor under ``"param"``."""
+        whole tensor under ``"param"`` (a ZeRO-3 conversion's file holds the tensor alone)."""
         path = self.file(param, key)
         state = read_file(path, mmap=mmap)
+        if isinstance(state, torch.Tensor):
+            state = {"param": state}
         if not isinstance(state, dict) or not isinstance(state.get("param"), torch.Tensor):
             raise CheckpointError(f"{path} holds no 'param' tensor: not a universal "
                                   "checkpoint's parameter file")

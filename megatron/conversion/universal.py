@@ -25,6 +25,7 @@ Rows past the true vocabulary (padding) are not in a universal checkpoint: they 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any, Optional
@@ -131,27 +132,28 @@ def read_universal(folder: UniversalFolder, *, optimizer: bool = True,
     theirs = not is_our_config(stored_config(common))
     config = source_config(common, theirs, true_vocab_size, folder.path)
     mapping = full_names(folder.param_dirs(), folder.zero_dir)
+    shapes = expected_shapes(config["model"])
     wanted = sorted(mapping) if names is None else names
     if names is None:
-        _check_complete(mapping, config, folder)
+        for name in shapes:  # every parameter of the checkpoint's model has its folder
+            _dir_of(mapping, name, folder)
     rows = model_config_from_dict(config["model"]).padded_vocab_size
     model, param_state, step = {}, {}, None
     for name in wanted:
         param = _dir_of(mapping, name, folder)
-        main = _fit_vocab(name, folder.read_state(param, "fp32")["param"], rows, folder, param)
-        model[name] = main
+        model[name] = _whole(folder, param, "fp32", name, shapes, rows)
         if optimizer:
-            param_state[name] = {"param": main, **{
-                key: _fit_vocab(name, folder.read_state(param, key)["param"], rows, folder, param)
-                for key in STATE_KEYS[1:]}}
+            param_state[name] = {"param": model[name], **{
+                k: _whole(folder, param, k, name, shapes, rows) for k in STATE_KEYS[1:]}}
             found = folder.read_step(param)
             step = found if found is not None else step
     optimizer_state = None
     if optimizer:
+        saved = _optimizer_state(folder)
         groups = [{k: v for k, v in g.items() if k != "params"}
-                  for g in _optimizer_state(folder).get("param_groups", [])]
-        optimizer_state = {"param_groups": groups, "step": step, "param_state": param_state,
-                           "grad_scaler": None}
+                  for g in saved.get("param_groups", [])]
+        optimizer_state = {"param_groups": groups, "step": _step(saved) if step is None else step,
+                           "param_state": param_state, "grad_scaler": None}
     train, valid = _consumed(common)
     return FullCheckpoint(
         config=config, model=model, optimizer=optimizer_state,
@@ -164,6 +166,17 @@ def _optimizer_state(folder: UniversalFolder) -> dict:
     from megatron.integrations.deepspeed import pickled_classes
 
     return folder.optimizer_state(pickled_classes())
+
+
+def _step(saved: dict) -> Optional[float]:
+    """The step in ``zero/optimizer_state.pt`` (ZeRO-3's conversions write no step.pt): its
+    base optimizer's state, as DeepSpeed's ZeRO-3 load reads it."""
+    state = (saved.get("optimizer_state_dict") or {}).get("state") or {}
+    for entry in state.values():
+        if isinstance(entry, dict) and "step" in entry:
+            step = entry["step"]
+            return float(step.item() if isinstance(step, torch.Tensor) else step)
+    return None
 
 
 def _consumed(common: dict) -> tuple[int, int]:
@@ -181,37 +194,51 @@ def _dir_of(mapping: dict, name: str, folder: UniversalFolder) -> str:
     return mapping[name]
 
 
-def _fit_vocab(name: str, tensor: torch.Tensor, rows: int, folder: UniversalFolder,
-               param: str) -> torch.Tensor:
+def _whole(folder: UniversalFolder, param: str, key: str, name: str, shapes: dict,
+           rows: int) -> torch.Tensor:
+    """``zero/<param>/<key>.pt``'s tensor in the shape of the full parameter ``name``
+    (``shapes``: the model's), a vocabulary padded to ``rows``."""
+    path = folder.file(param, key)
+    tensor = folder.read_state(param, key)["param"]
+    return _fit_vocab(name, _unflatten(tensor, shapes.get(name, tensor.shape), path), rows, path)
+
+
+def _fit_vocab(name: str, tensor: torch.Tensor, rows: int, path: str) -> torch.Tensor:
     """The vocabulary tensors (stored unpadded) padded with zero rows to ``rows``."""
     if name not in VOCAB_TENSORS:
         return tensor
     if tensor.size(0) > rows:
-        raise CheckpointError(f"{folder.file(param, 'fp32')}: {tensor.size(0)} vocabulary rows, "
-                              f"more than the {rows} this model has")
+        raise CheckpointError(f"{path}: {tensor.size(0)} vocabulary rows, more than the {rows} "
+                              "this model has")
     return resize_vocab(tensor, rows)
 
 
-def _check_complete(mapping: dict, config: dict, folder: UniversalFolder) -> None:
-    """Every parameter of the checkpoint's model has its folder."""
-    expected = expected_full_names(config["model"])
-    missing = [n for n in expected if n not in mapping]
-    if missing:
-        _dir_of(mapping, missing[0], folder)
+def _unflatten(tensor: torch.Tensor, shape: Any, path: str) -> torch.Tensor:
+    """A tensor stored flat (ZeRO-3's conversions keep each parameter 1-D) in rows of
+    ``shape[1:]`` (a vocabulary's row count may differ: padding)."""
+    if tensor.dim() != 1 or len(shape) < 2:
+        return tensor
+    row = math.prod(shape[1:])
+    if tensor.numel() % row:
+        raise CheckpointError(f"{path} holds {tensor.numel()} values, not rows of "
+                              f"{tuple(shape[1:])}")
+    return tensor.view(-1, *shape[1:])
 
 
-def expected_full_names(model: Any) -> list[str]:
-    """The full names of the parameters of a GPT of ``model`` (a ``ModelConfig``, or its
-    fields as a dict), built on the meta device: no memory."""
+def expected_shapes(model: Any) -> dict[str, torch.Size]:
+    """The full names and shapes (tp 1) of the parameters of a GPT of ``model`` (a
+    ``ModelConfig``, or its fields as a dict), built on the meta device: no memory."""
     import dataclasses
 
+    from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
     from megatron.model.gpt_model import GPTModel
 
     config = model_config_from_dict(model if isinstance(model, dict)
                                     else dataclasses.asdict(model))
-    with torch.device("meta"):
+    # Whole tensors whatever this process's groups are.
+    with torch.device("meta"), assume_tensor_parallel_rank(1, 0):
         built = GPTModel(config)
-    return [n for n, _ in built.named_parameters()]
+    return {n: p.shape for n, p in built.named_parameters()}
 
 
 # Checks against the run ----------------------------------------------------------------------
@@ -256,7 +283,7 @@ def universal_checkpoint_info(model_config: Any, pipeline: bool) -> dict:
     layer numbers written ``\\d+``."""
     by_kind: dict[str, list[str]] = {_VOCABULARY: [], _PIPELINE_REPLICATED: [],
                                      _TP_REPLICATED: [], _ROW_PARALLEL: []}
-    for full in expected_full_names(model_config):
+    for full in expected_shapes(model_config):
         engine_name = _pipeline_name(full) if pipeline else full
         pattern = r"\.".join(r"\d+" if part.isdigit() else re.escape(part)
                               for part in engine_name.split(".")) + "$"
@@ -295,17 +322,19 @@ def check_engine_files(folder: UniversalFolder, names: dict[str, str],
         out[engine_name] = param
         for key in STATE_KEYS if optimizer else STATE_KEYS[:1]:
             state = folder.read_state(param, key, mmap=True)
-            _check_piece(folder.file(param, key), full, state, shapes[engine_name], tp)
+            _check_piece(folder.file(param, key), full, state, shapes[engine_name], tp,
+                         flat=folder.from_zero3)
     _optimizer_state(folder)
     return out
 
 
-def _check_piece(path: str, full: str, state: dict, piece: torch.Size, tp: int) -> None:
+def _check_piece(path: str, full: str, state: dict, piece: torch.Size, tp: int,
+                 flat: bool) -> None:
     dim = tp_split_dim(full)
     whole = list(piece)
     if dim is not None:
         whole[dim] *= tp
-    got = list(state["param"].shape)
+    got = list(_unflatten(state["param"], whole, path).shape if flat else state["param"].shape)
     if full in VOCAB_TENSORS:
         fits = got[1:] == whole[1:] and got[0] <= whole[0]
     else:
@@ -420,6 +449,8 @@ def load_into_deepspeed(run: Any, state: Any, folder: UniversalFolder) -> None:
     error, dirs, restored = None, None, by_engine and load_optim
     try:
         check_against_run(folder, run.cfg.model)
+        if by_engine:
+            _check_engine_kind(engine, folder)
         shapes = {n: getattr(p, "ds_shape", p.shape) for n, p in engine.module.named_parameters()}
         dirs = check_engine_files(folder, names, shapes, tp, by_engine)
         if not by_engine:
@@ -439,6 +470,18 @@ def load_into_deepspeed(run: Any, state: Any, folder: UniversalFolder) -> None:
     print_rank_0(f" loaded universal checkpoint {folder.path} {how} at iteration "
                  f"{state.iteration} (consumed samples {state.consumed_train_samples}); "
                  f"starting anew: {', '.join(reset)}")
+
+
+def _check_engine_kind(engine: Any, folder: UniversalFolder) -> None:
+    """DeepSpeed's engine (ZeRO 1/2; stage 3 is refused with --deepspeed) reads the universal
+    folders converted from ZeRO 0-2 checkpoints only: it looks for their model-state files,
+    and ZeRO-3's conversions store each tensor flat."""
+    if folder.from_zero3:
+        raise CheckpointError(f"{folder.path} was converted from a ZeRO-3 checkpoint, which "
+                              f"DeepSpeed's engine at ZeRO stage "
+                              f"{engine.zero_optimization_stage()} does not read: load it "
+                              "without --deepspeed (the built-in engine reads it), or convert "
+                              "it with tools/checkpoint/convert.py --loader universal")
 
 
 def _restore_counters(run: Any, state: Any, folder: UniversalFolder, load_optim: bool,

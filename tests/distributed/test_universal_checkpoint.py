@@ -79,7 +79,7 @@ def universal_launch(tmp_path_factory):
     """One 4-rank launch: the ZeRO-1 and ZeRO-2 sources (tp 2 x dp 2), the conversions,
     then the resumed runs; returns (results, log, folder)."""
     tmp = tmp_path_factory.mktemp("universal")
-    z1, z2, pipe = tmp / "z1", tmp / "z2", tmp / "pipe"
+    z1, z2, z3, pipe = tmp / "z1", tmp / "z2", tmp / "z3", tmp / "pipe"
     saving = {"--save-interval": SAVED_AT, "--tensor-model-parallel-size": 2}
     universal_z2 = z2 / f"global_step{SAVED_AT}_universal"
     damaged = tmp / "damaged"
@@ -90,8 +90,10 @@ def universal_launch(tmp_path_factory):
         # tp 2 x pp 2.
         "pipe_source": _run(**saving, **{"--deepspeed": True, "--zero-stage": 1, "--save": pipe,
                                          "--pipeline-model-parallel-size": 2}),
+        "z3_source": _ds(3, **{"--save-interval": SAVED_AT, "--save": z3}),
         "convert": {"commands": [
             _convert_command(z1), _convert_command(z2), _convert_command(pipe),
+            _convert_command(z3),
             # A copy missing one parameter's Adam moment, for --deepspeed to refuse.
             ["cp", "-r", str(universal_z2), str(damaged)],
             ["rm", str(damaged / "zero" / "encoder.layers.1.mlp.dense_4h_to_h.weight"
@@ -110,6 +112,12 @@ def universal_launch(tmp_path_factory):
                                "--pipeline-model-parallel-size": 2, "--load": z1,
                                "--universal-checkpoint": True}),
         "ds_z0_dp4": _ds(0, **{"--load": z2, "--universal-checkpoint": True}),
+        # ZeRO-3's folder (each tensor flat, ZeRO-3's model-state files) into the built-in
+        # engine; DeepSpeed's ZeRO-1 engine does not read it.
+        "native_from_z3": _run(**{"--tensor-model-parallel-size": 2, "--load": z3,
+                                  "--universal-checkpoint": True}),
+        "ds_z1_from_z3": {"argv": _ds(1, **{"--load": z3, "--universal-checkpoint": True}),
+                          "expect_error": True},
         "native_from_pipe": _run(**{"--tensor-model-parallel-size": 4, "--load": pipe,
                                     "--universal-checkpoint": True}),
         "ds_damaged": {"argv": _ds(1, **{"--load": damaged}), "expect_error": True},
@@ -122,16 +130,18 @@ def test_ds_to_universal_folders_resume_at_other_layouts(universal_launch):
     results, log, tmp = universal_launch
     # Each parameter under the engine's name: the plain model's are ours, the pipeline
     # module's its own.
-    names = {"z1": "encoder.layers.0", "z2": "encoder.layers.0", "pipe": "1.layers.0"}
+    names = {"z1": "encoder.layers.0", "z2": "encoder.layers.0", "pipe": "1.layers.0",
+             "z3": "encoder.layers.0"}
     for source, layer in names.items():
         folder = tmp / source / f"global_step{SAVED_AT}_universal"
         assert (tmp / source / "latest_universal").read_text().strip() == folder.name
         assert (folder / "zero" / f"{layer}.self_attention.dense.weight" / "exp_avg.pt").is_file()
-    assert_same(results["z2_source"], results["z1_source"])  # the two sources agree
+    for source in ("z2_source", "z3_source", "pipe_source"):  # the sources agree
+        assert_same(results[source], results["z1_source"])
     want = {"train": results["z1_source"]["train"][SAVED_AT:],
             "valid": results["z1_source"]["valid"]}
     resumed = ("native_pp2", "native_dp4_distributed", "ds_z1_dp4", "ds_z2_tp4",
-               "ds_pipe_pp2", "ds_z0_dp4", "native_from_pipe")
+               "ds_pipe_pp2", "ds_z0_dp4", "native_from_pipe", "native_from_z3")
     for run in resumed:
         got = results[run]
         assert [t[0] for t in got["train"]] == [4, 5], run
@@ -147,6 +157,10 @@ def test_ds_to_universal_folders_resume_at_other_layouts(universal_launch):
     assert log.count("into the engine's model at iteration 3") == 1
     # The damaged copy: one line naming the missing file, on every rank (before DeepSpeed
     # read anything).
+    error = results["ds_z1_from_z3"]["error"]
+    assert error.startswith("CheckpointError: ") and "converted from a ZeRO-3 checkpoint, " \
+        "which DeepSpeed's engine at ZeRO stage 1 does not read: load it without --deepspeed" \
+        in error, error
     error = results["ds_damaged"]["error"]
     assert error.startswith("CheckpointError: universal checkpoint file ")
     assert error.endswith("damaged/zero/encoder.layers.1.mlp.dense_4h_to_h.weight/"
