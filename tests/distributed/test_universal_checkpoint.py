@@ -1,28 +1,32 @@
 """DeepSpeed's universal checkpoints (Megatron-DeepSpeed's way of resharding), end to end.
 
-Our --deepspeed engine trains 5 iterations at tensor parallel 2 x data parallel 2 with ZeRO-1
-and with ZeRO-2, saving at iteration 3; DeepSpeed's own ``ds_to_universal.py`` (the installed
-package's, run as a subprocess) turns each global_step3 into global_step3_universal (and
-writes latest_universal beside it). Training resumed from those folders at other layouts,
-with and without --deepspeed, continues the uninterrupted runs: iterations 4 and 5 (losses
-and grad norms) and the validation loss within 1e-5 relative (principle 2), so the weights,
+Our --deepspeed engine trains 5 iterations, saving at iteration 3, as four sources: the plain
+model at tensor parallel 2 x data parallel 2 with ZeRO-1 and with ZeRO-2, the pipeline engine
+at tp 2 x pp 2 (ZeRO-1; its own parameter names, one file per layer) and ZeRO-3 at dp 4 (its
+conversion stores each tensor flat). DeepSpeed's own ``ds_to_universal.py`` (the installed
+package's, run as a subprocess; no stand-in was needed on CPU) turns each global_step3 into
+global_step3_universal and writes latest_universal beside it. Training resumed from those
+folders at other layouts continues the uninterrupted run: iterations 4 and 5 (losses and
+grad norms) and the validation loss within 1e-5 relative (principle 2), so the weights,
 Adam's moments, the step, the LR schedule and the data position all came across:
 
 - the built-in engine at tp 1 x pp 2 x dp 2 (``--load SAVE --universal-checkpoint``, as
-  Megatron-DeepSpeed users type it) and at tp 1 x dp 4 with the distributed optimizer
-  (``--load`` of the universal folder itself);
+  Megatron-DeepSpeed users type it), at dp 4 with the distributed optimizer (``--load`` of
+  the universal folder itself), at tp 4 from the pipeline engine's folder and at tp 2 from
+  ZeRO-3's;
 - DeepSpeed's engine reading it itself (``checkpoint.load_universal``, as Megatron-DeepSpeed's
-  flag sets): ZeRO-1 at tp 1 x dp 4, ZeRO-2 at tp 4 (one head per rank), and the pipeline
-  engine (its parameters named otherwise than the plain model's that saved) at pp 2 x dp 2;
+  flag sets): ZeRO-1 at dp 4, ZeRO-2 at tp 4 (one head per rank), and the pipeline engine
+  (named otherwise than the plain model that saved) at pp 2 x dp 2;
 - DeepSpeed's engine at ZeRO stage 0, whose bare optimizer DeepSpeed cannot fill: ours does.
 
-All of it is one 4-rank ``deepspeed`` launch (tests/distributed/deepspeed_driver.py runs the
-trainings, and the conversion on rank 0, one after the other). The vocabulary (128 tokens,
---make-vocab-size-divisible-by 32) needs no padding at any of these sizes: the universal
-format keeps no padding rows (ds_to_universal.py drops them), so a padded run resumes with
-those rows at zero and its loss moves by their share of the softmax.
-``tools/checkpoint/convert.py --loader universal`` and damaged folders are tested from the
-same folders.
+A ZeRO-3 folder given to DeepSpeed's ZeRO-1 engine, and a copy missing one file, stop with one
+line saying why. All of it is one 4-rank ``deepspeed`` launch (tests/distributed/
+deepspeed_driver.py runs the trainings, and the conversions on rank 0, one after the other).
+The vocabulary (128 tokens, --make-vocab-size-divisible-by 32) needs no padding at any of
+these sizes: the universal format keeps no padding rows (ds_to_universal.py drops them), so
+a padded run resumes with those rows at zero and its loss moves by their share of the
+softmax. ``tools/checkpoint/convert.py --loader universal`` and damaged folders are tested
+from the same folders.
 """
 
 from __future__ import annotations
@@ -44,8 +48,11 @@ from tests.distributed.test_deepspeed_engine import argv, assert_same, launch
 from tools.checkpoint import convert
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(shutil.which("deepspeed") is None,
-                                reason="the deepspeed launcher is not installed")
+# Slow (the launch takes about 40 s on 2 busy cores): it is the one test that runs
+# DeepSpeed's own converter on our checkpoints, four sources and eight resumes in one launch.
+pytestmark = [pytest.mark.skipif(shutil.which("deepspeed") is None,
+                                 reason="the deepspeed launcher is not installed"),
+              pytest.mark.slow]
 # No padding at tp 1, 2 or 4 (NullTokenizer: 127 ids and the end-of-document token).
 UNPADDED = {"--vocab-size": 127, "--make-vocab-size-divisible-by": 32}
 SAVED_AT = 3
