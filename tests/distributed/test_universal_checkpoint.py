@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpointing.universal import UniversalFolder, find_universal
+from megatron.checkpointing.universal import UniversalFolder
 from megatron.conversion import load_full_checkpoint
 from megatron.conversion.universal import read_universal
 from tests.distributed.test_deepspeed_engine import argv, assert_same, launch
@@ -241,24 +241,3 @@ def test_damaged_universal_folder_is_named_in_one_line(universal_launch, tmp_pat
     assert last.startswith("error: cannot read universal checkpoint file ") and \
         str(tmp_path / "truncated" / param / "fp32.pt") in last, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
-
-
-def test_universal_flag_needs_a_universal_checkpoint(tmp_path):
-    """--universal-checkpoint on a folder without latest_universal, and a folder holding only
-    a universal checkpoint loaded without the flag: one line each, saying what to do."""
-    from megatron.checkpointing import CheckpointError
-
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    with pytest.raises(CheckpointError, match="--universal-checkpoint: --load .*empty holds no "
-                       "latest_universal"):
-        find_universal(str(empty), True)
-    only = tmp_path / "only"
-    (only / "u" / "zero").mkdir(parents=True)
-    (only / "u" / "mp_rank_00_model_states.pt").write_bytes(b"")
-    (only / "latest_universal").write_text("u")
-    with pytest.raises(CheckpointError, match="holds only a universal checkpoint .* add "
-                       "--universal-checkpoint"):
-        find_universal(str(only), False)
-    assert find_universal(str(only), True).path == str(only / "u")
-    assert find_universal(str(only / "u"), False).path == str(only / "u")

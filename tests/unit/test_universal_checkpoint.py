@@ -10,6 +10,7 @@ import re
 import pytest
 
 from megatron.checkpointing import CheckpointError
+from megatron.checkpointing.universal import find_universal
 from megatron.config import ModelConfig, parse_args
 from megatron.conversion.universal import expected_shapes, full_names, universal_checkpoint_info
 from megatron.integrations.deepspeed import DeepSpeedSetupError, build_deepspeed_config
@@ -116,3 +117,22 @@ def test_which_engine_reads_a_universal_load(tmp_path):
                        "ZeRO-3 engine does not resume exactly.*--zero-stage 1 or 2, or without "
                        "--deepspeed"):
         _ds("--zero-stage", "3", *flag)
+
+
+def test_universal_flag_needs_a_universal_checkpoint(tmp_path):
+    """--universal-checkpoint on a folder without latest_universal, and a folder holding only
+    a universal checkpoint loaded without the flag: one line each, saying what to do."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="--universal-checkpoint: --load .*empty holds no "
+                       "latest_universal"):
+        find_universal(str(empty), True)
+    only = tmp_path / "only"
+    (only / "u" / "zero").mkdir(parents=True)
+    (only / "u" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (only / "latest_universal").write_text("u")
+    with pytest.raises(CheckpointError, match="holds only a universal checkpoint .* add "
+                       "--universal-checkpoint"):
+        find_universal(str(only), False)
+    assert find_universal(str(only), True).path == str(only / "u")
+    assert find_universal(str(only / "u"), False).path == str(only / "u")
