@@ -48,7 +48,9 @@ there), ``paths`` (file names, --save checks), ``files`` (atomic writes, checksu
 reads), ``ranks`` (this rank's place, collectives), ``contents`` (what a file holds), ``rng``,
 ``manifest`` (verification), ``model_shape``, ``save``, ``load``, ``retention`` (leftovers,
 pruning, best), ``torch_dist`` (that format; ``mcore_layout``: megatron-core's names and
-layouts, ``dcp``: boxes of global tensors through torch.distributed.checkpoint).
+layouts, ``dcp``: boxes of global tensors through torch.distributed.checkpoint),
+``universal`` (DeepSpeed's universal checkpoint folders: finding and reading them; loading
+one is ``megatron/conversion/universal.py``'s).
 """
 
 from megatron.checkpointing.errors import (

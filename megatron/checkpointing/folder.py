@@ -511,11 +511,15 @@ def no_checkpoint_error(root: str, flag: str = "--load",
 # --load, checked before anything is built -----------------------------------------------
 
 
-def check_load_dir(load_dir: str, deepspeed: bool = False) -> None:
+def check_load_dir(load_dir: str, deepspeed: bool = False, universal: bool = False) -> None:
     """``--load`` must be the folder that holds the tracker file, or not exist yet (a first
-    run with ``--save`` and ``--load`` the same folder starts from scratch). ``deepspeed``:
-    the run trains with DeepSpeed's engine, which reads DeepSpeed's checkpoints."""
-    if not os.path.exists(load_dir):
+    run with ``--save`` and ``--load`` the same folder starts from scratch), or name a
+    DeepSpeed universal checkpoint (``universal``: --universal-checkpoint, see
+    ``universal.find_universal``). ``deepspeed``: the run trains with DeepSpeed's engine,
+    which reads DeepSpeed's checkpoints."""
+    from megatron.checkpointing.universal import find_universal
+
+    if find_universal(load_dir, universal) is not None or not os.path.exists(load_dir):
         return
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir} is a file, not a checkpoint folder: pass the "

@@ -137,19 +137,49 @@ def load_checkpoint(model_chunks: ModelChunks, optimizer: Any, opt_param_schedul
     if folder.format.name == "torch_dist":
         return _load_torch_dist(folder, chunks, optimizer, opt_param_scheduler, config, layout,
                                 model_only, load_optim)
+    return _load_rank_files(
+        lambda: _read_rank_files(config, folder, layout, optimizer, load_optim),
+        chunks, optimizer, opt_param_scheduler, config, folder.path, folder.iteration,
+        release=folder.release, strict=strict)
+
+
+def load_built_state(build: Callable[[], tuple[str, dict, Optional[dict]]],
+                     model_chunks: ModelChunks, optimizer: Any, opt_param_scheduler: Any,
+                     config: Any, folder: str, *, strict: bool = True) -> LoadedCheckpoint:
+    """``load_checkpoint`` of a checkpoint whose file for this rank is built in memory from
+    a format read whole (a DeepSpeed universal checkpoint, ``conversion/universal.py``):
+    ``build()`` returns ``(path for messages, model_optim_rng.pt's dict, distrib_optim.pt's
+    or None)``. An error in any rank's ``build`` is raised on every rank. ``folder``: the
+    checkpoint's, for the report. Every rank must call it."""
+    def read() -> _RankFiles:
+        return _RankFiles(*build())
+
+    return _load_rank_files(read, as_chunks(model_chunks), optimizer, opt_param_scheduler,
+                            config, folder, None, release=False, strict=strict)
+
+
+def _load_rank_files(read: Callable[[], _RankFiles], chunks: list[nn.Module], optimizer: Any,
+                     scheduler: Any, config: Any, folder: str, iteration: Optional[int], *,
+                     release: bool, strict: bool) -> LoadedCheckpoint:
+    """Read this rank's files (``read``), load the weights, then (once every rank has) the
+    optimizer, scheduler and generators. ``iteration``: the folder's (None: the file's)."""
+    ckpt = config.checkpoint
+    model_only = ckpt.finetune or release
+    load_optim = not model_only and not ckpt.no_load_optim
     error, files = None, None
     try:
-        files = _read_rank_files(config, folder, layout, optimizer, load_optim)
+        files = read()
         _load_model(files.state, chunks, files.path, strict, _reshard_hint(config))
     except Exception as e:  # noqa: BLE001 - decide together before any collective
         error = e
     raise_together(error)
     scheduler_loaded, rng_loaded = _restore_training_state(
-        files, ckpt, layout, optimizer, opt_param_scheduler, model_only, load_optim)
+        files, ckpt, current_layout(), optimizer, scheduler, model_only, load_optim)
     state = files.state
     rng_wanted = not model_only and not ckpt.no_load_rng
-    report = LoadReport(folder.path, folder.iteration, folder.release, load_optim,
-                        scheduler_loaded, rng_loaded,
+    if iteration is None:
+        iteration = int(state["iteration"])
+    report = LoadReport(folder, iteration, release, load_optim, scheduler_loaded, rng_loaded,
                         rng_from_seed=rng_wanted and not rng_loaded)
     if model_only:
         return LoadedCheckpoint(0, 0, 0, extra_entries(state), report)
@@ -383,22 +413,30 @@ def _verify_torch_dist(folder: CheckpointFolder, layout: RankLayout, ckpt: Any) 
     _with_hint(folder, ckpt.load, check)
 
 
-def load_scheduler_state(load_dir: str,
-                         naming: Naming = MEGATRON) -> Optional[tuple[str, dict]]:
+def load_scheduler_state(load_dir: str, naming: Naming = MEGATRON,
+                         universal: bool = False) -> Optional[tuple[str, dict]]:
     """The learning-rate schedule stored with the latest checkpoint of ``load_dir`` (``naming``
-    DEEPSPEED: the one our DeepSpeed engine stores in its client state): its folder and state,
-    or None when there is none to resume (no checkpoint, a release one, a format or file that
-    cannot be read ahead: loading reports those). Reads one small entry of a memory-mapped
-    file, so it is cheap enough to check before anything is built."""
+    DEEPSPEED: the one our DeepSpeed engine stores in its client state; ``universal``
+    (--universal-checkpoint), or ``load_dir`` a universal checkpoint: the one copied into
+    it): its folder and state, or None when there is none to resume (no checkpoint, a
+    release one, a format or file that cannot be read ahead: loading reports those). Reads
+    one small entry of a memory-mapped file, so it is cheap enough to check before anything
+    is built."""
+    from megatron.checkpointing.universal import find_universal
+
     try:
-        folder = latest_checkpoint(load_dir, naming, warn=False)  # the load warns
-        if folder is None or folder.release:
-            return None
-        state = folder.format.common(folder.path)
+        found = find_universal(load_dir, universal)
+        if found is not None:
+            path, state = found.path, found.common
+        else:
+            folder = latest_checkpoint(load_dir, naming, warn=False)  # the load warns
+            if folder is None or folder.release:
+                return None
+            path, state = folder.path, folder.format.common(folder.path)
     except (CheckpointError, OSError):
         return None
     saved = state.get("opt_param_scheduler", state.get("lr_scheduler"))
-    return (folder.path, saved) if isinstance(saved, dict) else None
+    return (path, saved) if isinstance(saved, dict) else None
 
 
 def load_checkpoint_config(load_dir: str) -> Optional[dict]:

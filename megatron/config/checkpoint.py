@@ -37,6 +37,11 @@ class CheckpointConfig(Slice):
     use_checkpoint_args: bool = option(
         default=False, settings_source=True, help="Take the model's shape (--num-layers, "
         "--hidden-size, ...) from the checkpoint in --load; flags given still win.")
+    universal_checkpoint: bool = option(
+        default=False, help="--load is a DeepSpeed universal checkpoint (Megatron-DeepSpeed's "
+        "flag): the folder DeepSpeed's ds_to_universal.py wrote, or the folder whose "
+        "latest_universal names it; it loads at any tensor/pipeline/data-parallel size, with "
+        "or without --deepspeed, optimizer state included.")
     exit_on_missing_checkpoint: bool = option(
         default=False, help="Stop with an error when --load holds no checkpoint.")
     no_verify_checkpoint: bool = option(
@@ -58,5 +63,8 @@ class CheckpointConfig(Slice):
         check_refused(self)
         one_of(self, "ckpt_format", ("torch", "torch_dist"))
         optional_positive(self, "save_interval", "keep_last_n_checkpoints")
+        require(not self.universal_checkpoint or self.load is not None,
+                "--universal-checkpoint needs --load (the universal checkpoint's folder, or the "
+                "folder whose latest_universal names it)")
         require(not self.async_save or self.save is not None,
                 "--async-save needs --save (the folder the checkpoints are written to)")

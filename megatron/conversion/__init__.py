@@ -30,7 +30,9 @@ loads any checkpoint at any launch layout with it; ``save_full_checkpoint`` writ
 
 Hugging Face GPT-2 folders: ``hf.load_hf_checkpoint`` / ``hf.save_hf_checkpoint``;
 ``hf.save_keeping_tokenizer`` saves a converted folder with its tokenizer files. DeepSpeed
-engine checkpoints: ``deepspeed_layout.load_deepspeed_checkpoint``. ``read_checkpoint`` reads
+engine checkpoints: ``deepspeed_layout.load_deepspeed_checkpoint``; DeepSpeed's universal
+checkpoints (``ds_to_universal.py``'s folders): ``universal.read_universal``, and
+``universal.load_universal_checkpoint`` / ``load_into_deepspeed`` for ``--load`` at any layout. ``read_checkpoint`` reads
 the latest checkpoint of a folder of any kind (``checkpointing.folder.find_checkpoint`` tells:
 torch, torch_dist, DeepSpeed's engines) by that format's reader (``read_folder``).
 The command line is ``tools/checkpoint/convert.py`` (Megatron-LM's interface).

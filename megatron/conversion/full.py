@@ -291,34 +291,61 @@ def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: i
     chunks = _target_chunks(full, tp, pp, num_layers_per_virtual_pipeline_stage)
     config = with_layout(full.config, tp, pp, num_layers_per_virtual_pipeline_stage,
                          distributed if full.optimizer is not None else None)
-    model_config = full.model_config(tp)
-    rows = model_config.padded_vocab_size
-    tied = not model_config.untie_embeddings_and_output_weights
-    padded = repad_vocab(full.model, rows)
-    opt_pieces = _optimizer_pieces(full, rows, tp, distributed or _mixed(config))
+    cut = LayoutCut(full, tp, config, distributed=distributed, mixed=mixed_precision(config),
+                    source=source or "a full checkpoint")
     files = {}
     for t in range(tp):
         for p in range(pp):
-            chunk_models = rank_chunk_models(padded, tied, tp, t, chunks[p])
             folder = mp_rank_dir_name(t, p, pp)
-            optimizer, distrib = None, None
-            if opt_pieces is not None:
-                rank_opt = {k: {key: v[t] for key, v in e.items()} for k, e in opt_pieces.items()}
-                chunk_opts = [full_to_chunk_names(rank_opt, c, tied) for c in chunks[p]]
-                if distributed:
-                    distrib = optim_state.gathered_from_named(chunk_opts, full.optimizer)
-                    files[f"{folder}/{DISTRIB_OPTIM_FILENAME}"] = distrib
-                else:
-                    optimizer = _torch_optimizer(full.optimizer, chunk_models, chunk_opts,
-                                                 _mixed(config))
-            files[f"{folder}/{MODEL_FILENAME}"] = rank_file_state(
-                iteration=full.iteration, config=config,
-                parallel_layout=layout_dict(tp, pp, 1, len(chunk_models)),
-                consumed=(full.consumed_train_samples, full.consumed_valid_samples),
-                models=chunk_models, optimizer=optimizer,
-                distributed_optimizer=distrib is not None, scheduler=full.scheduler,
-                converted_from=source or "a full checkpoint", extra=full.extra)
+            state, distrib = cut.rank_files(chunks[p], t, pp)
+            files[f"{folder}/{MODEL_FILENAME}"] = state
+            if distrib is not None:
+                files[f"{folder}/{DISTRIB_OPTIM_FILENAME}"] = distrib
     return _write_folder(save_dir, full, config, files, len(chunks[0]))
+
+
+class LayoutCut:
+    """``full`` prepared to be cut for the ranks of tensor-parallel size ``tp`` (vocabulary
+    padded for it, optimizer state split): ``rank_files`` gives one (tensor, pipeline) rank's
+    ``model_optim_rng.pt`` dict and, with the distributed optimizer, ``distrib_optim.pt``'s,
+    as training at that layout saves them. ``config``: the run configuration they record;
+    ``mixed``: the optimizer keeps fp32 main copies (``MixedPrecisionOptimizer``'s format).
+    ``save_full_checkpoint`` writes every rank's; loading a format read whole (a universal
+    checkpoint) builds this rank's only, from the parameters it holds."""
+
+    def __init__(self, full: FullCheckpoint, tp: int, config: dict, *, distributed: bool,
+                 mixed: bool, source: str) -> None:
+        self.full, self.tp, self.config, self.source = full, tp, config, source
+        self.distributed, self.mixed = distributed, mixed
+        model_config = model_config_from_dict(config.get("model", {}), tp)
+        self.tied = not model_config.untie_embeddings_and_output_weights
+        self.padded = repad_vocab(full.model, model_config.padded_vocab_size)
+        self.opt_pieces = _optimizer_pieces(full, model_config.padded_vocab_size, tp,
+                                            distributed or mixed)
+
+    def rank_files(self, chunks: list[Chunk], tp_rank: int,
+                   pp: int) -> tuple[dict, Optional[dict]]:
+        """The files of tensor rank ``tp_rank`` of the pipeline stage holding ``chunks``
+        (one per virtual stage; ``pp``: the pipeline size)."""
+        full = self.full
+        chunk_models = rank_chunk_models(self.padded, self.tied, self.tp, tp_rank, chunks)
+        optimizer, distrib = None, None
+        if self.opt_pieces is not None:
+            rank_opt = {k: {key: v[tp_rank] for key, v in e.items()}
+                        for k, e in self.opt_pieces.items()}
+            chunk_opts = [full_to_chunk_names(rank_opt, c, self.tied) for c in chunks]
+            if self.distributed:
+                distrib = optim_state.gathered_from_named(chunk_opts, full.optimizer)
+            else:
+                optimizer = _torch_optimizer(full.optimizer, chunk_models, chunk_opts,
+                                             self.mixed)
+        state = rank_file_state(
+            iteration=full.iteration, config=self.config,
+            parallel_layout=layout_dict(self.tp, pp, 1, len(chunk_models)),
+            consumed=(full.consumed_train_samples, full.consumed_valid_samples),
+            models=chunk_models, optimizer=optimizer, distributed_optimizer=distrib is not None,
+            scheduler=full.scheduler, converted_from=self.source, extra=full.extra)
+        return state, distrib
 
 
 def rank_chunk_models(model: dict, tied: bool, tp: int, tp_rank: int,
@@ -350,7 +377,9 @@ def _target_chunks(full: FullCheckpoint, tp: int, pp: int,
                          f"{error}") from None
 
 
-def _mixed(config: dict) -> bool:
+def mixed_precision(config: dict) -> bool:
+    """Whether a run with this configuration (plain dicts) keeps fp32 main copies in its
+    optimizer (fp16/bf16, or a loss scale)."""
     opt = config.get("optimizer", {})
     model = config.get("model", {})
     return bool(model.get("fp16") or model.get("bf16") or opt.get("fp16") or opt.get("bf16")

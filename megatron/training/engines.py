@@ -189,8 +189,17 @@ class NativeEngine:
         """Restore the latest checkpoint into the model, optimizer, scheduler and ``state``;
         say on one line (rank 0) what was loaded and what starts anew."""
         from megatron import checkpointing
+        from megatron.checkpointing.universal import find_universal
 
-        loaded = checkpointing.load_checkpoint(self.chunks, self.optimizer, self.scheduler, cfg)
+        universal = find_universal(cfg.checkpoint.load, cfg.checkpoint.universal_checkpoint)
+        if universal is not None:  # DeepSpeed's, read whole and cut for this layout
+            from megatron.conversion.universal import load_universal_checkpoint
+
+            loaded = load_universal_checkpoint(universal, self.chunks, self.optimizer,
+                                               self.scheduler, cfg)
+        else:
+            loaded = checkpointing.load_checkpoint(self.chunks, self.optimizer, self.scheduler,
+                                                   cfg)
         state.iteration, state.consumed_train_samples, state.consumed_valid_samples = loaded
         if loaded.report is None:
             return  # no checkpoint there (checkpointing warned)

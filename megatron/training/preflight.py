@@ -83,7 +83,8 @@ def check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
 
     try:
         if cfg.checkpoint.load:
-            checkpointing.check_load_dir(cfg.checkpoint.load, cfg.deepspeed.deepspeed)
+            checkpointing.check_load_dir(cfg.checkpoint.load, cfg.deepspeed.deepspeed,
+                                         cfg.checkpoint.universal_checkpoint)
         if cfg.checkpoint.save:
             checkpointing.check_save_dir(cfg.checkpoint.save)
     except checkpointing.CheckpointError as error:
@@ -137,7 +138,7 @@ def check_resumed_schedule_or_exit(cfg: Any, ds_config: Optional[dict]) -> None:
         return
     # --deepspeed resumes DeepSpeed's checkpoints, whose client state holds our schedule.
     found = checkpointing.load_scheduler_state(
-        ck.load, DEEPSPEED if ds_config is not None else MEGATRON)
+        ck.load, DEEPSPEED if ds_config is not None else MEGATRON, ck.universal_checkpoint)
     if found is None:
         return
     folder, saved = found

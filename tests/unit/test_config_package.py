@@ -59,6 +59,7 @@ NEW_FLAGS = {
     "--synchronize-each-layer",
     "--compile",  # torch.compile of the transformer layers (issue 10)
     "--async-save",  # Megatron-LM's background checkpoint writes (issue 23)
+    "--universal-checkpoint",  # Megatron-DeepSpeed's, DeepSpeed's universal checkpoints (issue 30)
     # The rehearsal over a fake process group (issue 25).
     "--rehearse", "--rehearse-hidden-size", "--rehearse-seq-length", "--rehearse-ranks",
     "--rehearse-full-batch",

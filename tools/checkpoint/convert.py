@@ -16,7 +16,10 @@ Megatron-LM's converter's name for that and does the same),
 (a local GPT-2 folder), ``deepspeed`` (DeepSpeed engine checkpoints, ``global_stepN/``: plain
 model at ZeRO 0-2, ZeRO-3 at tp 1, or the pipeline engine's layer files; model, iteration and
 LR schedule, and at ZeRO 1/2 the optimizer state (plain model; the pipeline engine at tp 1);
-else train on with --no-load-optim or --finetune). Savers: ``megatron`` (ours, at the
+else train on with --no-load-optim or --finetune), ``universal`` (DeepSpeed's universal
+checkpoint, ``ds_to_universal.py``'s folder, or the folder whose ``latest_universal`` names it:
+model, fp32 main weights, Adam's moments and step, iteration, and our runs' LR schedule).
+Savers: ``megatron`` (ours, at the
 target layout; optimizer state goes along, the distributed optimizer's too), ``hf``, and
 ``core``: Megatron-LM's torch_dist format (``--ckpt-format torch_dist``), the model with its
 iteration and sample counters, which Megatron-LM, NeMo and our ``--load`` read at any layout
@@ -41,7 +44,7 @@ from megatron.conversion.hf import (  # noqa: E402
     save_keeping_tokenizer,
 )
 
-LOADERS = ("megatron", "core", "hf", "megatron_deepspeed", "deepspeed")
+LOADERS = ("megatron", "core", "hf", "megatron_deepspeed", "deepspeed", "universal")
 SAVERS = ("megatron", "hf", "core")
 
 
@@ -110,6 +113,12 @@ def check_args(args: argparse.Namespace) -> None:
 def load(args: argparse.Namespace):
     if args.loader == "hf":
         return load_hf_checkpoint(args.load_dir, args.make_vocab_size_divisible_by)
+    if args.loader == "universal":
+        from megatron.checkpointing.universal import find_universal
+        from megatron.conversion.universal import read_universal
+
+        folder = find_universal(args.load_dir, True, "--load-dir", "--loader universal")
+        return read_universal(folder, true_vocab_size=args.true_vocab_size)
     if args.loader == "deepspeed":
         return load_deepspeed_checkpoint(args.load_dir, args.iteration, args.true_vocab_size,
                                          verify=not args.no_checking)
