@@ -14,7 +14,7 @@ from megatron.checkpointing.universal import find_universal
 from megatron.config import ModelConfig, parse_args
 from megatron.conversion.universal import expected_shapes, full_names, universal_checkpoint_info
 from megatron.integrations.deepspeed import DeepSpeedSetupError, build_deepspeed_config
-from megatron.model.placement import tp_split_dim
+from megatron.model.names import tp_split_dim
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32,
                     max_position_embeddings=32, vocab_size=127, make_vocab_size_divisible_by=64,
