@@ -61,7 +61,7 @@ from megatron.conversion.sharding import (
     split_tp,
     tp_piece,
 )
-from megatron.model.names import TIED_COPY, VOCAB_TENSORS
+from megatron.model.names import TIED_COPY, VOCAB_TENSORS, tp_parts
 from megatron.model.placement import Chunk, pipeline_chunks
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def _merge_model(chunk_states: dict, layout: list[list[Chunk]], tp: int, pp: int
     per_tp = [_rank_full_names(chunk_states, layout, t, pp) for t in range(tp)]
     model = {}
     for name in per_tp[0]:
-        model[name] = merge_tp(name, [names[name] for names in per_tp])
+        model[name] = merge_tp(name, [names[name] for names in per_tp], tp_parts(name, config))
     return repad_vocab(model, config.padded_vocab_size)
 
 
@@ -233,7 +233,8 @@ def _merge_optimizer(states: dict, chunk_states: dict, layout: list[list[Chunk]]
     per_tp = [_rank_full_names(per_rank, layout, t, pp) for t in range(tp)]
     param_state = {}
     for name, entry in per_tp[0].items():
-        param_state[name] = {key: merge_tp(name, [names[name][key] for names in per_tp])
+        param_state[name] = {key: merge_tp(name, [names[name][key] for names in per_tp],
+                                           tp_parts(name, config))
                              for key in entry}
     rows = config.padded_vocab_size
     for name in set(param_state) & set(VOCAB_TENSORS):
@@ -295,11 +296,11 @@ def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: i
     rows = model_config.padded_vocab_size
     tied = not model_config.untie_embeddings_and_output_weights
     padded = repad_vocab(full.model, rows)
-    opt_pieces = _optimizer_pieces(full, rows, tp, distributed or _mixed(config))
+    opt_pieces = _optimizer_pieces(full, model_config, tp, distributed or _mixed(config))
     files = {}
     for t in range(tp):
         for p in range(pp):
-            chunk_models = rank_chunk_models(padded, tied, tp, t, chunks[p])
+            chunk_models = rank_chunk_models(padded, model_config, tp, t, chunks[p])
             folder = mp_rank_dir_name(t, p, pp)
             optimizer, distrib = None, None
             if opt_pieces is not None:
@@ -321,12 +322,13 @@ def save_full_checkpoint(full: FullCheckpoint, save_dir: str, tp: int = 1, pp: i
     return _write_folder(save_dir, full, config, files, len(chunks[0]))
 
 
-def rank_chunk_models(model: dict, tied: bool, tp: int, tp_rank: int,
+def rank_chunk_models(model: dict, config: ModelConfig, tp: int, tp_rank: int,
                       chunks: list[Chunk]) -> list[dict]:
     """The state dicts of tensor rank ``tp_rank``'s model ``chunks`` (one pipeline stage, one
-    per virtual stage), from a full model whose vocabulary is padded for ``tp``: what
-    ``GPTModel`` built for each chunk at that rank loads."""
-    return [{k: tp_piece(k, v, tp, tp_rank)  # chunk names keep the suffixes that say the cut
+    per virtual stage), from a full model of ``config`` whose vocabulary is padded for
+    ``tp``: what ``GPTModel`` built for each chunk at that rank loads."""
+    tied = not config.untie_embeddings_and_output_weights
+    return [{k: tp_piece(k, v, tp, tp_rank, tp_parts(k, config))
              for k, v in full_to_chunk_names(model, chunk, tied).items()} for chunk in chunks]
 
 
@@ -357,10 +359,11 @@ def _mixed(config: dict) -> bool:
                 or opt.get("loss_scale") is not None)
 
 
-def _optimizer_pieces(full: FullCheckpoint, rows: int, tp: int,
+def _optimizer_pieces(full: FullCheckpoint, config: ModelConfig, tp: int,
                       needs_mains: bool) -> Optional[dict]:
     if full.optimizer is None:
         return None
+    rows = config.padded_vocab_size
     out = {}
     for name, entry in full.optimizer["param_state"].items():
         entry = dict(entry)
@@ -368,7 +371,7 @@ def _optimizer_pieces(full: FullCheckpoint, rows: int, tp: int,
             entry["param"] = full.model[name].float()
         if name in VOCAB_TENSORS:
             entry = {k: resize_vocab(v, rows) for k, v in entry.items()}
-        out[name] = {k: split_tp(name, v, tp) for k, v in entry.items()}
+        out[name] = {k: split_tp(name, v, tp, tp_parts(name, config)) for k, v in entry.items()}
     return out
 
 
