@@ -190,7 +190,8 @@ class ParallelMLP(nn.Module):
         self.swiglu = config.swiglu
         width = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
         self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, width, init_method=init.normal(), **common)
+            config.hidden_size, width, init_method=init.normal(),
+            parts=2 if config.swiglu else 1, **common)
         self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, init_method=init.scaled_normal(),
             input_is_parallel=True, **common)
