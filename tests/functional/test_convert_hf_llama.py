@@ -116,3 +116,23 @@ def test_converted_checkpoint_trains_from_hf_weights(hf_dirs, tmp_path, family, 
             hf(tokens[:, :-1]).logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).item()
     assert len(losses) == 2
     assert losses[0] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_generation_equals_hf_generate(hf_dirs, family):
+    """Cached greedy decoding (the KV cache holding the key/value heads only) gives HF's
+    generate token for token; so does the uncached path."""
+    from megatron.inference.text_generation.generation import generate_tokens
+    from megatron.model.hf_llama import hf_llama_to_megatron_state_dict, model_config_from_hf_llama
+
+    _, hf = hf_dirs[family]
+    config = model_config_from_hf_llama(hf.config.to_dict(), make_vocab_size_divisible_by=64)
+    model = GPTModel(config).eval()
+    model.load_state_dict(hf_llama_to_megatron_state_dict(hf.state_dict(), config))
+    prompts = [[5, 17, 99, 3], [42, 7]]
+    for use_cache in (True, False):
+        out = generate_tokens(model, prompts, 12, use_cache=use_cache)
+        for prompt, tokens in zip(prompts, out.tokens):
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0].tolist()
+            assert tokens == want, (use_cache, tokens, want)
