@@ -27,6 +27,7 @@ import pytest
 import pretrain_gpt
 from megatron import training
 from megatron.core import parallel_state
+from megatron.training import loop as training_loop
 from tests.dist_utils import run_distributed
 from tests.distributed import training_utils
 
@@ -79,8 +80,8 @@ class Recorder:
 
 def train_once(argv: list[str]) -> dict:
     recorder = Recorder()
-    original = training.evaluate
-    training.evaluate = recorder.evaluate(original)
+    original = training_loop.evaluate  # what the loop calls for each evaluation
+    training_loop.evaluate = recorder.evaluate(original)
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
@@ -105,7 +106,7 @@ def train_once(argv: list[str]) -> dict:
             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
         }
     finally:
-        training.evaluate = original
+        training_loop.evaluate = original
         parallel_state.destroy_model_parallel()  # the next run may use another layout
 
 
