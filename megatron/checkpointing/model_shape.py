@@ -19,7 +19,7 @@ _SIZES = (
     ("ffn_hidden_size", "--ffn-hidden-size"),
     ("kv_channels", "--kv-channels"),
     ("position_embedding_type", "--position-embedding-type"),
-    ("num_query_groups", "--num-query-groups"),
+    ("query_groups", "--num-query-groups"),
     ("normalization", "--normalization"),
 )
 # Switches: (field, flag, the field's value when the flag is given).
@@ -33,8 +33,9 @@ _SWITCHES = (
 
 def query_groups(fields: dict) -> Any:
     """The key/value heads a stored config means: Megatron-LM keeps --num-query-groups (1 by
-    default) even without --group-query-attention, where each head is its own group."""
-    if fields.get("group_query_attention") is False:
+    default) even without --group-query-attention, where each head is its own group (ours
+    keeps none then)."""
+    if not fields.get("group_query_attention"):
         return fields.get("num_attention_heads")
     return fields.get("num_query_groups")
 
@@ -46,8 +47,8 @@ def saved_model_fields(saved_config: Any) -> dict:
         return {}
     model = saved_config.get("model")
     fields = dict(model) if isinstance(model, dict) else dict(saved_config)
-    if "num_query_groups" in fields:
-        fields["num_query_groups"] = query_groups(fields)
+    if "num_attention_heads" in fields:
+        fields["query_groups"] = query_groups(fields)
     return fields
 
 

@@ -80,7 +80,6 @@ _LLAMA = "planned with the Llama-family models"
 _MOE = "mixture-of-experts layers, planned"
 _LONG = "planned with long-sequence training"
 MISSING_FEATURES = {
-    "--tokenizer-model": f"SentencePiece / Hugging Face tokenizer files; {_LLAMA}",
     "--qk-layernorm": "layer norms on queries and keys",
     "--apply-layernorm-1p": "zero-centred layer-norm weights",
     "--squared-relu": "squared-ReLU feed-forward layers",

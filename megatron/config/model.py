@@ -56,7 +56,7 @@ class ModelConfig(Slice):
         default=False, help="Grouped-query attention: --num-query-groups key/value heads "
         "shared by the query heads.")
     num_query_groups: Optional[int] = option(
-        "--num-query-groups", "--num-key-value-heads", default=None,
+        "--num-query-groups", "--num-key-value-heads", default=None, feeds=("query_groups",),
         help="Key/value heads with --group-query-attention (1: multi-query attention); "
         "--num-key-value-heads (Megatron-DeepSpeed) turns grouped-query attention on. "
         "--num-attention-heads when unset.")
@@ -141,6 +141,9 @@ class ModelConfig(Slice):
         if self.ffn_hidden_size is None:
             ffn = int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else \
                 4 * self.hidden_size
+            require(ffn > 0, f"--swiglu's default --ffn-hidden-size (8/3 x --hidden-size "
+                    f"{self.hidden_size}, rounded down to a multiple of 64) is 0: give "
+                    "--ffn-hidden-size")
             set_field(self, "ffn_hidden_size", ffn)
         if self.kv_channels is None:
             set_field(self, "kv_channels", self.hidden_size // self.num_attention_heads)
@@ -165,13 +168,16 @@ class ModelConfig(Slice):
                 f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
         set_field(self, "normalization", names[self.normalization.lower()])
         heads, tp = self.num_attention_heads, self.tensor_model_parallel_size
-        if self.num_query_groups is None or not self.group_query_attention and \
-                self.num_query_groups == heads:
-            set_field(self, "num_query_groups", heads)
-        else:
-            set_field(self, "group_query_attention", True)
-        groups = self.num_query_groups
-        positive(self, "num_query_groups", "rope_scaling_factor")
+        # One field holds the groups: set only with grouped-query attention (a count given
+        # alone, Megatron-DeepSpeed's --num-key-value-heads, turns it on; one per head is
+        # plain multi-head attention), so a model made from this one with other heads keeps
+        # its meaning.
+        if self.num_query_groups == heads and not self.group_query_attention:
+            set_field(self, "num_query_groups", None)
+        set_field(self, "group_query_attention", self.num_query_groups is not None)
+        groups = self.query_groups
+        positive(self, "rope_scaling_factor")
+        require(groups > 0, f"--num-query-groups must be positive, got {groups}")
         require(heads % groups == 0,
                 f"--num-attention-heads ({heads}) is not divisible by --num-query-groups "
                 f"({groups})")
@@ -204,9 +210,15 @@ class ModelConfig(Slice):
         return self.kv_channels * self.num_attention_heads
 
     @property
+    def query_groups(self) -> int:
+        """Key/value heads: --num-query-groups with grouped-query attention, else one per
+        query head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
     def kv_projection_size(self) -> int:
         """Width of the attention's keys (and of its values): kv_channels x query groups."""
-        return self.kv_channels * self.num_query_groups
+        return self.kv_channels * self.query_groups
 
     @property
     def params_dtype(self):

@@ -187,7 +187,7 @@ def _llama_hf_config(cfg):
     fields = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups,
         head_dim=cfg.kv_channels, max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.layernorm_epsilon, rope_theta=float(cfg.rotary_base),
         initializer_range=cfg.init_method_std, attention_dropout=cfg.attention_dropout,

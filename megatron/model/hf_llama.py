@@ -81,7 +81,6 @@ def model_config_from_hf_llama(hf: Any, **overrides: Any) -> ModelConfig:
     fields = dict(
         num_layers=_get(hf, "num_hidden_layers"), hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=_get(hf, "num_key_value_heads") or heads,
-        group_query_attention=(_get(hf, "num_key_value_heads") or heads) != heads,
         kv_channels=_get(hf, "head_dim") or hidden // heads,
         ffn_hidden_size=_get(hf, "intermediate_size"), swiglu=True,
         normalization="RMSNorm", layernorm_epsilon=_get(hf, "rms_norm_eps"),
@@ -102,7 +101,7 @@ def _qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               config: ModelConfig) -> torch.Tensor:
     """Hugging Face's q, k, v projections (rows ``[n d]``, ``[g d]``, ``[g d]``) as our
     fused rows ``[g, n/g + 2, d]``."""
-    g, d = config.num_query_groups, config.kv_channels
+    g, d = config.query_groups, config.kv_channels
     rest = q.shape[1:]
     q = q.reshape(g, -1, d, *rest)  # [g, n/g, d, ...]
     k, v = k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)
@@ -111,7 +110,7 @@ def _qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _split_qkv(fused: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, ...]:
     """Inverse of ``_qkv_rows``."""
-    g, d = config.num_query_groups, config.kv_channels
+    g, d = config.query_groups, config.kv_channels
     rest = fused.shape[1:]
     grouped = fused.reshape(g, -1, d, *rest)  # [g, n/g + 2, d, ...]
     q, k, v = grouped[:, :-2], grouped[:, -2], grouped[:, -1]

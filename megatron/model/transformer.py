@@ -119,7 +119,7 @@ class ParallelAttention(nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.heads_per_rank = divide(config.num_attention_heads, tp)
-        self.groups_per_rank = divide(config.num_query_groups, tp)
+        self.groups_per_rank = divide(config.query_groups, tp)
         self.head_dim = config.kv_channels
         self.rotary_interleaved = config.rotary_interleaved
         common = dict(params_dtype=config.params_dtype, device=device,
