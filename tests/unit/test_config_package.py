@@ -76,7 +76,7 @@ NEW_FLAGS = {
     "--normalization", "--overlap-p2p-communication", "--no-overlap-p2p-communication",
     "--no-rope-fusion", "--auto-detect-ckpt-format", "--transformer-impl", "--DDP-impl",
     # Issue 32: the Llama family's options, in both peers' spellings.
-    "--normalization", "--swiglu", "--group-query-attention", "--num-query-groups",
+    "--swiglu", "--group-query-attention", "--num-query-groups",
     "--num-key-value-heads", "--add-qkv-bias", "--rotary-interleaved", "--use-rope-scaling",
     "--rope-scaling-factor", "--no-position-embedding",
 }
