@@ -38,7 +38,7 @@ from megatron.checkpointing.folder import (
     list_iterations,
 )
 from megatron.checkpointing.manifest import check_complete, check_listed
-from megatron.checkpointing.model_shape import check_model_shape
+from megatron.checkpointing.model_shape import check_model_shape, saved_model_fields
 from megatron.checkpointing.paths import (
     DISTRIB_OPTIM_FILENAME,
     MANIFEST_FILENAME,
@@ -453,7 +453,9 @@ CHECKPOINT_MODEL_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
     "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
     "layernorm_epsilon", "untie_embeddings_and_output_weights", "position_embedding_type",
-    "rotary_percent", "rotary_base", "add_bias_linear", "activation",
+    "rotary_percent", "rotary_base", "add_bias_linear", "activation", "normalization",
+    "swiglu", "group_query_attention", "num_query_groups", "add_qkv_bias",
+    "rotary_interleaved", "use_rope_scaling", "rope_scaling_factor",
 )
 
 
@@ -472,5 +474,5 @@ def checkpoint_model_settings(load_dir: str) -> dict[str, Any]:
     if not isinstance(stored, dict):
         raise ConfigError(f"--use-checkpoint-args: {folder.path} stores no run configuration "
                           "(no 'config' or 'args')")
-    model = stored.get("model", stored)  # ours: nested slices; Megatron's: flat args
+    model = saved_model_fields(stored)  # ours: nested slices; Megatron's: flat args
     return {k: model[k] for k in CHECKPOINT_MODEL_FIELDS if model.get(k) is not None}

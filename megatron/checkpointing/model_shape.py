@@ -19,12 +19,25 @@ _SIZES = (
     ("ffn_hidden_size", "--ffn-hidden-size"),
     ("kv_channels", "--kv-channels"),
     ("position_embedding_type", "--position-embedding-type"),
+    ("query_groups", "--num-query-groups"),
+    ("normalization", "--normalization"),
 )
 # Switches: (field, flag, the field's value when the flag is given).
 _SWITCHES = (
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", True),
     ("add_bias_linear", "--disable-bias-linear", False),
+    ("swiglu", "--swiglu", True),
+    ("add_qkv_bias", "--add-qkv-bias", True),
 )
+
+
+def query_groups(fields: dict) -> Any:
+    """The key/value heads a stored config means: Megatron-LM keeps --num-query-groups (1 by
+    default) even without --group-query-attention, where each head is its own group (ours
+    keeps none then)."""
+    if not fields.get("group_query_attention"):
+        return fields.get("num_attention_heads")
+    return fields.get("num_query_groups")
 
 
 def saved_model_fields(saved_config: Any) -> dict:
@@ -33,7 +46,10 @@ def saved_model_fields(saved_config: Any) -> dict:
     if not isinstance(saved_config, dict):
         return {}
     model = saved_config.get("model")
-    return dict(model) if isinstance(model, dict) else dict(saved_config)
+    fields = dict(model) if isinstance(model, dict) else dict(saved_config)
+    if "num_attention_heads" in fields:
+        fields["query_groups"] = query_groups(fields)
+    return fields
 
 
 def check_model_shape(saved_config: Any, model_config: Any, where: str) -> None:

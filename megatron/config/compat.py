@@ -80,17 +80,6 @@ _LLAMA = "planned with the Llama-family models"
 _MOE = "mixture-of-experts layers, planned"
 _LONG = "planned with long-sequence training"
 MISSING_FEATURES = {
-    "--swiglu": f"SwiGLU feed-forward layers; {_LLAMA}",
-    "--group-query-attention": f"grouped-query attention; {_LLAMA}",
-    "--num-query-groups": f"grouped-query attention; {_LLAMA}",
-    "--num-key-value-heads": f"grouped-query/multi-query attention; {_LLAMA}",
-    "--use-rope-scaling": f"Llama 3.1's RoPE scaling; {_LLAMA}",
-    "--rope-scaling-factor": f"Llama 3.1's RoPE scaling; {_LLAMA}",
-    "--rotary-interleaved": f"interleaved RoPE; {_LLAMA}",
-    "--add-qkv-bias": f"QKV biases without the other biases (Qwen2); {_LLAMA}",
-    "--no-position-embedding": f"models without a learned position table; {_LLAMA} "
-                               "(--position-embedding-type rope has none already)",
-    "--tokenizer-model": f"SentencePiece / Hugging Face tokenizer files; {_LLAMA}",
     "--qk-layernorm": "layer norms on queries and keys",
     "--apply-layernorm-1p": "zero-centred layer-norm weights",
     "--squared-relu": "squared-ReLU feed-forward layers",
@@ -124,7 +113,7 @@ def missing_feature(spelling: str) -> Optional[str]:
 # Old spellings resolved into fields by ``translate``.
 TRANSLATED_FLAGS = ("checkpoint_activations", "recompute_activations",
                     "distribute_checkpointed_activations", "num_experts",
-                    "use_rotary_position_embeddings", "use_dist_ckpt", "normalization")
+                    "use_rotary_position_embeddings", "use_dist_ckpt", "no_position_embedding")
 
 
 def add_compat_flags(parser: argparse.ArgumentParser) -> None:
@@ -145,9 +134,9 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-DeepSpeed's spelling of --position-embedding-type rope.")
     g.add_argument("--use-dist-ckpt", action="store_true",
                    help="Megatron-LM's older spelling of --ckpt-format torch_dist.")
-    g.add_argument("--normalization", default=None, metavar="KIND",
-                   help="LayerNorm (layernorm), the only kind here; RMSNorm is not supported "
-                   "yet (default: unset).")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="Megatron-LM's: no learned position table (--position-embedding-type "
+                   "none; with rope, rope alone).")
     g = parser.add_argument_group(
         "compatibility", "Accepted so Megatron scripts run unchanged; each has no effect here "
         "and says so once when given.")
@@ -169,9 +158,8 @@ def translate(ns: argparse.Namespace) -> None:
     if ns.num_experts is not None and any(n != 1 for n in ns.num_experts):
         raise ConfigError(f"--num-experts {' '.join(map(str, ns.num_experts))}: mixture-of-"
                           "experts layers are not supported; only 1 (a dense MLP)")
-    if ns.normalization is not None and ns.normalization.lower() != "layernorm":
-        raise ConfigError(f"--normalization {ns.normalization}: not supported yet (only "
-                          f"LayerNorm; RMSNorm is {_LLAMA})")
+    if ns.no_position_embedding and ns.position_embedding_type == "learned_absolute":
+        ns.position_embedding_type = "none"
     if ns.use_rotary_position_embeddings:
         ns.position_embedding_type = "rope"
     if ns.use_dist_ckpt:

@@ -32,7 +32,8 @@ class ModelConfig(Slice):
     hidden_size: int = option(default=64, required=True, help="Hidden size.")
     num_attention_heads: int = option(default=4, required=True, help="Attention heads.")
     ffn_hidden_size: Optional[int] = option(
-        default=None, help="Width of the MLP (4 x --hidden-size when unset).")
+        default=None, help="Width of the MLP (4 x --hidden-size when unset; with --swiglu "
+        "Megatron's 8/3 x --hidden-size rounded down to a multiple of 64).")
     kv_channels: Optional[int] = option(
         default=None, help="Size of each attention head (--hidden-size / "
         "--num-attention-heads when unset).")
@@ -45,6 +46,22 @@ class ModelConfig(Slice):
         "size (Megatron's rule: padding differs between tensor-parallel sizes).")
     layernorm_epsilon: float = option("--layernorm-epsilon", "--norm-epsilon", default=1e-5,
                                       help="Epsilon of the layer norms.")
+    normalization: str = option(
+        default="LayerNorm", metavar="{LayerNorm,RMSNorm}",
+        help="The layer norms: LayerNorm (GPT) or RMSNorm (Llama); Megatron-DeepSpeed's "
+        "layernorm/rmsnorm are accepted.")
+    swiglu: bool = option(default=False, help="SwiGLU feed-forward layers (Llama): "
+                          "silu(x W_gate) * (x W_up), then W_down.")
+    group_query_attention: bool = option(
+        default=False, help="Grouped-query attention: --num-query-groups key/value heads "
+        "shared by the query heads.")
+    num_query_groups: Optional[int] = option(
+        "--num-query-groups", "--num-key-value-heads", default=None, feeds=("query_groups",),
+        help="Key/value heads with --group-query-attention (1: multi-query attention); "
+        "--num-key-value-heads (Megatron-DeepSpeed) turns grouped-query attention on. "
+        "--num-attention-heads when unset.")
+    add_qkv_bias: bool = option(default=False, help="Biases on the query/key/value projection "
+                                "even with --disable-bias-linear (Qwen2).")
     hidden_dropout: float = option(default=0.1, help="Dropout after attention and MLP.")
     attention_dropout: float = option(default=0.1, help="Dropout of the attention weights.")
     init_method_std: float = option(
@@ -53,11 +70,19 @@ class ModelConfig(Slice):
         default=False, help="Give the output layer its own weights instead of the word "
         "embeddings'.")
     position_embedding_type: str = option(
-        default="learned_absolute", choices=("learned_absolute", "rope"),
-        help="Learned absolute positions (GPT-2) or rotary embeddings.")
+        default="learned_absolute", choices=("learned_absolute", "rope", "none"),
+        help="Learned absolute positions (GPT-2), rotary embeddings (Llama), or none.")
     rotary_percent: float = option(default=1.0, help="Share of each head rotated by RoPE.")
     rotary_base: int = option("--rotary-base", "--rotary-position-embeddings-theta",
                               "--rope-theta", default=10000, help="Base of RoPE's frequencies.")
+    rotary_interleaved: bool = option(
+        default=False, help="RoPE rotates adjacent channel pairs (GPT-J, Meta's Llama code) "
+        "instead of the two halves of each head (Hugging Face's, Megatron's default).")
+    use_rope_scaling: bool = option(
+        default=False, help="Llama 3.1's RoPE frequency scaling (low-frequency channels "
+        "slowed by --rope-scaling-factor, a smooth band between).")
+    rope_scaling_factor: float = option(default=8.0, help="With --use-rope-scaling: the "
+                                        "factor (Llama 3.1: 8).")
     add_bias_linear: bool = option(
         "--disable-bias-linear", default=True, action="store_false",
         help="No biases in the linear layers.")
@@ -108,12 +133,18 @@ class ModelConfig(Slice):
                 f"--tensor-model-parallel-size ({tp})")
         probability(self, "hidden_dropout", "attention_dropout")
         positive(self, "init_method_std")
-        one_of(self, "position_embedding_type", ("learned_absolute", "rope"))
+        one_of(self, "position_embedding_type", ("learned_absolute", "rope", "none"))
+        self._resolve_families()
         one_of(self, "activation", ("gelu", "gelu_tanh"))
         require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive")
         self._resolve_recompute()
         if self.ffn_hidden_size is None:
-            set_field(self, "ffn_hidden_size", 4 * self.hidden_size)
+            ffn = int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else \
+                4 * self.hidden_size
+            require(ffn > 0, f"--swiglu's default --ffn-hidden-size (8/3 x --hidden-size "
+                    f"{self.hidden_size}, rounded down to a multiple of 64) is 0: give "
+                    "--ffn-hidden-size")
+            set_field(self, "ffn_hidden_size", ffn)
         if self.kv_channels is None:
             set_field(self, "kv_channels", self.hidden_size // self.num_attention_heads)
         if self.max_position_embeddings is None:
@@ -129,6 +160,30 @@ class ModelConfig(Slice):
         require(not self.sequence_parallel or self.seq_length % tp == 0,
                 f"--sequence-parallel needs --seq-length ({self.seq_length}) divisible by "
                 f"--tensor-model-parallel-size ({tp})")
+
+    def _resolve_families(self) -> None:
+        """The Llama family's options, in both peers' spellings, checked and resolved."""
+        names = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+        require(self.normalization.lower() in names,
+                f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
+        set_field(self, "normalization", names[self.normalization.lower()])
+        heads, tp = self.num_attention_heads, self.tensor_model_parallel_size
+        # One field holds the groups: set only with grouped-query attention (a count given
+        # alone, Megatron-DeepSpeed's --num-key-value-heads, turns it on; one per head is
+        # plain multi-head attention), so a model made from this one with other heads keeps
+        # its meaning.
+        if self.num_query_groups == heads and not self.group_query_attention:
+            set_field(self, "num_query_groups", None)
+        set_field(self, "group_query_attention", self.num_query_groups is not None)
+        groups = self.query_groups
+        positive(self, "rope_scaling_factor")
+        require(groups > 0, f"--num-query-groups must be positive, got {groups}")
+        require(heads % groups == 0,
+                f"--num-attention-heads ({heads}) is not divisible by --num-query-groups "
+                f"({groups})")
+        require(groups % tp == 0,
+                f"--num-query-groups ({groups}) is not divisible by "
+                f"--tensor-model-parallel-size ({tp}): each tensor rank holds whole groups")
 
     def _resolve_recompute(self) -> None:
         one_of(self, "recompute_granularity", (None, "full", "selective"))
@@ -151,8 +206,19 @@ class ModelConfig(Slice):
 
     @property
     def projection_size(self) -> int:
-        """Width of the attention's query/key/value projection: kv_channels x heads."""
+        """Width of the attention's queries (and its output): kv_channels x heads."""
         return self.kv_channels * self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: --num-query-groups with grouped-query attention, else one per
+        query head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_projection_size(self) -> int:
+        """Width of the attention's keys (and of its values): kv_channels x query groups."""
+        return self.kv_channels * self.query_groups
 
     @property
     def params_dtype(self):

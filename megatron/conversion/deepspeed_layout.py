@@ -58,7 +58,7 @@ from megatron.conversion.full_state import (
 )
 from megatron.conversion.sharding import merge_tp
 from megatron.conversion.zero_optim import read_zero_optimizer
-from megatron.model.names import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, layer_key
+from megatron.model.names import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, layer_key, tp_parts
 
 _ZERO3_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt")
 # DeepSpeed names the tensor ("model") rank only when the topology has that axis.
@@ -103,15 +103,17 @@ def read_deepspeed_folder(folder: CheckpointFolder, true_vocab_size: Optional[in
         per_tp = [_module(state, os.path.join(step_dir, n)) for state, n in zip(states, mp_files)]
     else:
         per_tp = [_zero3_module(folder.root, step_dir, zero3_files)]
-    padded = model_config_from_dict(config["model"]).padded_vocab_size
-    model = {name: merge_tp(name, [rank[name] for rank in per_tp]) for name in per_tp[0]}
+    model_config = model_config_from_dict(config["model"])
+    padded = model_config.padded_vocab_size
+    model = {name: merge_tp(name, [rank[name] for rank in per_tp], tp_parts(name, model_config))
+             for name in per_tp[0]}
     model = repad_vocab(model, padded)
     optimizer_state = None
     if optimizer and mp_files and not theirs:
         if not layer_files:  # ZeRO 1/2 partitions under our names
-            optimizer_state = read_zero_optimizer(step_dir, states, padded)
+            optimizer_state = read_zero_optimizer(step_dir, states, model_config)
         elif len(tp_ranks) == 1:  # the pipeline's, one per stage
-            optimizer_state = read_zero_optimizer(step_dir, states, padded,
+            optimizer_state = read_zero_optimizer(step_dir, states, model_config,
                                                   stages=len(mp_files))
     train, valid = consumed_samples(first)
     return FullCheckpoint(

@@ -61,7 +61,7 @@ from megatron.conversion.sharding import (
     split_tp,
     tp_piece,
 )
-from megatron.model.names import TIED_COPY, VOCAB_TENSORS
+from megatron.model.names import TIED_COPY, VOCAB_TENSORS, tp_parts
 from megatron.model.placement import Chunk, pipeline_chunks
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def _merge_model(chunk_states: dict, layout: list[list[Chunk]], tp: int, pp: int
     per_tp = [_rank_full_names(chunk_states, layout, t, pp) for t in range(tp)]
     model = {}
     for name in per_tp[0]:
-        model[name] = merge_tp(name, [names[name] for names in per_tp])
+        model[name] = merge_tp(name, [names[name] for names in per_tp], tp_parts(name, config))
     return repad_vocab(model, config.padded_vocab_size)
 
 
@@ -233,7 +233,8 @@ def _merge_optimizer(states: dict, chunk_states: dict, layout: list[list[Chunk]]
     per_tp = [_rank_full_names(per_rank, layout, t, pp) for t in range(tp)]
     param_state = {}
     for name, entry in per_tp[0].items():
-        param_state[name] = {key: merge_tp(name, [names[name][key] for names in per_tp])
+        param_state[name] = {key: merge_tp(name, [names[name][key] for names in per_tp],
+                                           tp_parts(name, config))
                              for key in entry}
     rows = config.padded_vocab_size
     for name in set(param_state) & set(VOCAB_TENSORS):
@@ -318,17 +319,18 @@ class LayoutCut:
         self.full, self.tp, self.config, self.source = full, tp, config, source
         self.distributed, self.mixed = distributed, mixed
         model_config = model_config_from_dict(config.get("model", {}), tp)
+        self.model_config = model_config
         self.tied = not model_config.untie_embeddings_and_output_weights
         self.padded = repad_vocab(full.model, model_config.padded_vocab_size)
-        self.opt_pieces = _optimizer_pieces(full, model_config.padded_vocab_size, tp,
-                                            distributed or mixed)
+        self.opt_pieces = _optimizer_pieces(full, model_config, tp, distributed or mixed)
 
     def rank_files(self, chunks: list[Chunk], tp_rank: int,
                    pp: int) -> tuple[dict, Optional[dict]]:
         """The files of tensor rank ``tp_rank`` of the pipeline stage holding ``chunks``
         (one per virtual stage; ``pp``: the pipeline size)."""
         full = self.full
-        chunk_models = rank_chunk_models(self.padded, self.tied, self.tp, tp_rank, chunks)
+        chunk_models = rank_chunk_models(self.padded, self.model_config, self.tp, tp_rank,
+                                         chunks)
         optimizer, distrib = None, None
         if self.opt_pieces is not None:
             rank_opt = {k: {key: v[tp_rank] for key, v in e.items()}
@@ -348,12 +350,13 @@ class LayoutCut:
         return state, distrib
 
 
-def rank_chunk_models(model: dict, tied: bool, tp: int, tp_rank: int,
+def rank_chunk_models(model: dict, config: ModelConfig, tp: int, tp_rank: int,
                       chunks: list[Chunk]) -> list[dict]:
     """The state dicts of tensor rank ``tp_rank``'s model ``chunks`` (one pipeline stage, one
-    per virtual stage), from a full model whose vocabulary is padded for ``tp``: what
-    ``GPTModel`` built for each chunk at that rank loads."""
-    return [{k: tp_piece(k, v, tp, tp_rank)  # chunk names keep the suffixes that say the cut
+    per virtual stage), from a full model of ``config`` whose vocabulary is padded for
+    ``tp``: what ``GPTModel`` built for each chunk at that rank loads."""
+    tied = not config.untie_embeddings_and_output_weights
+    return [{k: tp_piece(k, v, tp, tp_rank, tp_parts(k, config))
              for k, v in full_to_chunk_names(model, chunk, tied).items()} for chunk in chunks]
 
 
@@ -386,10 +389,11 @@ def mixed_precision(config: dict) -> bool:
                 or opt.get("loss_scale") is not None)
 
 
-def _optimizer_pieces(full: FullCheckpoint, rows: int, tp: int,
+def _optimizer_pieces(full: FullCheckpoint, config: ModelConfig, tp: int,
                       needs_mains: bool) -> Optional[dict]:
     if full.optimizer is None:
         return None
+    rows = config.padded_vocab_size
     out = {}
     for name, entry in full.optimizer["param_state"].items():
         entry = dict(entry)
@@ -397,7 +401,7 @@ def _optimizer_pieces(full: FullCheckpoint, rows: int, tp: int,
             entry["param"] = full.model[name].float()
         if name in VOCAB_TENSORS:
             entry = {k: resize_vocab(v, rows) for k, v in entry.items()}
-        out[name] = {k: split_tp(name, v, tp) for k, v in entry.items()}
+        out[name] = {k: split_tp(name, v, tp, tp_parts(name, config)) for k, v in entry.items()}
     return out
 
 

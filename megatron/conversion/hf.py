@@ -1,10 +1,11 @@
-"""Hugging Face GPT-2 folders (``GPT2LMHeadModel``) to and from a ``FullCheckpoint``.
+"""Hugging Face folders to and from a ``FullCheckpoint``: GPT-2 (``GPT2LMHeadModel``) and
+the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``).
 
 Reading takes a local folder with ``config.json`` and ``model.safetensors`` or
 ``pytorch_model.bin`` (nothing is downloaded). Writing produces ``config.json`` and
-``model.safetensors`` that ``GPT2LMHeadModel.from_pretrained`` loads, with the vocabulary
-padding removed, and the tokenizer files (``vocab.json``, ``merges.txt``) copied when they are
-known. The weight mapping itself is ``megatron/model/hf_gpt2.py``'s.
+``model.safetensors`` that ``from_pretrained`` loads, with the vocabulary padding removed,
+and GPT-2's tokenizer files (``vocab.json``, ``merges.txt``) copied when they are known. The
+weight mappings themselves are ``megatron/model/hf_gpt2.py``'s and ``hf_llama.py``'s.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import torch
 from megatron.checkpointing.run_config import with_layout
 from megatron.config import to_dict
 from megatron.conversion.full import FullCheckpoint, save_full_checkpoint
+from megatron.model import hf_llama
 from megatron.model.hf_gpt2 import (
     hf_to_megatron_state_dict,
     megatron_to_hf_state_dict,
     model_config_from_hf,
 )
+
+MODEL_TYPES = ("gpt2", *hf_llama.MODEL_TYPES)
 
 # What from_pretrained reads, in its order of preference.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -50,9 +54,9 @@ def read_hf_config(hf_model_dir: str, flag: str = "--hf-model-dir") -> dict:
         raise ConversionError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise ConversionError(f"{path} must hold a JSON object, not {type(config).__name__}")
-    if config.get("model_type", "gpt2") != "gpt2":
+    if config.get("model_type", "gpt2") not in MODEL_TYPES:
         raise ConversionError(f"{path}: model_type {config['model_type']!r}; this tool "
-                              "converts GPT-2 (model_type 'gpt2')")
+                              f"converts {', '.join(repr(t) for t in MODEL_TYPES)}")
     return config
 
 
@@ -89,16 +93,18 @@ def check_weights_file(path: str) -> None:
 
 
 def load_hf_model(hf_model_dir: str, flag: str = "--hf-model-dir"):
-    """The GPT2LMHeadModel of the folder; unreadable files raise ConversionError naming them."""
-    from transformers import GPT2LMHeadModel
+    """The model of the folder (GPT2LMHeadModel, or the Llama family's by its model_type);
+    unreadable files raise ConversionError naming them."""
+    import transformers
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one model's load needs none, and errors stay readable
-    read_hf_config(hf_model_dir, flag)
+    model_type = read_hf_config(hf_model_dir, flag).get("model_type", "gpt2")
     weights = find_weights(hf_model_dir, flag)
     check_weights_file(weights)
+    name = hf_llama.ARCHITECTURES.get(model_type, "GPT2LMHeadModel")
     try:
-        return GPT2LMHeadModel.from_pretrained(hf_model_dir, local_files_only=True)
+        return getattr(transformers, name).from_pretrained(hf_model_dir, local_files_only=True)
     except Exception as e:  # safetensors, torch's unpickler and transformers each raise their own
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConversionError(f"cannot load the model from {weights} (with "
@@ -111,6 +117,8 @@ def load_hf_checkpoint(hf_model_dir: str, make_vocab_size_divisible_by: int = 12
     """A local HF GPT-2 folder as a release ``FullCheckpoint`` (weights only: train from it
     with ``--finetune``). Tokenizer files found in the folder are recorded in its config."""
     hf = load_hf_model(hf_model_dir, flag)
+    if hf.config.model_type in hf_llama.MODEL_TYPES:
+        return _llama_checkpoint(hf, make_vocab_size_divisible_by, hf_model_dir)
     model_config = model_config_from_hf(
         hf.config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         untie_embeddings_and_output_weights=not hf.config.tie_word_embeddings)
@@ -123,6 +131,19 @@ def load_hf_checkpoint(hf_model_dir: str, make_vocab_size_divisible_by: int = 12
     return FullCheckpoint(config=config,
                           model=hf_to_megatron_state_dict(hf.state_dict(), model_config),
                           release=True)
+
+
+def _llama_checkpoint(hf, make_vocab_size_divisible_by: int, hf_model_dir: str) -> FullCheckpoint:
+    """A Llama-family model as a release ``FullCheckpoint`` (its tokenizer is given to
+    training with the tokenizer flags)."""
+    try:
+        model_config = hf_llama.model_config_from_hf_llama(
+            hf.config.to_dict(), make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    except ValueError as error:
+        raise ConversionError(f"{os.path.join(hf_model_dir, 'config.json')}: {error}") from None
+    config = with_layout({"model": to_dict(model_config), "data": {}}, 1, 1)
+    model = hf_llama.hf_llama_to_megatron_state_dict(hf.state_dict(), model_config)
+    return FullCheckpoint(config=config, model=model, release=True)
 
 
 TOKENIZER_DIR = "tokenizer"  # beside the tracker file of a checkpoint converted from HF
@@ -150,11 +171,51 @@ def save_keeping_tokenizer(full: FullCheckpoint, save_dir: str, tp: int = 1, pp:
     return folder
 
 
+def _is_llama_shaped(cfg) -> bool:
+    return cfg.swiglu and cfg.normalization == "RMSNorm" and \
+        cfg.position_embedding_type == "rope"
+
+
+def _llama_hf_config(cfg):
+    """The Llama (or, with QKV biases only, Qwen2) config of a Llama-shaped model."""
+    import transformers
+
+    if cfg.rotary_interleaved or cfg.rotary_percent != 1.0:
+        raise ConversionError("a Hugging Face Llama rotates whole heads by halves: this "
+                              "checkpoint has --rotary-interleaved or --rotary-percent < 1")
+    qwen = cfg.add_qkv_bias and not cfg.add_bias_linear
+    fields = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups,
+        head_dim=cfg.kv_channels, max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.layernorm_epsilon, rope_theta=float(cfg.rotary_base),
+        initializer_range=cfg.init_method_std, attention_dropout=cfg.attention_dropout,
+        tie_word_embeddings=not cfg.untie_embeddings_and_output_weights)
+    if cfg.use_rope_scaling:
+        fields["rope_scaling"] = {
+            "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": hf_llama.LOW_FREQ_FACTOR,
+            "high_freq_factor": hf_llama.HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": hf_llama.LLAMA3_ORIGINAL_CONTEXT}
+    if qwen:
+        return transformers.Qwen2Config(**fields, architectures=["Qwen2ForCausalLM"])
+    if cfg.add_qkv_bias != cfg.add_bias_linear:
+        raise ConversionError("a Hugging Face Llama has biases on every linear layer or on "
+                              "none: this checkpoint has --add-qkv-bias with other biases")
+    return transformers.LlamaConfig(**fields, attention_bias=cfg.add_bias_linear,
+                                    mlp_bias=cfg.add_bias_linear,
+                                    architectures=["LlamaForCausalLM"])
+
+
 def hf_config_for(full: FullCheckpoint):
-    """The ``transformers.GPT2Config`` of ``full``'s model (GPT-2's shape only)."""
+    """The ``transformers`` config of ``full``'s model: a Llama-family one for RMSNorm,
+    SwiGLU and RoPE, else GPT-2's (its shape only)."""
     from transformers import GPT2Config
 
     cfg = full.model_config()
+    if _is_llama_shaped(cfg):
+        return _llama_hf_config(cfg)
     if cfg.position_embedding_type != "learned_absolute" or not cfg.add_bias_linear:
         raise ConversionError("a Hugging Face GPT-2 needs learned absolute positions and "
                               "biases: this checkpoint has --position-embedding-type "
@@ -180,23 +241,27 @@ def hf_config_for(full: FullCheckpoint):
 
 def save_hf_checkpoint(full: FullCheckpoint, save_dir: str, vocab_file: Optional[str] = None,
                        merge_file: Optional[str] = None) -> list[str]:
-    """Write ``full``'s model as an HF GPT-2 folder; returns the files written. Tokenizer
-    files come from the arguments, else from the paths the checkpoint's config recorded."""
-    from transformers import GPT2LMHeadModel
+    """Write ``full``'s model as an HF folder (GPT-2, or the Llama family's); returns the
+    files written. GPT-2's tokenizer files come from the arguments, else from the paths the
+    checkpoint's config recorded."""
+    import transformers
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_config = hf_config_for(full)
-    state = megatron_to_hf_state_dict(full.model, full.model_config())
+    model_class = getattr(transformers, hf_config.architectures[0])
+    convert = megatron_to_hf_state_dict if model_class.__name__ == "GPT2LMHeadModel" else \
+        hf_llama.megatron_to_hf_llama_state_dict
+    state = convert(full.model, full.model_config())
     if hf_config.tie_word_embeddings:
-        state.pop("lm_head.weight")  # tied: from_pretrained sets it from wte
+        state.pop("lm_head.weight")  # tied: from_pretrained sets it from the embeddings
     with torch.device("meta"):
-        model = GPT2LMHeadModel(hf_config)
+        model = model_class(hf_config)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
-        raise ConversionError(f"the converted weights do not fit GPT2LMHeadModel: missing "
-                              f"{missing}, unexpected {unexpected}")
+        raise ConversionError(f"the converted weights do not fit {model_class.__name__}: "
+                              f"missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     os.makedirs(save_dir, exist_ok=True)
     model.save_pretrained(save_dir, safe_serialization=True)

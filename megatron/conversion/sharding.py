@@ -28,34 +28,38 @@ from megatron.model.names import (
 from megatron.model.placement import Chunk
 
 
-def merge_tp(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
-    """The full tensor from each tensor-parallel rank's piece, in rank order."""
+def merge_tp(name: str, pieces: list[torch.Tensor], parts: int = 1) -> torch.Tensor:
+    """The full tensor from each tensor-parallel rank's piece, in rank order. ``parts``
+    (``names.tp_parts``): each piece is that many parts one after another, each the rank's
+    share of its own part of the full tensor (SwiGLU's ``[gate_r; up_r]``)."""
     dim = tp_split_dim(name)
     if dim is None or len(pieces) == 1:
         return pieces[0]
-    return torch.cat(pieces, dim=dim)
+    if parts == 1:
+        return torch.cat(pieces, dim=dim)
+    shares = [torch.chunk(p, parts, dim=dim) for p in pieces]
+    return torch.cat([torch.cat([s[i] for s in shares], dim=dim) for i in range(parts)],
+                     dim=dim)
 
 
-def split_tp(name: str, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
-    """Each tensor-parallel rank's piece of ``full`` (clones, so each saves on its own)."""
-    dim = tp_split_dim(name)
-    if dim is None or tp == 1:
-        return [full.clone() for _ in range(tp)]
-    if full.size(dim) % tp:
-        raise ValueError(f"{name}: size {full.size(dim)} along dimension {dim} does not split "
-                         f"over tensor-parallel size {tp}")
-    return [p.clone() for p in torch.chunk(full, tp, dim=dim)]
+def split_tp(name: str, full: torch.Tensor, tp: int, parts: int = 1) -> list[torch.Tensor]:
+    """Each tensor-parallel rank's piece of ``full`` (clones, so each saves on its own);
+    ``parts`` as for ``merge_tp``."""
+    return [tp_piece(name, full, tp, r, parts) for r in range(tp)]
 
 
-def tp_piece(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
-    """Tensor-parallel rank ``tp_rank``'s piece of ``full`` (a clone)."""
+def tp_piece(name: str, full: torch.Tensor, tp: int, tp_rank: int,
+             parts: int = 1) -> torch.Tensor:
+    """Tensor-parallel rank ``tp_rank``'s piece of ``full`` (a clone); ``parts`` as for
+    ``merge_tp``."""
     dim = tp_split_dim(name)
     if dim is None or tp == 1:
         return full.clone()
-    if full.size(dim) % tp:
+    if full.size(dim) % (tp * parts):
         raise ValueError(f"{name}: size {full.size(dim)} along dimension {dim} does not split "
                          f"over tensor-parallel size {tp}")
-    return torch.chunk(full, tp, dim=dim)[tp_rank].clone()
+    shares = [torch.chunk(part, tp, dim=dim)[tp_rank] for part in torch.chunk(full, parts, dim)]
+    return torch.cat(shares, dim=dim).clone() if parts > 1 else shares[0].clone()
 
 
 def resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:

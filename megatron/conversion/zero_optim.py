@@ -19,8 +19,9 @@ from typing import Optional
 
 import torch
 
+from megatron.config import ModelConfig
 from megatron.conversion.sharding import merge_tp, resize_vocab
-from megatron.model.names import VOCAB_TENSORS, layer_key
+from megatron.model.names import VOCAB_TENSORS, layer_key, tp_parts
 
 _OPTIM_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -28,7 +29,7 @@ _PIPE_LAYER_RE = re.compile(r"(\d+)\.layers\.0\.(.+)")
 _PIPE_FINAL_RE = re.compile(r"\d+\.(final_layernorm\..+)")
 
 
-def read_zero_optimizer(step_dir: str, model_states: list[dict], padded_vocab: int,
+def read_zero_optimizer(step_dir: str, model_states: list[dict], config: ModelConfig,
                         stages: int = 1) -> Optional[dict]:
     """The full optimizer state, or None where the files are not ZeRO 1/2's fp32 partitions
     (ZeRO-3, DeepSpeed's bf16 optimizer, no optimizer files). ``model_states``: each
@@ -58,10 +59,12 @@ def read_zero_optimizer(step_dir: str, model_states: list[dict], padded_vocab: i
                 # The tied embedding is on the first and last stage, with the same state.
                 named.setdefault(our_name(name) if stages > 1 else name, entry)
         per_tp.append(named)
-    param_state = {name: {k: merge_tp(name, [rank[name][k] for rank in per_tp])
+    param_state = {name: {k: merge_tp(name, [rank[name][k] for rank in per_tp],
+                                      tp_parts(name, config))
                           for k in entry} for name, entry in per_tp[0].items()}
+    rows = config.padded_vocab_size
     for name in set(param_state) & set(VOCAB_TENSORS):
-        param_state[name] = {k: resize_vocab(v, padded_vocab) for k, v in param_state[name].items()}
+        param_state[name] = {k: resize_vocab(v, rows) for k, v in param_state[name].items()}
     return {**meta, "param_state": param_state, "grad_scaler": None}
 
 

@@ -217,8 +217,7 @@ def load_full_state(chunks: list[nn.Module], cfg: RunConfig,
     from megatron.conversion.full import rank_chunk_models, repad_vocab
 
     m = cfg.model
-    states = rank_chunk_models(repad_vocab(dict(model), m.padded_vocab_size),
-                               not m.untie_embeddings_and_output_weights,
+    states = rank_chunk_models(repad_vocab(dict(model), m.padded_vocab_size), m,
                                cfg.parallel.tensor_model_parallel_size, _place()[0],
                                _stage_chunks(cfg))
     for chunk, state in zip(chunks, states):

@@ -24,7 +24,7 @@ from megatron.core.tensor_parallel.layers import linear
 from megatron.model.init import InitRNG
 from megatron.model.kv_cache import KVCache
 from megatron.model.layer_norm import build_layer_norm
-from megatron.model.rotary import rotary_freqs
+from megatron.model.rotary import model_rotary_freqs
 from megatron.model.transformer import ParallelTransformer, dropout
 
 
@@ -133,9 +133,7 @@ class GPTModel(nn.Module):
         cfg = self.config
         if cfg.position_embedding_type != "rope":
             return None
-        freqs = rotary_freqs(offset + seq_length, cfg.kv_channels, cfg.rotary_percent,
-                             cfg.rotary_base, device=device)
-        return freqs[offset:]
+        return model_rotary_freqs(cfg, offset + seq_length, device)[offset:]
 
     def forward(self, input_ids: Optional[torch.Tensor],
                 position_ids: Optional[torch.Tensor] = None,

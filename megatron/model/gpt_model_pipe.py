@@ -19,7 +19,7 @@ from megatron.core import tensor_parallel
 from megatron.model.gpt_batch import masked_mean_loss
 from megatron.model.gpt_model import Embedding
 from megatron.model.layer_norm import build_layer_norm
-from megatron.model.rotary import rotary_freqs
+from megatron.model.rotary import model_rotary_freqs
 from megatron.model.transformer import ParallelTransformer
 
 
@@ -42,8 +42,7 @@ class TransformerLayerPipe(ParallelTransformer):
         cfg = self.config
         freqs: Optional[torch.Tensor] = None
         if cfg.position_embedding_type == "rope":
-            freqs = rotary_freqs(hidden.size(0), cfg.kv_channels, cfg.rotary_percent,
-                                 cfg.rotary_base, device=hidden.device)
+            freqs = model_rotary_freqs(cfg, hidden.size(0), hidden.device)
         return super().forward(hidden, freqs, None)
 
 

@@ -12,7 +12,8 @@ import torch
 
 
 class KVCache:
-    """Per-layer key/value buffers ``[b, n/tp, max_sequence_length, d]``, filled from the left.
+    """Per-layer key/value buffers ``[b, g/tp, max_sequence_length, d]`` (g key/value heads:
+    the query groups), filled from the left.
 
     ``offset`` is the number of positions already in the cache (the position of the next
     token). Buffers are allocated on first use with the keys' dtype and device, so the same

@@ -1,4 +1,5 @@
-"""LayerNorm: apex's fused kernel on CUDA when installed, torch's otherwise (same numbers)."""
+"""The layer norms: LayerNorm (apex's fused kernel on CUDA when installed, torch's otherwise:
+the same numbers) or RMSNorm (``--normalization RMSNorm``, torch's)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,13 @@ def apex_layer_norm_used(config: ModelConfig, device) -> bool:
 
 
 def build_layer_norm(config: ModelConfig, *, device=None) -> nn.Module:
-    """A LayerNorm over the hidden size. Under sequence parallelism its parameters see only
-    this rank's tokens, so they are marked for a gradient all-reduce over tensor ranks."""
-    if apex_layer_norm_used(config, device):
+    """A LayerNorm (or RMSNorm) over the hidden size. Under sequence parallelism its
+    parameters see only this rank's tokens, so they are marked for a gradient all-reduce over
+    tensor ranks."""
+    if config.normalization == "RMSNorm":
+        norm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon, device=device,
+                          dtype=config.params_dtype)
+    elif apex_layer_norm_used(config, device):
         apex_cls = _apex_layer_norm_class()
         norm = apex_cls(config.hidden_size, eps=config.layernorm_epsilon).to(
             device=device, dtype=config.params_dtype)

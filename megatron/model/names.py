@@ -15,8 +15,11 @@ A whole model (tp 1, one chunk) uses the same names with global layer numbers. E
 parameters, in registration order, with the dimension each is split along over the
 tensor-parallel ranks (``LAYER_PARAMS``; QKV and ``dense_h_to_4h`` are column-parallel,
 ``dense`` and ``dense_4h_to_h`` row-parallel with a replicated bias, layer norms
-replicated); ``--disable-bias-linear`` drops the linear layers' biases. The word embeddings,
-their copy and the output layer are split over the (padded) vocabulary.
+replicated); ``--disable-bias-linear`` drops the linear layers' biases (``--add-qkv-bias``
+keeps the QKV's), RMSNorm has no bias. Under ``--swiglu`` the ``dense_h_to_4h`` rows are
+two parts, gate then up, each cut over the ranks on its own (``tp_parts``: a rank holds
+``[gate_r; up_r]``). The word embeddings, their copy and the output layer are split over
+the (padded) vocabulary.
 
 Names of other programs (Hugging Face, megatron-core, Megatron-DeepSpeed, DeepSpeed's
 pipeline) are their adapters' business; they build and parse ours through this module.
@@ -40,38 +43,63 @@ LAYER_PREFIX = "encoder.layers."
 
 class LayerParam(NamedTuple):
     """One parameter of a transformer layer: its name inside the layer, the dimension it is
-    split along over tensor-parallel ranks (None: replicated), whether it is a linear
-    layer's bias (gone under --disable-bias-linear)."""
+    split along over tensor-parallel ranks (None: replicated), and whose bias it is, if one
+    (``norm``: LayerNorm's, none under RMSNorm; ``qkv``: the QKV's, kept by --add-qkv-bias;
+    ``linear``: another linear layer's; both gone under --disable-bias-linear)."""
 
     name: str
     tp_dim: Optional[int]
-    linear_bias: bool = False
+    bias_of: Optional[str] = None
 
 
 LAYER_PARAMS = (
     LayerParam("input_layernorm.weight", None),
-    LayerParam("input_layernorm.bias", None),
+    LayerParam("input_layernorm.bias", None, "norm"),
     LayerParam("self_attention.query_key_value.weight", 0),
-    LayerParam("self_attention.query_key_value.bias", 0, True),
+    LayerParam("self_attention.query_key_value.bias", 0, "qkv"),
     LayerParam("self_attention.dense.weight", 1),
-    LayerParam("self_attention.dense.bias", None, True),
+    LayerParam("self_attention.dense.bias", None, "linear"),
     LayerParam("post_attention_layernorm.weight", None),
-    LayerParam("post_attention_layernorm.bias", None),
+    LayerParam("post_attention_layernorm.bias", None, "norm"),
     LayerParam("mlp.dense_h_to_4h.weight", 0),
-    LayerParam("mlp.dense_h_to_4h.bias", 0, True),
+    LayerParam("mlp.dense_h_to_4h.bias", 0, "linear"),
     LayerParam("mlp.dense_4h_to_h.weight", 1),
-    LayerParam("mlp.dense_4h_to_h.bias", None, True),
+    LayerParam("mlp.dense_4h_to_h.bias", None, "linear"),
 )
+SWIGLU_PARTS = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")  # [gate; up]
 _TP_DIMS = {p.name: p.tp_dim for p in LAYER_PARAMS}
 _LAYER_ORDER = {p.name: i for i, p in enumerate(LAYER_PARAMS)}
 _LAYER_KEY = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)")
 
 
+def _has(config: ModelConfig, bias_of: Optional[str]) -> bool:
+    if bias_of == "norm":
+        return config.normalization != "RMSNorm"
+    if bias_of == "qkv":
+        return config.add_bias_linear or config.add_qkv_bias
+    return bias_of is None or config.add_bias_linear
+
+
 def layer_params(config: Optional[ModelConfig] = None) -> tuple[LayerParam, ...]:
     """A layer's parameters for ``config`` (all of them without one), in model order."""
-    if config is None or config.add_bias_linear:
+    if config is None:
         return LAYER_PARAMS
-    return tuple(p for p in LAYER_PARAMS if not p.linear_bias)
+    return tuple(p for p in LAYER_PARAMS if _has(config, p.bias_of))
+
+
+def final_norm_names(config: Optional[ModelConfig] = None) -> tuple[str, ...]:
+    """The final norm's parameters (RMSNorm's weight alone)."""
+    if config is not None and config.normalization == "RMSNorm":
+        return FINAL_NORM[:1]
+    return FINAL_NORM
+
+
+def tp_parts(name: str, config: Optional[ModelConfig]) -> int:
+    """How many parts tensor ``name`` is, each cut over the tensor-parallel ranks on its own
+    (a rank holds its share of each, one after another): 2 for SwiGLU's first projection."""
+    parsed = parse_layer_key(name)
+    swiglu = config is not None and config.swiglu
+    return 2 if swiglu and parsed is not None and parsed[1] in SWIGLU_PARTS else 1
 
 
 def layer_key(layer: int, name: str) -> str:
@@ -112,7 +140,7 @@ def chunk_names(config: ModelConfig, num_layers: int, pre_process: bool,
     for layer in range(num_layers):
         names += [layer_key(layer, p.name) for p in layer_params(config)]
     if post_process:
-        names += list(FINAL_NORM)
+        names += list(final_norm_names(config))
         if config.untie_embeddings_and_output_weights:
             names.append(OUTPUT_LAYER)
         elif not pre_process:

@@ -67,7 +67,8 @@ def _forked_tracker_stream(fn: Callable, *args):
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d) + causal mask) v, on this rank's heads.
 
-    q, k, v: ``[b, n, s, d]``; output ``[b, n, s, d]``. ``attention_mask`` (optional, bool,
+    q ``[b, n, s, d]``, k and v ``[b, g, s, d]`` (g query groups, g divides n); output
+    ``[b, n, s, d]``. ``attention_mask`` (optional, bool,
     ``[b or 1, 1, s, s]``, True = masked out, Megatron's convention) replaces the causal mask.
     """
 
@@ -89,19 +90,26 @@ class CoreAttention(nn.Module):
 
     def _attend(self, q, k, v, attention_mask, p: float) -> torch.Tensor:
         if self.flash is not None and q.is_cuda and attention_mask is None:
+            # flash_attn takes fewer key/value heads than query heads as they are.
             out = self.flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                              dropout_p=p, causal=True)  # [b, s, n, d]
             return out.transpose(1, 2)
+        gqa = k.size(1) != q.size(1)  # key/value heads shared by groups of query heads
         if attention_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=p)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=p,
+                                              enable_gqa=gqa)
 
 
 class ParallelAttention(nn.Module):
     """Self-attention with a fused column-parallel QKV projection and a row-parallel output.
 
-    The QKV weight's output rows are laid out per head as ``[n, 3, d]`` so a contiguous split
-    across tensor ranks gives each rank whole heads.
+    The QKV weight's output rows are laid out per query group as ``[g, n/g + 2, d]``: the
+    group's query heads, then its key head, then its value head (Megatron's layout; with one
+    group per head, multi-head attention, ``[n, 3, d]``), so a contiguous split across tensor
+    ranks gives each rank whole groups. Key/value heads are not repeated for the query heads:
+    the attention kernels take them grouped.
     """
 
     def __init__(self, config: ModelConfig, init: InitRNG, *, device=None,
@@ -111,11 +119,15 @@ class ParallelAttention(nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.heads_per_rank = divide(config.num_attention_heads, tp)
+        self.groups_per_rank = divide(config.query_groups, tp)
         self.head_dim = config.kv_channels
+        self.rotary_interleaved = config.rotary_interleaved
         common = dict(params_dtype=config.params_dtype, device=device,
                       sequence_parallel=config.sequence_parallel, bias=config.add_bias_linear)
+        qkv_width = config.projection_size + 2 * config.kv_projection_size
         self.query_key_value = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, 3 * config.projection_size, init_method=init.normal(), **common)
+            config.hidden_size, qkv_width, init_method=init.normal(),
+            **{**common, "bias": config.add_bias_linear or config.add_qkv_bias})
         self.core_attention = CoreAttention(config)
         self.dense = tensor_parallel.RowParallelLinear(
             config.projection_size, config.hidden_size, init_method=init.scaled_normal(),
@@ -125,12 +137,15 @@ class ParallelAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotary_freqs: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 inference_cache: Optional[KVCache] = None) -> torch.Tensor:
-        qkv = self.query_key_value(x)  # [s, b, 3 * n/tp * d]
+        qkv = self.query_key_value(x)  # [s, b, (n + 2g)/tp * d]
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim)
-        q, k, v = qkv.unbind(dim=3)  # each [s, b, n/tp, d]
+        g, per_group = self.groups_per_rank, self.heads_per_rank // self.groups_per_rank
+        qkv = qkv.view(s, b, g, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(s, b, self.heads_per_rank, self.head_dim)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # each [s, b, g/tp, d]
         if rotary_freqs is not None:
-            q, k = apply_rotary_emb(q, rotary_freqs), apply_rotary_emb(k, rotary_freqs)
+            q = apply_rotary_emb(q, rotary_freqs, self.rotary_interleaved)
+            k = apply_rotary_emb(k, rotary_freqs, self.rotary_interleaved)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n/tp, s, d]
         if inference_cache is not None:
             out = self._attend_cached(q, k, v, inference_cache)
@@ -151,31 +166,44 @@ class ParallelAttention(nn.Module):
         keys start together, so later chunks of several positions get an explicit mask.
         """
         start, s = cache.offset, q.size(2)
-        keys, values = cache.append(self.layer_number, k, v)  # [b, n/tp, start + s, d]
+        keys, values = cache.append(self.layer_number, k, v)  # [b, g/tp, start + s, d]
+        gqa = keys.size(1) != q.size(1)
         if s == 1:
-            return F.scaled_dot_product_attention(q, keys, values)
+            return F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
         if start == 0:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True,
+                                                  enable_gqa=gqa)
         allowed = torch.ones(s, start + s, dtype=torch.bool, device=q.device).tril(start)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
+                                              enable_gqa=gqa)
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel)."""
+    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); with --swiglu the first
+    projection is 2 x ffn wide, each rank's part its gate rows then its up rows
+    (``[gate_r; up_r]``, Megatron's), and silu(gate) * up goes on."""
 
     def __init__(self, config: ModelConfig, init: InitRNG, *, device=None) -> None:
         super().__init__()
         common = dict(params_dtype=config.params_dtype, device=device,
                       sequence_parallel=config.sequence_parallel, bias=config.add_bias_linear)
+        self.swiglu = config.swiglu
+        width = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
         self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, config.ffn_hidden_size, init_method=init.normal(), **common)
+            config.hidden_size, width, init_method=init.normal(),
+            parts=2 if config.swiglu else 1, **common)
         self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, init_method=init.scaled_normal(),
             input_is_parallel=True, **common)
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.gelu(self.dense_h_to_4h(x), approximate=self.approximate)  # [s, b, ffn/tp]
+        y = self.dense_h_to_4h(x)  # [s, b, ffn/tp] (SwiGLU: [s, b, 2 ffn/tp])
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate=self.approximate)
         return self.dense_4h_to_h(y)  # [s, b, h]
 
 

@@ -171,18 +171,27 @@ def count_parameters(config: RunConfig) -> tuple[list[tuple[int, ...]], int]:
 def closed_form_parameters(config: RunConfig) -> tuple[int, str]:
     """The parameter count in closed form, and the formula with this model's symbols.
 
-    Per layer: two LayerNorms (2h each), QKV (3ah + 3a), attention output (ah + h), FC1
-    (fh + f), FC2 (fh + h), biases only with --add-bias-linear; then the word embeddings
-    (V h, V padded), learned positions (P h), the final LayerNorm (2h) and, untied, the
-    output layer (V h). With a = h and f = 4h: 12 L h^2 + 13 L h + V h + P h + 2 h."""
+    Per layer: two norms (2h each as LayerNorm, h as RMSNorm), QKV ((a + 2k) h + a + 2k, k
+    the key/value width: kv_channels x query groups, k = a without grouped-query attention),
+    attention output (ah + h), FC1 (fh + f; twice that with SwiGLU), FC2 (fh + h), biases
+    only with --add-bias-linear (the QKV's also with --add-qkv-bias); then the word
+    embeddings (V h, V padded), learned positions (P h), the final norm (2h or h) and,
+    untied, the output layer (V h). GPT with a = h and f = 4h: 12 L h^2 + 13 L h + V h +
+    P h + 2 h."""
     m = config.model
     h, f, a, L, V = m.hidden_size, m.ffn_hidden_size, m.projection_size, m.num_layers, \
         m.padded_vocab_size
+    k, fc1 = m.kv_projection_size, (2 if m.swiglu else 1) * m.ffn_hidden_size
+    norm = h if m.normalization == "RMSNorm" else 2 * h
     bias = 1 if m.add_bias_linear else 0
-    per_layer = 4 * h + 3 * a * h + a * h + 2 * f * h + bias * (3 * a + h + f + h)
+    qkv_bias = a + 2 * k if m.add_bias_linear or m.add_qkv_bias else 0
+    per_layer = (2 * norm + (a + 2 * k) * h + a * h + fc1 * h + f * h + qkv_bias
+                 + bias * (h + fc1 + h))
     pos = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else 0
     heads = 2 if m.untie_embeddings_and_output_weights else 1
-    total = L * per_layer + heads * V * h + pos * h + 2 * h
+    total = L * per_layer + heads * V * h + pos * h + norm
+    if not _gpt_shaped(m):
+        return total, _family_text(m, pos, heads)
     if a == h and f == 4 * h and bias and heads == 1:
         text = "12 L h^2 + 13 L h + V h + P h + 2 h" if pos else "12 L h^2 + 13 L h + V h + 2 h"
     else:
@@ -194,6 +203,27 @@ def closed_form_parameters(config: RunConfig) -> tuple[int, str]:
 
 
 # ----------------------------------------------------------------------------- memory
+
+
+def _gpt_shaped(m) -> bool:
+    return not (m.swiglu or m.group_query_attention or m.normalization == "RMSNorm"
+                or m.add_qkv_bias)
+
+
+def _family_text(m, pos: int, heads: int) -> str:
+    """The closed form's text for Llama-family options (SwiGLU, GQA, RMSNorm)."""
+    n = "h" if m.normalization == "RMSNorm" else "2h"  # one norm's parameters
+    norms = "2h" if m.normalization == "RMSNorm" else "4h"
+    fc1 = "2fh" if m.swiglu else "fh"
+    biases = " + a + 2k" if m.add_bias_linear or m.add_qkv_bias else ""
+    if m.add_bias_linear:
+        biases += " + 2h + " + ("2f" if m.swiglu else "f")
+    text = (f"L ({norms} + (a + 2k) h + ah + {fc1} + fh{biases}) + "
+            + ("2 " if heads == 2 else "") + "V h" + (" + P h" if pos else "") + f" + {n}")
+    symbols = (f"L={m.num_layers}, h={m.hidden_size}, V={m.padded_vocab_size} (padded), "
+               f"a={m.projection_size}, k={m.kv_projection_size}, f={m.ffn_hidden_size}"
+               + (f", P={pos}" if pos else ""))
+    return f"{text} with {symbols}"
 
 
 def bytes_of(dtype: torch.dtype) -> int:

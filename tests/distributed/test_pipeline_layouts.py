@@ -137,11 +137,18 @@ LAYOUTS = {  # name -> (world size, flags)
                               "--use-distributed-optimizer": True}),
 }
 RESUMED = ("pp2", "pp4-vp2")  # trained 10 iterations, and 5 + checkpoint + 5
+# The Llama family's options (untied embeddings: no copy on the last stage) on the pipeline.
+LLAMA_LAYOUTS = {
+    "llama-pp2": (2, {"--pipeline-model-parallel-size": 2, **training_utils.LLAMA_FLAGS}),
+    "llama-tp2pp2": (4, {"--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 2,
+                         **training_utils.LLAMA_FLAGS}),
+}
+ALL_LAYOUTS = {**LAYOUTS, **LLAMA_LAYOUTS}
 
 
 def runs_for(world: int, corpus, cache, save_root) -> dict[str, list[str]]:
     runs = {}
-    for name, (size, flags) in LAYOUTS.items():
+    for name, (size, flags) in ALL_LAYOUTS.items():
         if size != world:
             continue
         if name not in RESUMED:
@@ -166,7 +173,8 @@ def spawn(corpus, cache, tmp_path_factory):
         if world not in done:
             save_root = get.save_roots[world] = str(tmp_path_factory.mktemp(f"save{world}"))
             runs = runs_for(world, corpus, cache, save_root) if world > 1 else {
-                "reference": base_argv(corpus, cache, **{"--train-iters": 2 * ITERS})}
+                "reference": base_argv(corpus, cache, **{"--train-iters": 2 * ITERS}),
+                "reference-llama": base_argv(corpus, cache, **training_utils.LLAMA_FLAGS)}
             done[world] = run_distributed(_train_all, world, runs, timeout=400.0)
         return done[world]
     get.save_roots = {}
@@ -175,12 +183,16 @@ def spawn(corpus, cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(spawn):
-    run = spawn(1)[0]["reference"]
+    return _reference(spawn, "reference")
+
+
+def _reference(spawn, name: str) -> dict:
+    run = spawn(1)[0][name]
     losses = [loss for loss, *_ in run["steps"]]
     assert losses[-1] < losses[0], "the reference run does not learn"
     params_norms = [norm for *_, norm in run["steps"]]
     assert params_norms[0] > 1.0 and params_norms[-1] != params_norms[0]
-    assert len(run["evaluations"]) == 2  # at iterations 5 and 10
+    assert len(run["evaluations"]) == (2 if name == "reference" else 1)  # at 5 and 10
     return run
 
 
@@ -192,12 +204,14 @@ def assert_close_runs(got: list, expected: list, rel: float = 1e-5) -> None:
 
 
 def results(spawn, name: str) -> list[dict]:
-    world = LAYOUTS[name.removesuffix("-resumed").removesuffix("-first-half")][0]
+    world = ALL_LAYOUTS[name.removesuffix("-resumed").removesuffix("-first-half")][0]
     return [rank_results[name] for rank_results in spawn(world)]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(ALL_LAYOUTS))
 def test_layout_matches_one_process(spawn, reference, name):
+    if name in LLAMA_LAYOUTS:
+        reference = _reference(spawn, "reference-llama")
     ranks = results(spawn, name)
     for other in ranks[1:]:  # every rank reports the same reduced loss and norm
         assert other["steps"] == ranks[0]["steps"]

@@ -1,6 +1,7 @@
 """Every (tensor, data) layout trains the same model: losses, grad norms and params norms
 (--log-params-norm) through the real pretrain() entry equal the one-process run within 1e-5
-relative (fp32)."""
+relative (fp32), for GPT and for the Llama family's options (RMSNorm, SwiGLU, grouped-query
+attention, RoPE, untied, no biases) on the layouts that cut them."""
 
 import math
 
@@ -40,28 +41,49 @@ def assert_same_run(got, expected, rel=1e-5):
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("cache"))
-    run = train(1, base_argv(corpus, cache))
-    losses = [loss for loss, *_ in run]
-    assert losses[-1] < losses[0], "the reference run does not learn"
-    params_norms = [norm for *_, norm in run]
-    assert params_norms[0] > 1.0 and params_norms[-1] != params_norms[0]
-    return cache, run
+    """``reference(family)``: (cache folder, the family's flags, its one-process run), run
+    once per family."""
+    runs = {}
+
+    def get(name: str):
+        if name not in runs:
+            family = training_utils.FAMILIES[name]
+            cache = str(tmp_path_factory.mktemp("cache"))
+            run = train(1, base_argv(corpus, cache, **family))
+            losses = [loss for loss, *_ in run]
+            assert losses[-1] < losses[0], "the reference run does not learn"
+            params_norms = [norm for *_, norm in run]
+            assert params_norms[0] > 1.0 and params_norms[-1] != params_norms[0]
+            runs[name] = cache, family, run
+        return runs[name]
+    return get
 
 
-@pytest.mark.parametrize("world,flags", [
-    (2, {"--tensor-model-parallel-size": 2}),
-    (2, {}),  # dp = 2
-    (4, {"--tensor-model-parallel-size": 2}),  # tp = 2, dp = 2
-    (2, {"--use-distributed-optimizer": True}),
-    (2, {"--tensor-model-parallel-size": 2, "--sequence-parallel": True}),
-    (2, {"--overlap-grad-reduce": True, "--micro-batch-size": 1}),
-], ids=["tp2", "dp2", "tp2dp2", "dp2-distopt", "tp2-seqpar", "dp2-overlap-accum"])
-def test_layout_matches_single_process(corpus, reference, world, flags):
-    cache, expected = reference
-    assert_same_run(train(world, base_argv(corpus, cache, **flags)), expected)
+LAYOUTS = {
+    "tp2": (2, {"--tensor-model-parallel-size": 2}),
+    "dp2": (2, {}),
+    "tp2dp2": (4, {"--tensor-model-parallel-size": 2}),
+    "dp2-distopt": (2, {"--use-distributed-optimizer": True}),
+    "tp2-seqpar": (2, {"--tensor-model-parallel-size": 2, "--sequence-parallel": True}),
+    "dp2-overlap-accum": (2, {"--overlap-grad-reduce": True, "--micro-batch-size": 1}),
+}
+# The Llama family runs the layouts that cut its parameters differently: heads and query
+# groups and SwiGLU's [gate; up] over tensor ranks, RMSNorm under sequence parallelism, the
+# distributed optimizer's shards of them.
+CASES = [("gpt", name) for name in LAYOUTS] + [
+    ("llama", name) for name in ("tp2", "tp2-seqpar", "dp2-distopt")]
 
 
-def test_gradient_accumulation_equals_one_big_micro_batch(corpus, reference):
-    cache, expected = reference  # global batch 8 = 4 micro-batches of 2
-    assert_same_run(train(1, base_argv(corpus, cache, **{"--micro-batch-size": 8})), expected)
+@pytest.mark.parametrize("family,layout", CASES, ids=[f"{f}-{n}" if f != "gpt" else n
+                                                      for f, n in CASES])
+def test_layout_matches_single_process(corpus, reference, family, layout):
+    cache, flags, expected = reference(family)
+    world, layout_flags = LAYOUTS[layout]
+    assert_same_run(train(world, base_argv(corpus, cache, **flags, **layout_flags)), expected)
+
+
+@pytest.mark.parametrize("family", list(training_utils.FAMILIES))
+def test_gradient_accumulation_equals_one_big_micro_batch(corpus, reference, family):
+    cache, flags, expected = reference(family)  # global batch 8 = 4 micro-batches of 2
+    assert_same_run(train(1, base_argv(corpus, cache, **flags, **{"--micro-batch-size": 8})),
+                    expected)

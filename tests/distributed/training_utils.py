@@ -94,6 +94,16 @@ def base_argv(corpus: dict, cache_dir: str, **overrides) -> list[str]:
     return flags_to_argv(flags) + corpus["tokenizer_flags"]
 
 
+# The Llama family's options (issue 32) on the same tiny model: what the layout tests run
+# beside GPT's flags as a model-family parameter.
+LLAMA_FLAGS = {
+    "--normalization": "RMSNorm", "--swiglu": True, "--group-query-attention": True,
+    "--num-query-groups": 2, "--position-embedding-type": "rope",
+    "--untie-embeddings-and-output-weights": True, "--disable-bias-linear": True,
+}
+FAMILIES = {"gpt": {}, "llama": LLAMA_FLAGS}
+
+
 def flags_to_argv(flags: dict) -> list[str]:
     """Command-line flags from ``{flag: value}``: True gives the bare flag, None and False
     leave it out, anything else gives ``flag str(value)``."""

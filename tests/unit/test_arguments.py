@@ -401,14 +401,38 @@ def test_peers_spellings_of_our_features_are_accepted(capsys):
         assert f"> {given} is accepted for compatibility and has no effect" in said, given
 
 
+def test_llama_flags_in_both_peers_spellings():
+    """Megatron-LM's Llama script flags and Megatron-DeepSpeed's pretrain_llama2 ones give the
+    same model; wrong group counts are refused with the numbers."""
+    mlm = parse(*("--position-embedding-type rope --normalization RMSNorm --swiglu "
+                  "--group-query-attention --num-query-groups 2 --untie-embeddings-and-output-"
+                  "weights --disable-bias-linear --ffn-hidden-size 64").split()).model
+    mds = parse(*("--use-rotary-position-embeddings --normalization rmsnorm --swiglu "
+                  "--num-key-value-heads 2 --untie-embeddings-and-output-weights "
+                  "--disable-bias-linear --ffn-hidden-size 64").split()).model
+    assert mlm == mds
+    assert (mlm.normalization, mlm.query_groups, mlm.group_query_attention) == \
+        ("RMSNorm", 2, True)
+    assert mlm.kv_projection_size == 2 * mlm.kv_channels
+    plain = parse().model
+    assert (plain.query_groups, plain.num_query_groups, plain.group_query_attention) == \
+        (4, None, False)
+    assert parse(*"--hidden-size 96 --swiglu".split()).model.ffn_hidden_size == 256  # 8/3 h
+    assert_names(error_of([*BASE, "--num-query-groups", "3"]), "--num-attention-heads (4)",
+                 "--num-query-groups (3)")
+    assert_names(error_of([*BASE, "--num-query-groups", "1", "--tensor-model-parallel-size",
+                           "2"], world_size=2), "--num-query-groups (1)",
+                 "--tensor-model-parallel-size (2)")
+    assert_names(error_of([*BASE, "--normalization", "BatchNorm"]), "--normalization",
+                 "BatchNorm")
+    assert_names(error_of([*BASE, "--swiglu"]), "--swiglu's default --ffn-hidden-size")
+    assert parse("--no-position-embedding").model.position_embedding_type == "none"
+
+
 @pytest.mark.parametrize("flags, said", [
-    ("--swiglu", "--swiglu: not supported yet (SwiGLU feed-forward layers; planned with the "
-     "Llama-family models)"),
-    ("--group-query-attention --num-query-groups 8", "--group-query-attention: not supported "
-     "yet (grouped-query attention; planned with the Llama-family models); --num-query-groups:"
-     " not supported yet"),
-    ("--normalization RMSNorm", "--normalization RMSNorm: not supported yet (only LayerNorm; "
-     "RMSNorm is planned with the Llama-family models)"),
+    ("--squared-relu", "--squared-relu: not supported yet (squared-ReLU feed-forward "
+     "layers)"),
+    ("--qk-layernorm", "--qk-layernorm: not supported yet (layer norms on queries and keys)"),
     ("--moe-router-topk 2", "--moe-router-topk: not supported yet (mixture-of-experts layers"),
     ("--context-parallel-size 2", "--context-parallel-size: not supported yet (context "
      "parallelism"),
@@ -420,10 +444,9 @@ def test_flags_of_features_we_lack_say_so_instead_of_guessing(flags, said):
 
 
 def test_a_typo_next_to_a_missing_feature_gets_both_answers():
-    message = error_of([*BASE, "--swiglu", "--hiden-size", "8"])
-    assert message == ("--swiglu: not supported yet (SwiGLU feed-forward layers; planned with "
-                       "the Llama-family models); unrecognized arguments: --hiden-size (did you "
-                       "mean --hidden-size?)")
+    message = error_of([*BASE, "--qk-layernorm", "--hiden-size", "8"])
+    assert message == ("--qk-layernorm: not supported yet (layer norms on queries and keys); "
+                       "unrecognized arguments: --hiden-size (did you mean --hidden-size?)")
     # Another feature's flag is not offered as the answer to a flag we do not know (at the
     # old cut-off this was "did you mean --log-timers-to-tensorboard?").
     assert "did you mean" not in error_of([*BASE, "--log-optimizer-states-to-tensorboard"])

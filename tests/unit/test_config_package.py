@@ -76,6 +76,10 @@ NEW_FLAGS = {
     "--dist-ckpt-format", "--no-mmap-bin-files", "--use-flash-attn-v1", "--use-flash-attn-triton",
     "--normalization", "--overlap-p2p-communication", "--no-overlap-p2p-communication",
     "--no-rope-fusion", "--auto-detect-ckpt-format", "--transformer-impl", "--DDP-impl",
+    # Issue 32: the Llama family's options, in both peers' spellings.
+    "--swiglu", "--group-query-attention", "--num-query-groups",
+    "--num-key-value-heads", "--add-qkv-bias", "--rotary-interleaved", "--use-rope-scaling",
+    "--rope-scaling-factor", "--no-position-embedding",
 }
 
 

@@ -49,7 +49,10 @@ def allreduce_embedding_grads(model_chunks: Sequence[nn.Module]) -> None:
         chunk = model_chunks[-1]
     else:
         chunk = model_chunks[0]
-    getter = getattr(unwrap_model(chunk), "shared_embedding_or_output_weight", None)
+    model = unwrap_model(chunk)
+    if not getattr(model, "share_embeddings_and_output_weights", True):
+        return  # untied: every stage of the group knows it, none waits for the other
+    getter = getattr(model, "shared_embedding_or_output_weight", None)
     weight = getter() if callable(getter) else None
     if weight is None:
         return

@@ -64,13 +64,16 @@ def _tp_world_and_rank(group) -> tuple[int, int]:
 
 
 def _init_sharded(param: torch.Tensor, full_shape: tuple[int, ...], dim: int, world: int,
-                  rank: int, init_method: Optional[InitMethod]) -> None:
-    """Fill ``param`` with this rank's slice of a full master weight drawn by init_method."""
+                  rank: int, init_method: Optional[InitMethod], parts: int = 1) -> None:
+    """Fill ``param`` with this rank's slice of a full master weight drawn by init_method
+    (``parts``: the master is that many parts along ``dim``, a rank holding its slice of
+    each, one after another), so every tensor-parallel size starts from the same model."""
     if init_method is None or param.device.type == "meta":
         return
     master = torch.empty(full_shape, dtype=torch.float32)
     init_method(master)
-    shard = master.chunk(world, dim=dim)[rank]
+    shard = torch.cat([part.chunk(world, dim=dim)[rank] for part in master.chunk(parts, dim)],
+                      dim=dim)
     with torch.no_grad():
         param.copy_(shard)
 
@@ -220,7 +223,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, init_method: Optional[InitMethod],
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
-                 tp_group=None) -> None:
+                 tp_group=None, parts: int = 1) -> None:
+        """``parts``: the output is that many parts (SwiGLU's gate and up), each split over
+        the ranks on its own: a rank's rows are its share of each, one after another."""
         super().__init__()
         self.tp_group = tp_group
         world, rank = _tp_world_and_rank(tp_group)
@@ -234,7 +239,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, **kw))
         set_tensor_model_parallel_attributes(self.weight, True, dim=0)
         mark_layer_weight(self.weight)
-        _init_sharded(self.weight, (output_size, input_size), 0, world, rank, init_method)
+        _init_sharded(self.weight, (output_size, input_size), 0, world, rank, init_method,
+                      parts)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, **kw))
             set_tensor_model_parallel_attributes(self.bias, True, dim=0)
