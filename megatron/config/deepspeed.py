@@ -1,6 +1,6 @@
 """Megatron-DeepSpeed's DeepSpeed flags: the engine behind ``--deepspeed``.
 
-The flags select DeepSpeed's engine (``megatron/integrations/deepspeed.py``, the one module
+The flags select DeepSpeed's engine (``megatron/integrations/deepspeed/``, the one package
 that imports deepspeed): ZeRO stages 0-3, its pipeline engine, its activation checkpointing
 and its checkpoints. The JSON file named by ``--deepspeed_config`` is read and checked against
 these flags by that module, before any process group exists; the rules that need only flags

@@ -212,7 +212,7 @@ class RunConfig:
 
     def _check_deepspeed(self) -> None:
         """What DeepSpeed's engine cannot combine with (the rules that need its JSON file are
-        in megatron/integrations/deepspeed.py)."""
+        in megatron/integrations/deepspeed/)."""
         if not self.deepspeed.deepspeed:
             return
         p, pp = self.parallel, self.parallel.pipeline_model_parallel_size

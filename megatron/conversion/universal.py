@@ -16,7 +16,7 @@ The folder itself is ``megatron/checkpointing/universal.py``'s. Here:
   tensor/pipeline/data layout: this rank's parameters are read and cut by the same code that
   writes converted checkpoints (``conversion.full.LayoutCut``), then loaded as a checkpoint
   file of this layout would be (``checkpointing.load.load_built_state``).
-- For ``--deepspeed`` (``integrations/deepspeed.py``): ``universal_checkpoint_info``, the
+- For ``--deepspeed`` (``integrations/deepspeed/``): ``universal_checkpoint_info``, the
   description our DeepSpeed saves carry so that ``ds_to_universal.py`` joins tensor-parallel
   pieces as our model cuts them, and ``engine_names`` / ``check_engine_files``.
 

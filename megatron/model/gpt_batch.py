@@ -1,5 +1,5 @@
 """GPT's micro-batch and loss, one of each: pretrain_gpt.py's callbacks and DeepSpeed's
-pipeline engine (megatron/integrations/deepspeed.py) both read a sample through
+pipeline engine (megatron/integrations/deepspeed/) both read a sample through
 ``gpt_batch`` and reduce per-token losses through ``masked_mean_loss``."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """GPT's layers one by one, for a pipeline engine that owns the stages (DeepSpeed's
-``PipelineModule``, assembled in megatron/integrations/deepspeed.py).
+``PipelineModule``, assembled in megatron/integrations/deepspeed/).
 
 The modules are GPTModel's own (Embedding, ParallelTransformer, the final LayerNorm), built
 with the same initialisation streams, so a run through this list computes what GPTModel does.

@@ -1,4 +1,4 @@
-"""The manifest of a DeepSpeed checkpoint folder (megatron/integrations/deepspeed.py), in one
+"""The manifest of a DeepSpeed checkpoint folder (megatron/integrations/deepspeed/), in one
 process: it lists every file under the folder, and verification names a damaged, short or
 missing file; --no-verify-checkpoint (checksums off) still catches a wrong size; a folder
 without a manifest (DeepSpeed's own) passes with a warning."""
@@ -12,7 +12,7 @@ import pytest
 from megatron.checkpointing.errors import CheckpointCorruptError
 from megatron.checkpointing.folder import folder_digests
 from megatron.checkpointing.manifest import build_manifest, write_manifest
-from megatron.integrations.deepspeed import _verify_deepspeed_folder
+from megatron.integrations.deepspeed.engine import _verify_deepspeed_folder
 
 FILES = {"mp_rank_00_model_states.pt": b"weights" * 50,
          "zero_pp_rank_1_mp_rank_00_optim_states.pt": b"moments" * 70,

@@ -170,7 +170,7 @@ class _CheckpointFunction(torch.autograd.Function):
 
 
 # An engine with its own recompute (DeepSpeed's activation checkpointing, configured with the
-# tracker above by megatron/integrations/deepspeed.py) replaces the built-in one here; None:
+# tracker above by megatron/integrations/deepspeed/) replaces the built-in one here; None:
 # the built-in one.
 _CHECKPOINT_IMPL: Optional[Callable[..., Any]] = None
 
