@@ -87,8 +87,8 @@ def _finetune(rank, world_size, argv):
     return [h["losses"]["lm loss"] for h in pretrain_gpt.main(argv).history if h["losses"]]
 
 
-LAYOUTS = [("llama", 1, 1), ("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2),
-           ("mistral", 2, 2), ("qwen2", 2, 2)]
+# tp 1 is the logits test's; Mistral's weights are Llama's (its logits test covers them).
+LAYOUTS = [("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2), ("qwen2", 2, 2)]
 
 
 @pytest.mark.slow

@@ -54,17 +54,20 @@ def test_a_worker_killed_by_sigkill_restarts_and_ends_with_the_uninterrupted_los
     assert "connectFullMesh" not in log and "> torchrun restarted the workers" in log
 
 
-# Ten kills, cheap: 12 iterations, a checkpoint every 3; each try is about 8 s.
+# Kills, cheap: 12 iterations, a checkpoint every 3; each try is about 8 s. Four tries here
+# (both ranks, four kill points); the ten-try run is the benchmark's: python
+# benchmarks/torchrun_restarts.py --tries 10 --rdzv static --max-restarts 1 --num-workers 2
 SHORT = {"iters": 12, "save_interval": 3, "num_workers": 2}
+TRIES = int(os.environ.get("MEGATRON_KILL_TRIES", "4"))
 
 
-def test_ten_kill_9s_with_dataloader_workers_each_recover_with_one_restart(tmp_path):
+def test_kill_9s_with_dataloader_workers_each_recover_with_one_restart(tmp_path):
     """Rank 0's DataLoader workers (forked after it took the --save lock) outlive a killed
     rank 0 by seconds; the next attempt must still get the lock, so --max-restarts 1 is enough
     (before issue 30 all such tries ended "--save ... is in use by another run")."""
     reference = restarts.run_uninterrupted(str(tmp_path / "uninterrupted"), **SHORT)
     failed = []
-    for n in range(10):
+    for n in range(TRIES):
         plan = restarts.KillPlan(rank=n % 2, when="step", after_iteration=4 + n % 5,
                                  delay=0.1 * (n % 3))
         folder = str(tmp_path / f"try{n}")
