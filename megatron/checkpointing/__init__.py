@@ -42,17 +42,22 @@ Python values.
 ``--load`` reads it, and Megatron-LM's own, at any tensor/pipeline/data-parallel size. The
 manifest, the temporary folder and the publishing are the same.
 
-Modules: ``folder`` (the one owner of the folder layout of each format: tracker files,
-iteration folders, the latest complete checkpoint, publishing; other formats register
-there), ``paths`` (file names, --save checks), ``files`` (atomic writes, checksums, safe
-reads), ``ranks`` (this rank's place, collectives), ``contents`` (what a file holds), ``rng``,
-``manifest`` (verification), ``model_shape``, ``save``, ``load``, ``retention`` (leftovers,
-pruning, best), ``torch_dist`` (that format; ``mcore_layout``: megatron-core's names and
-layouts, ``dcp``: boxes of global tensors through torch.distributed.checkpoint),
-``universal`` (DeepSpeed's universal checkpoint folders: finding and reading them; loading
-one is ``megatron/conversion/universal.py``'s).
+Formats are objects (``format.Format``: recognise a folder, its layout and stored config,
+start a save, load a rank's part, read the whole, say whether it loads at a layout), one
+subpackage each under ``formats/`` (``torch``, ``torch_dist``, ``deepspeed``), registered by
+name; save, load, generation, evaluation and conversion reach them only through the registry
+(``format_named``) and ``folder.format``. What every format shares stays here: ``folder``
+(the folder layout: tracker files, iteration folders, the latest complete checkpoint,
+publishing), ``format`` (the protocol and the registry), ``paths`` (file names, --save
+checks), ``files`` (atomic writes, checksums, safe reads), ``ranks`` (this rank's place,
+collectives), ``contents`` (what a rank file holds), ``rng``, ``manifest`` (verification),
+``model_shape``, ``run_config``, ``full_state`` (``FullCheckpoint``: a whole checkpoint at tp 1
+/ pp 1), ``optim_state`` (optimizer state by parameter name), ``publish`` (a save job's
+folder and publishing), ``async_save``, ``save`` and ``load`` (the drivers), ``retention``
+(leftovers, pruning, best), ``lock``.
 """
 
+from megatron.checkpointing import formats  # noqa: F401 - registers the formats
 from megatron.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -60,20 +65,19 @@ from megatron.checkpointing.errors import (
 )
 from megatron.checkpointing.folder import (
     CheckpointFolder,
-    FolderFormat,
     Tracker,
-    check_load_dir,
     checkpoint_at,
     checkpoint_path,
     iteration_dir_name,
     latest_checkpoint,
     list_iterations,
     read_tracker,
-    register_format,
 )
+from megatron.checkpointing.format import Format, format_named, register_format
 from megatron.checkpointing.load import (
     LoadedCheckpoint,
     LoadReport,
+    check_load_dir,
     checkpoint_model_settings,
     load_checkpoint,
     load_checkpoint_config,
@@ -98,7 +102,6 @@ from megatron.checkpointing.retention import (
     update_best_checkpoint,
 )
 from megatron.checkpointing.save import reserve_host_buffers, save_checkpoint
-from megatron.checkpointing.torch_dist import TORCH_DIST  # noqa: F401 - registers the format
 
 __all__ = [
     "BEST_FILENAME",
@@ -112,7 +115,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFolder",
     "CheckpointLayoutError",
-    "FolderFormat",
+    "Format",
     "LoadReport",
     "LoadedCheckpoint",
     "Tracker",
@@ -121,6 +124,7 @@ __all__ = [
     "checkpoint_at",
     "checkpoint_model_settings",
     "checkpoint_path",
+    "format_named",
     "iteration_dir_name",
     "latest_checkpoint",
     "list_iterations",

@@ -10,12 +10,13 @@ and a tracker file that names the latest. Two namings exist (``Naming``)::
     latest_checkpointed_iteration.txt  "100"   latest  "global_step100"
     iter_0000100/   (or release/)              global_step100/
 
-What an iteration folder holds tells its *format* (``FolderFormat``, registered by name)::
+What an iteration folder holds tells its *format* (``format.Format``; each is a subpackage of
+``formats/`` that registers itself)::
 
     torch       mp_rank_TT[_PPP]/model_optim_rng.pt (+ distrib_optim.pt): Megatron's layout,
-                written by save.py
+                written by formats/torch
     torch_dist  .metadata, __R_I.distcp, common.pt, metadata.json: Megatron-LM's
-                dist_checkpointing; its module registers it with ``register_format``
+                dist_checkpointing
     deepspeed   mp_rank_XX_model_states.pt, zero_pp_rank_*, layer_*: DeepSpeed's engine
 
 Every folder we write also holds ``manifest.json`` (manifest.py: each file's size and CRC-32,
@@ -53,7 +54,6 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 from megatron.checkpointing.errors import CheckpointError
@@ -61,9 +61,9 @@ from megatron.checkpointing.files import (
     FileDigest,
     file_digest,
     fsync_dir,
-    read_torch,
     write_text_atomic,
 )
+from megatron.checkpointing.format import Format, registered_formats
 from megatron.checkpointing.manifest import (
     manifest_layout,
     read_manifest,
@@ -73,7 +73,6 @@ from megatron.checkpointing.manifest import (
 from megatron.checkpointing.paths import (
     MANIFEST_FILENAME,
     MODEL_FILENAME,
-    MP_RANK_RE,
     TRACKER_FILENAME,
     mp_rank_dir_name,
 )
@@ -144,140 +143,15 @@ DEEPSPEED = Naming(DEEPSPEED_TRACKER_FILENAME, "global_step", 1, tracker_names_f
 # Formats: what an iteration folder holds ---------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class FolderFormat:
-    """One checkpoint format: how to tell its folders by their files, and what can be read
-    from a folder without loading the model (``layout``: the (tensor, pipeline) sizes it was
-    saved with; ``stored_config``: its run configuration when it has no manifest;
-    ``common``: the top-level entries every rank shares, such as the schedule and the
-    counters, without reading the weights)."""
-
-    name: str
-    naming: Naming
-    recognise: Callable[[str], bool]
-    layout: Callable[[str], tuple[int, int]]
-    stored_config: Callable[[str], Optional[dict]]
-    common: Callable[[str], dict]
-
-
-_FORMATS: dict[str, FolderFormat] = {}
-
-
-def register_format(fmt: FolderFormat) -> None:
-    """Make ``fmt`` known to ``latest_checkpoint`` and friends (a module that reads and writes
-    a format calls this at import)."""
-    _FORMATS[fmt.name] = fmt
-
-
-def _torch_layout(iter_dir: str) -> tuple[int, int]:
-    found = [m for m in map(MP_RANK_RE.fullmatch, sorted(os.listdir(iter_dir))) if m]
-    if not found:
-        hint = ""
-        if glob.glob(os.path.join(iter_dir, "*model_states.pt")):
-            hint = " (it looks like a DeepSpeed checkpoint: load it with --deepspeed)"
-        raise CheckpointError(f"{iter_dir} has no mp_rank_* folders{hint}")
-    tp = 1 + max(int(m.group(1)) for m in found)
-    pp = 1 + max(int(m.group(2)) if m.group(2) else 0 for m in found)
-    return tp, pp
-
-
-def _torch_common(iter_dir: str) -> dict:
-    """Rank (0, 0)'s model_optim_rng.pt, memory-mapped: no tensor is read."""
-    _, pp = _torch_layout(iter_dir)
-    return read_torch(os.path.join(iter_dir, mp_rank_dir_name(0, 0, pp), MODEL_FILENAME),
-                      mmap=True)
-
-
-def _torch_config(iter_dir: str) -> Optional[dict]:
-    from megatron.checkpointing.contents import stored_config
-
-    return stored_config(_torch_common(iter_dir))
-
-
-def _recognise_torch(iter_dir: str) -> bool:
-    return any(MP_RANK_RE.fullmatch(n) and os.path.isdir(os.path.join(iter_dir, n))
-               for n in os.listdir(iter_dir))
-
-
-_DS_MP_FILE_RE = re.compile(r"mp_rank_(\d{2})_model_states\.pt")
-_DS_ZERO3_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt")
-
-
-def _deepspeed_files(iter_dir: str) -> list[str]:
-    return sorted(n for n in os.listdir(iter_dir) if n.endswith("model_states.pt"))
-
-
-def _deepspeed_state_files(iter_dir: str) -> tuple[list[str], list[str]]:
-    names = _deepspeed_files(iter_dir)
-    return ([n for n in names if _DS_MP_FILE_RE.fullmatch(n)],
-            [n for n in names if _DS_ZERO3_FILE_RE.fullmatch(n)])
-
-
-def deepspeed_model_state_files(iter_dir: str) -> tuple[list[str], list[str]]:
-    """The names of a DeepSpeed folder's ``mp_rank_XX_model_states.pt`` files (the engine's
-    and the client state, one per model-parallel rank) and of ZeRO-3's
-    ``zero_pp_rank_N_mp_rank_XX_model_states.pt`` (in their place), each sorted; a
-    ``CheckpointError`` without either."""
-    mp_files, zero3_files = _deepspeed_state_files(iter_dir)
-    if not mp_files and not zero3_files:
-        raise CheckpointError(f"{iter_dir} has no mp_rank_XX_model_states.pt (nor ZeRO-3's "
-                              "zero_pp_rank_N_mp_rank_XX_model_states.pt): not a DeepSpeed "
-                              "checkpoint")
-    return mp_files, zero3_files
-
-
-def _deepspeed_common(iter_dir: str) -> dict:
-    """The first model-parallel rank's model-states file (memory-mapped), which holds the
-    engine's client state."""
-    mp_files, zero3_files = deepspeed_model_state_files(iter_dir)
-    return read_torch(os.path.join(iter_dir, (mp_files or zero3_files)[0]), mmap=True)
-
-
-def _deepspeed_config(iter_dir: str) -> Optional[dict]:
-    from megatron.checkpointing.contents import stored_config
-
-    if not any(_deepspeed_state_files(iter_dir)):
-        return None
-    return stored_config(_deepspeed_common(iter_dir))
-
-
-def _deepspeed_layout(iter_dir: str) -> tuple[int, int]:
-    """From the run configuration its client state stores (ours: the parallel slice;
-    Megatron-DeepSpeed's: its flags), else from its files' model-parallel ranks (a
-    pipeline's stages are not told apart by name)."""
-    try:
-        stored = _deepspeed_config(iter_dir)
-    except CheckpointError:
-        stored = None
-    sizes = stored.get("parallel", stored) if isinstance(stored, dict) else {}
-    if not isinstance(sizes, dict):
-        sizes = {}
-    if sizes.get("tensor_model_parallel_size") or sizes.get("pipeline_model_parallel_size"):
-        return (int(sizes.get("tensor_model_parallel_size") or 1),
-                int(sizes.get("pipeline_model_parallel_size") or 1))
-    mp_files, zero3_files = _deepspeed_state_files(iter_dir)
-    ranks = ({_DS_MP_FILE_RE.fullmatch(n).group(1) for n in mp_files}
-             | {_DS_ZERO3_FILE_RE.fullmatch(n).group(2) for n in zero3_files})
-    return max(len(ranks), 1), 1
-
-
-TORCH = FolderFormat("torch", MEGATRON, _recognise_torch, _torch_layout, _torch_config,
-                     _torch_common)
-DEEPSPEED_FORMAT = FolderFormat("deepspeed", DEEPSPEED, lambda d: bool(_deepspeed_files(d)),
-                                _deepspeed_layout, _deepspeed_config, _deepspeed_common)
-register_format(TORCH)
-register_format(DEEPSPEED_FORMAT)
-
-
-def format_of(iter_dir: str, naming: Naming = MEGATRON) -> FolderFormat:
+def format_of(iter_dir: str, naming: Naming = MEGATRON) -> Format:
     """The format of the folder ``iter_dir``, told by its files (torch when nothing tells:
     its loader then names what is missing)."""
-    candidates = [f for f in _FORMATS.values() if f.naming is naming]
+    candidates = [f for f in registered_formats() if f.naming is naming]
     if os.path.isdir(iter_dir):
         for fmt in candidates:
-            if fmt is not TORCH and fmt.recognise(iter_dir):
+            if not fmt.fallback and fmt.recognise(iter_dir):
                 return fmt
-    return TORCH if naming is MEGATRON else candidates[0]
+    return next((f for f in candidates if f.fallback), candidates[0])
 
 
 def iteration_dir_name(iteration: int, release: bool = False) -> str:
@@ -306,7 +180,7 @@ class CheckpointFolder:
     naming: Naming = MEGATRON
 
     @functools.cached_property
-    def format(self) -> FolderFormat:
+    def format(self) -> Format:
         return format_of(self.path, self.naming)
 
     @functools.cached_property
@@ -509,38 +383,6 @@ def no_checkpoint_error(root: str, flag: str = "--load",
 
 
 # --load, checked before anything is built -----------------------------------------------
-
-
-def check_load_dir(load_dir: str, deepspeed: bool = False, universal: bool = False) -> None:
-    """``--load`` must be the folder that holds the tracker file, or not exist yet (a first
-    run with ``--save`` and ``--load`` the same folder starts from scratch), or name a
-    DeepSpeed universal checkpoint (``universal``: --universal-checkpoint, see
-    ``universal.find_universal``). ``deepspeed``: the run trains with DeepSpeed's engine,
-    which reads DeepSpeed's checkpoints."""
-    from megatron.checkpointing.universal import find_universal
-
-    if find_universal(load_dir, universal) is not None or not os.path.exists(load_dir):
-        return
-    if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load {load_dir} is a file, not a checkpoint folder: pass the "
-                              f"folder that holds {TRACKER_FILENAME} (the --save of the run "
-                              "that wrote it)")
-    found = namings_in(load_dir)
-    if MEGATRON in found:
-        return
-    if DEEPSPEED in found:
-        if deepspeed:
-            return
-        raise CheckpointError(f"--load {load_dir} holds a DeepSpeed checkpoint (its "
-                              f"'{DEEPSPEED.tracker}' file names the tag), which the built-in "
-                              "engine does not read: add --deepspeed (with the --zero-stage "
-                              "and --deepspeed_config it was saved with) to resume it")
-    name = os.path.basename(os.path.normpath(load_dir))
-    has_ranks = any(MP_RANK_RE.fullmatch(n) for n in os.listdir(load_dir))
-    if has_ranks or MEGATRON.iteration_of(name) is not None or name == MEGATRON.release:
-        raise CheckpointError(f"--load {load_dir} is one iteration's folder, not a checkpoint "
-                              f"folder: pass its parent, {os.path.dirname(load_dir) or '.'} "
-                              f"(with {TRACKER_FILENAME} naming the iteration to load)")
 
 
 # Writing -----------------------------------------------------------------------------------

@@ -49,6 +49,9 @@ def saved_model_fields(saved_config: Any) -> dict:
     fields = dict(model) if isinstance(model, dict) else dict(saved_config)
     if "num_attention_heads" in fields:
         fields["query_groups"] = query_groups(fields)
+    if "group_query_attention" in fields and not fields["group_query_attention"]:
+        # Megatron-LM's default --num-query-groups 1 means nothing without GQA (not MQA).
+        fields["num_query_groups"] = None
     return fields
 
 

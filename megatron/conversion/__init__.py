@@ -25,24 +25,24 @@ resumes from it on the new layout with the optimizer state (and the LR schedule 
 samples) carried over. Converted files hold no random-generator state: a run resuming from one
 starts its generators from ``--seed``.
 
-``full.rank_chunk_models`` cuts a full model for one rank of a layout in memory (evaluation
-loads any checkpoint at any launch layout with it; ``save_full_checkpoint`` writes its output).
+``checkpointing.formats.torch.cut.rank_chunk_models`` cuts a full model for one rank of a
+layout in memory (evaluation loads any checkpoint at any launch layout with it;
+``save_full_checkpoint`` writes the cut's files).
 
-Hugging Face GPT-2 folders: ``hf.load_hf_checkpoint`` / ``hf.save_hf_checkpoint``;
-``hf.save_keeping_tokenizer`` saves a converted folder with its tokenizer files. DeepSpeed
-engine checkpoints: ``deepspeed_layout.load_deepspeed_checkpoint``; DeepSpeed's universal
-checkpoints (``ds_to_universal.py``'s folders): ``universal.read_universal``, and
-``universal.load_universal_checkpoint`` / ``load_into_deepspeed`` for ``--load`` at any layout. ``read_checkpoint`` reads
-the latest checkpoint of a folder of any kind (``checkpointing.folder.find_checkpoint`` tells:
-torch, torch_dist, DeepSpeed's engines) by that format's reader (``read_folder``).
+Every format's whole read is its own (``Format.read_whole`` in ``checkpointing/formats/``):
+``read_checkpoint`` reads the latest checkpoint of a folder of any kind
+(``checkpointing.folder.find_checkpoint`` tells: torch, torch_dist, DeepSpeed's engines)
+through it (``read_folder``). What stays here is format-free: the whole-checkpoint API above,
+writing a full state at a new layout, and Hugging Face folders (``hf.load_hf_checkpoint`` /
+``hf.save_hf_checkpoint``; ``hf.save_keeping_tokenizer`` saves a converted folder with its
+tokenizer files). DeepSpeed's universal checkpoints: ``checkpointing.formats.deepspeed.universal``.
 The command line is ``tools/checkpoint/convert.py`` (Megatron-LM's interface).
 """
 
+from megatron.checkpointing.contents import CONVERTED_KEY
+from megatron.checkpointing.full_state import FullCheckpoint, model_config_from_dict
 from megatron.conversion.full import (
-    CONVERTED_KEY,
-    FullCheckpoint,
     load_full_checkpoint,
-    model_config_from_dict,
     read_checkpoint,
     read_folder,
     save_full_checkpoint,

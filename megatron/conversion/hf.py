@@ -19,9 +19,10 @@ from typing import Optional
 
 import torch
 
+from megatron.checkpointing.full_state import FullCheckpoint
 from megatron.checkpointing.run_config import with_layout
 from megatron.config import to_dict
-from megatron.conversion.full import FullCheckpoint, save_full_checkpoint
+from megatron.conversion.full import save_full_checkpoint
 from megatron.model import hf_llama
 from megatron.model.hf_gpt2 import (
     hf_to_megatron_state_dict,

@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from megatron import checkpointing
 from megatron.assembly.build import build_gpt_chunk
+from megatron.checkpointing.folder import find_checkpoint, no_checkpoint_error
+from megatron.checkpointing.formats.torch.cut import rank_chunk_models
+from megatron.checkpointing.full_state import repad_vocab
+from megatron.checkpointing.model_shape import check_model_shape
+from megatron.checkpointing.ranks import raise_together
+from megatron.checkpointing.run_config import stored_run_config, with_layout
 from megatron.config import (
     CheckpointConfig,
     DataConfig,
@@ -30,8 +37,12 @@ from megatron.config import (
     ParallelConfig,
     RunConfig,
 )
+from megatron.conversion import ConversionError
+from megatron.conversion.full import read_checkpoint
+from megatron.conversion.hf import TOKENIZER_DIR, load_hf_checkpoint
 from megatron.core import parallel_state
 from megatron.model.gpt_model import GPTModel
+from megatron.model.hf_gpt2 import model_config_from_hf
 from megatron.model.placement import stage_chunks
 
 if TYPE_CHECKING:
@@ -70,7 +81,6 @@ _TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_na
 def checkpoint_folder(load_dir: str) -> CheckpointFolder:
     """``load_dir``'s latest checkpoint of any kind (``checkpointing.folder.find_checkpoint``);
     a folder without one is a ``CheckpointError``."""
-    from megatron.checkpointing.folder import find_checkpoint, no_checkpoint_error
 
     folder = find_checkpoint(load_dir)
     if folder is None:
@@ -103,7 +113,6 @@ def config_from_checkpoint(load_dir: str, world_size: int = 1, tp: Optional[int]
     """The run configuration to run ``load_dir``'s latest checkpoint on ``world_size``
     processes: its model and tokenizer as saved, the layout of ``launch_layout`` (any, not
     only the saved one), one model chunk per stage, one data-parallel replica."""
-    from megatron.checkpointing.run_config import stored_run_config
 
     folder = checkpoint_folder(load_dir)
     stored, saved = stored_run_config(folder), folder.layout()
@@ -137,7 +146,6 @@ def hf_model_settings(hf_model_dir: str) -> dict[str, Any]:
     """The model flags (as config field names) of a local HF GPT-2 folder's config.json."""
     from transformers import GPT2Config
 
-    from megatron.model.hf_gpt2 import model_config_from_hf
 
     if not os.path.isfile(os.path.join(hf_model_dir, "config.json")):
         raise InferenceLoadingError(f"--hf-model {hf_model_dir!r} has no config.json")
@@ -149,8 +157,6 @@ def hf_model_settings(hf_model_dir: str) -> dict[str, Any]:
 
 def read_hf_model(hf_model_dir: str, make_vocab_size_divisible_by: int = 128):
     """The HF folder as a ``FullCheckpoint`` (tensor parallel 1, one stage)."""
-    from megatron.conversion import ConversionError
-    from megatron.conversion.hf import load_hf_checkpoint
 
     try:
         return load_hf_checkpoint(hf_model_dir, make_vocab_size_divisible_by, flag="--hf-model")
@@ -180,7 +186,6 @@ def checkpoint_tokenizer_settings(data: DataConfig, load_dir: Optional[str]) -> 
     """``build_tokenizer`` keywords of a checkpoint's recorded tokenizer; a recorded file that
     is gone is looked for in the copies its converter kept (``LOAD/tokenizer/``), so a moved
     checkpoint keeps its tokenizer."""
-    from megatron.conversion.hf import TOKENIZER_DIR
 
     settings = {k: getattr(data, k) for k in _TOKENIZER_FIELDS}
     for key in ("vocab_file", "merge_file"):
@@ -214,7 +219,6 @@ def load_full_state(chunks: list[nn.Module], cfg: RunConfig,
     """Cut ``model`` (a full state dict: tensor parallel 1, one stage, our names, any
     vocabulary padding) for this rank's place in ``cfg``'s layout and copy it into
     ``chunks``."""
-    from megatron.conversion.full import rank_chunk_models, repad_vocab
 
     m = cfg.model
     states = rank_chunk_models(repad_vocab(dict(model), m.padded_vocab_size), m,
@@ -227,7 +231,6 @@ def load_full_state(chunks: list[nn.Module], cfg: RunConfig,
 def _load_checkpoint(chunks: list[nn.Module], cfg: RunConfig) -> int:
     """The weights of --load's latest checkpoint saved at this layout (no optimizer, schedule
     or generators); returns its iteration. A --load without a checkpoint is an error here."""
-    from megatron import checkpointing
 
     ckpt = dataclasses.replace(cfg.checkpoint, no_load_optim=True, no_load_rng=True,
                                exit_on_missing_checkpoint=True)
@@ -236,31 +239,16 @@ def _load_checkpoint(chunks: list[nn.Module], cfg: RunConfig) -> int:
 
 
 def _saved_at_this_layout(cfg: RunConfig) -> bool:
-    """Whether --load's latest checkpoint is ours with this run's tensor/pipeline/virtual
-    layout (so each rank reads its own file, as training does). A missing checkpoint answers
-    True: the native loader names it."""
-    from megatron.checkpointing.folder import find_checkpoint
-    from megatron.checkpointing.run_config import is_our_config
-
-    p = cfg.parallel
+    """Whether each rank reads its own part of --load's latest checkpoint directly (its
+    format's ``loads_at``: ours at this layout, torch_dist at any). A missing checkpoint
+    answers True: the native loader names it."""
     folder = find_checkpoint(cfg.checkpoint.load)
-    if folder is None:
-        return True
-    if folder.format.name == "torch_dist":
-        return True  # each rank reads its own pieces at any layout
-    if folder.format.name != "torch" or not is_our_config(folder.config()) or folder.layout() != (
-            p.tensor_model_parallel_size, p.pipeline_model_parallel_size):
-        return False
-    saved = ((folder.manifest or {}).get("config") or {}).get("parallel") or {}
-    return folder.num_model_chunks() == (p.virtual_pipeline_model_parallel_size or 1) and all(
-        saved.get(k) == getattr(p, k) for k in ("decoder_first_pipeline_num_layers",
-                                                "decoder_last_pipeline_num_layers"))
+    return folder is None or folder.format.loads_at(folder, cfg.parallel)
 
 
 def _read_full(cfg: RunConfig, hf_model_dir: Optional[str]):
     """The whole model (tp 1, one stage) of the HF folder or of --load's checkpoint, and
     where it came from (for messages)."""
-    from megatron.conversion.full import read_checkpoint
 
     if hf_model_dir is None:
         load = cfg.checkpoint.load
@@ -280,9 +268,6 @@ def _load_resharded(chunks: list[nn.Module], cfg: RunConfig,
     """Read the whole model on every rank and load this rank's part; the ranks agree on
     success before going on (a failed rank would leave the others waiting in a collective).
     Returns the checkpoint's iteration."""
-    from megatron.checkpointing.model_shape import check_model_shape
-    from megatron.checkpointing.ranks import raise_together
-    from megatron.checkpointing.run_config import with_layout
 
     p = cfg.parallel
     error, iteration = None, 0

@@ -189,11 +189,11 @@ class NativeEngine:
         """Restore the latest checkpoint into the model, optimizer, scheduler and ``state``;
         say on one line (rank 0) what was loaded and what starts anew."""
         from megatron import checkpointing
-        from megatron.checkpointing.universal import find_universal
+        from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
 
         universal = find_universal(cfg.checkpoint.load, cfg.checkpoint.universal_checkpoint)
         if universal is not None:  # DeepSpeed's, read whole and cut for this layout
-            from megatron.conversion.universal import load_universal_checkpoint
+            from megatron.checkpointing.formats.deepspeed.universal import load_universal_checkpoint
 
             loaded = load_universal_checkpoint(universal, self.chunks, self.optimizer,
                                                self.scheduler, cfg)

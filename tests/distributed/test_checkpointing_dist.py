@@ -241,7 +241,7 @@ def _model_file_failing_on_rank0(rank, root, model, optimizer, scheduler, saver)
     """Data-parallel rank 0's model file fails (a full disk) while rank 1 streams it its
     optimizer pieces: both ranks fail the save, now and in the background, without waiting
     for each other forever."""
-    from megatron.checkpointing import save as save_module
+    from megatron.checkpointing.formats.torch import save as save_module
 
     config = run_config(os.path.join(root, "failing"), world_size=2, dropout=0.0,
                         distributed_optimizer=True)

@@ -36,7 +36,7 @@ from megatron.checkpointing import (
     load_checkpoint,
     read_manifest,
 )
-from megatron.checkpointing.mcore_layout import chunk_places
+from megatron.checkpointing.formats.torch_dist.mcore_layout import chunk_places
 from megatron.config import parse_args
 from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
@@ -325,7 +325,7 @@ def test_megatron_lms_default_distributed_optimizer_state_loads_into_ours(layout
 
 
 def test_converter_reads_megatron_lms_default_distributed_optimizer_state(mcore):
-    from megatron.checkpointing.mcore_layout import full_places
+    from megatron.checkpointing.formats.torch_dist.mcore_layout import full_places
     from megatron.conversion import load_full_checkpoint
 
     out, _ = mcore
@@ -396,7 +396,7 @@ def _hf_logits(folder: str, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def test_converter_reads_torch_dist_into_hf_and_ours(trained, mcore, tmp_path):
-    from megatron.checkpointing.mcore_layout import full_places
+    from megatron.checkpointing.formats.torch_dist.mcore_layout import full_places
     from megatron.conversion import load_full_checkpoint
     from tools.checkpoint import convert
 

@@ -41,9 +41,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpointing.universal import UniversalFolder
+from megatron.checkpointing.formats.deepspeed.universal import read_universal
+from megatron.checkpointing.formats.deepspeed.universal_folder import UniversalFolder
 from megatron.conversion import load_full_checkpoint
-from megatron.conversion.universal import read_universal
 from tests.distributed.test_deepspeed_engine import argv, assert_same, launch
 from tools.checkpoint import convert
 

@@ -14,7 +14,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from megatron.checkpointing import save as save_module  # noqa: E402
+from megatron.checkpointing.formats.torch import save as save_module  # noqa: E402
 
 
 def _hold(iteration: int, seconds: float, mark: str) -> None:

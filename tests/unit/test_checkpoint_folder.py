@@ -4,14 +4,17 @@ one module (issue 23)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
 
 import pytest
+import torch
 
 from megatron import checkpointing as ckpt
 from megatron.checkpointing import folder as folders
+from megatron.checkpointing import format as formats
 from tests.unit.test_checkpoint_manifest import fresh, saved_checkpoint
 from tests.unit.test_checkpointing import (
     assert_params_equal,
@@ -141,16 +144,23 @@ def test_formats_are_told_by_their_files(tmp_path):
     dist_dir = tmp_path / "iter_0000005"
     dist_dir.mkdir()
     (dist_dir / ".metadata").write_bytes(b"x")
-    fake = folders.FolderFormat("fake_dist", folders.MEGATRON,
-                                lambda d: os.path.isfile(os.path.join(d, ".metadata")),
-                                lambda d: (4, 1), lambda d: {"model": {}}, lambda d: {})
-    folders.register_format(fake)
+    class FakeDist:  # only what telling a folder's format and layout asks of a Format
+        name, naming, fallback = "fake_dist", folders.MEGATRON, False
+
+        def recognise(self, d):
+            return os.path.isfile(os.path.join(d, ".metadata"))
+
+        def layout(self, d):
+            return (4, 1)
+
+    fake = FakeDist()
+    formats.register_format(fake)
     try:
         folder = folders.checkpoint_at(str(tmp_path), 5)
         assert folder.format is fake and folder.layout() == (4, 1)
         assert folders.checkpoint_at(str(tmp_path), 3).format.name == "torch"
     finally:
-        folders._FORMATS.pop("fake_dist")
+        formats._FORMATS.pop("fake_dist")
     assert folders.DEEPSPEED.tracker_text(7) == "global_step7"
     assert folders.DEEPSPEED.parse_tracker("global_step7", "latest") == (7, False)
     assert folders.MEGATRON.parse_tracker("release", TRACKER) == (0, True)
@@ -220,3 +230,20 @@ def test_the_start_up_schedule_look_ahead_finds_the_loads_folder_quietly(two_sav
     assert caplog.text == ""
     loaded, _ = _load(config, caplog)
     assert loaded.iteration == 4 and caplog.text.count("is missing; loading") == 1
+
+
+@pytest.mark.parametrize("gqa, groups, expected", [(False, 1, None), (True, 2, 2)])
+def test_checkpoint_args_of_megatron_lm_keep_num_query_groups_only_with_gqa(
+        tmp_path, gqa, groups, expected):
+    """Megatron-LM stores --num-query-groups 1 even without --group-query-attention; with
+    --use-checkpoint-args that must not turn every head into one group (multi-query)."""
+    args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4,
+                              group_query_attention=gqa, num_query_groups=groups)
+    rank_dir = tmp_path / "iter_0000001" / "mp_rank_00"
+    rank_dir.mkdir(parents=True)
+    torch.save({"args": args, "iteration": 1, "checkpoint_version": 3.0},
+               rank_dir / "model_optim_rng.pt")
+    (tmp_path / TRACKER).write_text("1")
+    settings = ckpt.checkpoint_model_settings(str(tmp_path))
+    assert settings.get("num_query_groups") == expected
+    assert settings["num_attention_heads"] == 4 and settings["group_query_attention"] is gqa

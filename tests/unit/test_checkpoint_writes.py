@@ -93,7 +93,7 @@ def test_full_disk_names_the_file_and_the_space_and_leaves_nothing(tmp_path):
 def test_full_disk_under_torch_distributed_checkpoint_names_the_file(tmp_path):
     """DCP (--ckpt-format torch_dist) reports a failed write as torch's writer's complaint
     ("unexpected pos ..."), hiding the full disk; the error names the file and the space."""
-    from megatron.checkpointing import dcp
+    from megatron.checkpointing.formats.torch_dist import dcp
 
     with small_tmpfs(tmp_path / "disk", 1 << 20) as disk:
         folder = os.path.join(disk, "iter_0000001")

@@ -10,14 +10,16 @@ import pytest
 import torch
 
 from megatron.checkpointing import read_manifest
+from megatron.checkpointing.formats.torch import cut as cut_module
+from megatron.checkpointing.formats.torch import whole as whole_module
+from megatron.checkpointing.full_state import repad_vocab
 from megatron.checkpointing.run_config import with_layout
 from megatron.config import ModelConfig, OptimizerConfig, to_dict
 from megatron.conversion import FullCheckpoint, load_full_checkpoint, save_full_checkpoint
-from megatron.conversion import full as full_module
-from megatron.conversion.sharding import chunks_from_layer_counts, full_to_chunk_names, split_tp
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.model.gpt_model import GPTModel
 from megatron.model.placement import Chunk, pipeline_chunks
+from megatron.model.sharding import chunks_from_layer_counts, full_to_chunk_names, split_tp
 from tools.checkpoint import convert
 
 
@@ -82,7 +84,7 @@ def test_torch_optimizer_state_by_name_round_trip(bf16):
     config = _config(num_layers=4, bf16=bf16)
     chunks, optimizer = _stepped_optimizer(config, 0)
     states = [c.state_dict() for c in chunks]
-    per_chunk, meta = full_module._named_torch_state(optimizer.state_dict(), states, "test")
+    per_chunk, meta = whole_module._named_torch_state(optimizer.state_dict(), states, "test")
     assert meta["step"] == 1.0 and [g["wd_mult"] for g in meta["param_groups"]] == [1.0, 0.0]
     mains = dict(zip((p for g in optimizer.model_groups for p in g),
                      (m for g in optimizer.main_groups for m in g))) if bf16 else {}
@@ -93,7 +95,7 @@ def test_torch_optimizer_state_by_name_round_trip(bf16):
                                optimizer.optimizer.state[main]["exp_avg"]), name
             if bf16:
                 assert torch.equal(per_chunk[i][name]["param"], main), name
-    rebuilt = full_module._torch_optimizer(meta, states, per_chunk, mixed=bf16)
+    rebuilt = cut_module._torch_optimizer(meta, states, per_chunk, mixed=bf16)
     _, fresh = _stepped_optimizer(config, 1)
     fresh.load_state_dict(rebuilt)
     want, got = optimizer.state_dict(), fresh.state_dict()
@@ -214,7 +216,7 @@ def test_deepspeed_layout_converts(tmp_path, pipeline, untie, tp):
     step = tmp_path / "ds" / "global_step12"
     step.mkdir(parents=True)
     (tmp_path / "ds" / "latest").write_text("global_step12")
-    padded = full_module.repad_vocab(full.model, full.model_config(tp).padded_vocab_size)
+    padded = repad_vocab(full.model, full.model_config(tp).padded_vocab_size)
     for t in range(tp):
         pieces = {k: split_tp(k, v, tp)[t] for k, v in padded.items()}
         client = {"module": None if pipeline else pieces, "iteration": 12, "global_steps": 12,

@@ -125,13 +125,14 @@ def test_cli_stops_before_any_process_group(tmp_path):
     assert "error: ZeRO stage 3" in proc.stderr and "compute device" not in proc.stdout
 
 
-def test_only_the_adapter_package_imports_deepspeed():
+def test_only_the_adapter_package_and_the_deepspeed_format_import_deepspeed():
     importers = []
     for path in [*(REPO / "megatron").rglob("*.py"), *(REPO / "tools").rglob("*.py"),
                  REPO / "pretrain_gpt.py"]:
         if re.search(r"^\s*(import deepspeed|from deepspeed[\s.])", path.read_text(), re.M):
             importers.append(path.relative_to(REPO).as_posix())
-    assert sorted(importers) == ["megatron/integrations/deepspeed/config.py",
+    assert sorted(importers) == ["megatron/checkpointing/formats/deepspeed/files.py",
+                                 "megatron/integrations/deepspeed/config.py",
                                  "megatron/integrations/deepspeed/engine.py"]
 
 

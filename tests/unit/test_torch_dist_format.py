@@ -15,8 +15,10 @@ import re
 import pytest
 import torch
 
-from megatron.checkpointing import CheckpointError, dcp, torch_dist
-from megatron.checkpointing.mcore_layout import place
+from megatron.checkpointing import CheckpointError
+from megatron.checkpointing.formats.torch_dist import checkpoint as torch_dist
+from megatron.checkpointing.formats.torch_dist import dcp
+from megatron.checkpointing.formats.torch_dist.mcore_layout import place
 from megatron.checkpointing.run_config import model_fields_from_args
 from megatron.config import ModelConfig
 
@@ -153,8 +155,8 @@ def test_megatron_lm_buckets_that_do_not_fit_the_model_ask_for_no_load_optim(tmp
     """Buckets (Megatron-LM's default distributed-optimizer format) whose lengths do not
     hold this model's parameters as megatron-core lays them out are refused, naming the
     way on; tests/distributed/test_torch_dist.py reads real ones."""
-    from megatron.checkpointing import torch_dist_optim as optim
-    from megatron.checkpointing.mcore_layout import chunk_places
+    from megatron.checkpointing.formats.torch_dist import optim
+    from megatron.checkpointing.formats.torch_dist.mcore_layout import chunk_places
     from megatron.config import OptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.model.gpt_model import GPTModel
@@ -200,7 +202,7 @@ def test_torch_dist_is_refused_where_another_writer_saves(extra, world_size, nam
 ])
 def test_megatron_lms_fully_reshardable_state_from_several_buckets_is_warned_of(
         overlap, pp, untied, sharding, warned):
-    from megatron.checkpointing.mcore_buckets import shifted_model_space_state
+    from megatron.checkpointing.formats.torch_dist.mcore_buckets import shifted_model_space_state
 
     args = argparse.Namespace(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
                               pipeline_model_parallel_size=pp,

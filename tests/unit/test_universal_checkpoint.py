@@ -10,9 +10,13 @@ import re
 import pytest
 
 from megatron.checkpointing import CheckpointError
-from megatron.checkpointing.universal import find_universal
+from megatron.checkpointing.formats.deepspeed.universal import (
+    expected_shapes,
+    full_names,
+    universal_checkpoint_info,
+)
+from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
 from megatron.config import ModelConfig, parse_args
-from megatron.conversion.universal import expected_shapes, full_names, universal_checkpoint_info
 from megatron.integrations.deepspeed import DeepSpeedSetupError, build_deepspeed_config
 from megatron.model.names import tp_split_dim
 

@@ -36,8 +36,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.checkpointing import CheckpointError  # noqa: E402
+from megatron.checkpointing.formats.deepspeed.engine_folders import load_deepspeed_checkpoint  # noqa: E402
 from megatron.conversion import ConversionError, load_full_checkpoint, save_full_checkpoint  # noqa: E402
-from megatron.conversion.deepspeed_layout import load_deepspeed_checkpoint  # noqa: E402
 from megatron.conversion.hf import (  # noqa: E402
     load_hf_checkpoint,
     save_hf_checkpoint,
@@ -114,8 +114,8 @@ def load(args: argparse.Namespace):
     if args.loader == "hf":
         return load_hf_checkpoint(args.load_dir, args.make_vocab_size_divisible_by)
     if args.loader == "universal":
-        from megatron.checkpointing.universal import find_universal
-        from megatron.conversion.universal import read_universal
+        from megatron.checkpointing.formats.deepspeed.universal import read_universal
+        from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
 
         folder = find_universal(args.load_dir, True, "--load-dir", "--loader universal")
         return read_universal(folder, true_vocab_size=args.true_vocab_size)

@@ -182,7 +182,7 @@ def engine_reads_universal(ds: dict, cfg: RunConfig) -> bool:
     refused: DeepSpeed's ZeRO-3 universal load does not resume the run it was saved from
     (measured on ours: the grad norm of the second step after it 4e-4 relative off)."""
     from megatron.checkpointing.errors import CheckpointError
-    from megatron.checkpointing.universal import find_universal
+    from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
 
     ck = cfg.checkpoint
     try:

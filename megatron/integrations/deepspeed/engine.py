@@ -11,7 +11,7 @@
   our LR schedule and every data-parallel rank's RNG states as client state; our manifest
   (megatron/checkpointing/manifest.py) written into the folder before the `latest` tag, and
   checked on load.
-- **Conversion helpers** for megatron/conversion/deepspeed_layout.py: ZeRO-3's weights
+- **Conversion helpers** for megatron/checkpointing/formats/deepspeed/engine_folders.py: ZeRO-3's weights
   gathered with DeepSpeed's ``zero_to_fp32``, and ZeRO's optimizer files unpickled.
 
 The training loop (megatron/training/) is the same as without DeepSpeed: its
@@ -25,7 +25,6 @@ import contextlib
 import logging
 import os
 import shutil
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
@@ -271,8 +270,8 @@ class DeepSpeedRun:
              consumed_valid_samples: int) -> str:
         """DeepSpeed's checkpoint of ``iteration`` (tag ``global_step{iteration}``) with our
         state as client state; every rank must call it. Returns its folder."""
+        from megatron.checkpointing.formats.deepspeed import universal
         from megatron.checkpointing.rng import capture_rng_state
-        from megatron.conversion import universal
 
         rng_states = [None] * parallel_state.get_data_parallel_world_size()
         dist.all_gather_object(rng_states, capture_rng_state(),
@@ -317,14 +316,14 @@ class DeepSpeedRun:
     def load(self, state: Any) -> None:
         """--load: DeepSpeed's latest checkpoint into the engine and our ``state``."""
         from megatron.checkpointing.folder import DEEPSPEED
+        from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
         from megatron.checkpointing.rng import restore_rng_state
-        from megatron.checkpointing.universal import find_universal
         from megatron.platform.output import print_rank_0
 
         ck = self.cfg.checkpoint
         universal = _on_rank0_for_all(lambda: find_universal(ck.load, ck.universal_checkpoint))
         if universal is not None:
-            from megatron.conversion.universal import load_into_deepspeed
+            from megatron.checkpointing.formats.deepspeed.universal import load_into_deepspeed
 
             load_into_deepspeed(self, state, universal)
             return
@@ -572,30 +571,3 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
 # Conversion ------------------------------------------------------------------------------
 
 
-def zero3_full_weights(load_dir: str, tag: str) -> dict:
-    """The full fp32 model of a ZeRO-3 checkpoint ``load_dir/tag``, gathered from the
-    data-parallel partitions by DeepSpeed's own ``zero_to_fp32`` (its model-state files hold
-    only empty placeholders). Model-parallel rank 0's files only: the caller refuses tp > 1.
-    What DeepSpeed prints meanwhile goes to stderr: stdout is the tools' output (generated
-    text)."""
-    with contextlib.redirect_stdout(sys.stderr):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return dict(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag))
-
-
-def read_zero_optimizer_file(path: str) -> dict:
-    """A ``zero_pp_rank_*_optim_states.pt`` file, unpickled with only the DeepSpeed classes it
-    holds (loss scaler, ZeRO stage, fragment addresses) allowed beside tensors."""
-    with torch.serialization.safe_globals(pickled_classes()):
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def pickled_classes() -> list:
-    """The DeepSpeed classes its optimizer files pickle (loss scaler, ZeRO stage, fragment
-    addresses): none runs code when unpickled."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]

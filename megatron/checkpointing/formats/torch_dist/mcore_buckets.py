@@ -32,9 +32,9 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from megatron.checkpointing import dcp
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.mcore_layout import Place, place, whole_model_shapes
+from megatron.checkpointing.formats.torch_dist import dcp
+from megatron.checkpointing.formats.torch_dist.mcore_layout import Place, place, whole_model_shapes
 from megatron.model.names import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, layer_key, tp_split_dim
 from megatron.model.placement import pipeline_chunks
 

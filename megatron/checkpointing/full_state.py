@@ -10,8 +10,8 @@ from typing import Optional
 from megatron.checkpointing.contents import stored_config
 from megatron.checkpointing.run_config import config_from_stored
 from megatron.config import ModelConfig
-from megatron.conversion.sharding import resize_vocab
 from megatron.model.names import VOCAB_TENSORS
+from megatron.model.sharding import resize_vocab
 
 
 @dataclasses.dataclass

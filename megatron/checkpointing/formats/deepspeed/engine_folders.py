@@ -45,20 +45,23 @@ from megatron.checkpointing.folder import (
     DEEPSPEED,
     CheckpointFolder,
     checkpoint_at,
-    deepspeed_model_state_files,
     latest_checkpoint,
 )
-from megatron.checkpointing.run_config import is_our_config
-from megatron.conversion import megatron_deepspeed as mds
-from megatron.conversion.full_state import (
+from megatron.checkpointing.formats.deepspeed.files import (
+    deepspeed_model_state_files,
+    zero3_full_weights,
+)
+from megatron.checkpointing.formats.deepspeed.zero_optim import read_zero_optimizer
+from megatron.checkpointing.full_state import (
     FullCheckpoint,
     model_config_from_dict,
     repad_vocab,
     source_config,
 )
-from megatron.conversion.sharding import merge_tp
-from megatron.conversion.zero_optim import read_zero_optimizer
+from megatron.checkpointing.run_config import is_our_config
+from megatron.model import megatron_deepspeed as mds
 from megatron.model.names import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, layer_key, tp_parts
+from megatron.model.sharding import merge_tp
 
 _ZERO3_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt")
 # DeepSpeed names the tensor ("model") rank only when the topology has that axis.
@@ -157,7 +160,6 @@ def _zero3_module(load_dir: str, step_dir: str, files: list) -> dict:
                               f"{len(tp_ranks)}: only tp 1 ZeRO-3 checkpoints convert (DeepSpeed's "
                               "zero_to_fp32, which gathers the partitions, reads tensor rank 0 "
                               "alone); ZeRO 0-2 checkpoints convert at any tp")
-    from megatron.integrations.deepspeed import zero3_full_weights
 
     try:
         module = zero3_full_weights(load_dir, os.path.basename(step_dir))

@@ -24,9 +24,13 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
-from megatron.checkpointing import dcp, mcore_buckets
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.mcore_layout import OPTIMIZER_PREFIX, Place, optimizer_key
+from megatron.checkpointing.formats.torch_dist import dcp, mcore_buckets
+from megatron.checkpointing.formats.torch_dist.mcore_layout import (
+    OPTIMIZER_PREFIX,
+    Place,
+    optimizer_key,
+)
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import merge_param_groups
 from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer, shards_state

@@ -19,9 +19,10 @@ from typing import Optional
 
 import torch
 
+from megatron.checkpointing.formats.deepspeed.files import read_zero_optimizer_file
 from megatron.config import ModelConfig
-from megatron.conversion.sharding import merge_tp, resize_vocab
 from megatron.model.names import VOCAB_TENSORS, layer_key, tp_parts
+from megatron.model.sharding import merge_tp, resize_vocab
 
 _OPTIM_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -43,7 +44,6 @@ def read_zero_optimizer(step_dir: str, model_states: list[dict], config: ModelCo
             files.setdefault(int(m.group(2)), {})[int(m.group(1))] = os.path.join(step_dir, name)
     if sorted(files) != list(range(len(model_states))) or len(model_states) % stages:
         return None
-    from megatron.integrations.deepspeed import read_zero_optimizer_file
 
     per_tp, meta = [], {}
     for t in range(len(model_states) // stages):

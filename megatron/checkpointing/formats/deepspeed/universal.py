@@ -1,6 +1,6 @@
 """DeepSpeed's universal checkpoints (``ds_to_universal.py``'s folders) read as ours.
 
-The folder itself is ``megatron/checkpointing/universal.py``'s. Here:
+The folder itself is ``megatron/checkpointing/formats/deepspeed/universal_folder.py``'s. Here:
 
 - ``full_names``: its parameter names (``zero/<name>``) as ours. It holds the engine's names:
   our plain model's (ours already), our pipeline module's (``tied_modules.embed.*``,
@@ -14,8 +14,8 @@ The folder itself is ``megatron/checkpointing/universal.py``'s. Here:
   tensors, stored without padding, are padded with zero rows.
 - ``load_universal_checkpoint``: ``--load`` of one into the built-in engine at any
   tensor/pipeline/data layout: this rank's parameters are read and cut by the same code that
-  writes converted checkpoints (``conversion.full.LayoutCut``), then loaded as a checkpoint
-  file of this layout would be (``checkpointing.load.load_built_state``).
+  writes converted checkpoints (``formats.torch.cut.LayoutCut``), then loaded as a checkpoint
+  file of this layout would be (``formats.torch.load.load_built_state``).
 - For ``--deepspeed`` (``integrations/deepspeed/``): ``universal_checkpoint_info``, the
   description our DeepSpeed saves carry so that ``ds_to_universal.py`` joins tensor-parallel
   pieces as our model cuts them, and ``engine_names`` / ``check_engine_files``.
@@ -35,13 +35,13 @@ from torch import nn
 
 from megatron.checkpointing.contents import stored_config
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.formats.deepspeed.files import pickled_classes
+from megatron.checkpointing.formats.deepspeed.universal_folder import STATE_KEYS, UniversalFolder
+from megatron.checkpointing.formats.deepspeed.zero_optim import our_name
+from megatron.checkpointing.full_state import FullCheckpoint, model_config_from_dict, source_config
 from megatron.checkpointing.model_shape import check_model_shape, saved_model_fields
 from megatron.checkpointing.run_config import is_our_config
-from megatron.checkpointing.universal import STATE_KEYS, UniversalFolder
-from megatron.conversion import megatron_deepspeed as mds
-from megatron.conversion.full_state import FullCheckpoint, model_config_from_dict, source_config
-from megatron.conversion.sharding import chunk_to_full_names, resize_vocab
-from megatron.conversion.zero_optim import our_name
+from megatron.model import megatron_deepspeed as mds
 from megatron.model.names import (
     TIED_COPY,
     VOCAB_TENSORS,
@@ -49,6 +49,7 @@ from megatron.model.names import (
     layer_key,
     tp_split_dim,
 )
+from megatron.model.sharding import chunk_to_full_names, resize_vocab
 
 _OURS_RE = re.compile(r"(embedding\.|encoder\.layers\.\d+\.|final_layernorm\.|output_layer\.)")
 _PIPE_RE = re.compile(r"(\d+)\.(.+)")
@@ -163,8 +164,6 @@ def read_universal(folder: UniversalFolder, *, optimizer: bool = True,
 
 
 def _optimizer_state(folder: UniversalFolder) -> dict:
-    from megatron.integrations.deepspeed import pickled_classes
-
     return folder.optimizer_state(pickled_classes())
 
 
@@ -364,8 +363,8 @@ def load_universal_checkpoint(folder: UniversalFolder, model_chunks: Any, optimi
     ``checkpointing.load``'s ``LoadedCheckpoint``. The generators start from --seed (their
     states belong to the source's ranks). Every rank must call it."""
     from megatron.checkpointing.contents import as_chunks, config_dict
-    from megatron.checkpointing.load import load_built_state
-    from megatron.conversion.full import LayoutCut, mixed_precision
+    from megatron.checkpointing.formats.torch.cut import LayoutCut, mixed_precision
+    from megatron.checkpointing.formats.torch.load import load_built_state
     from megatron.core import parallel_state
     from megatron.core.distributed.distributed_data_parallel import unwrap_model
     from megatron.core.optimizer.optimizer import shards_state
@@ -400,8 +399,8 @@ def load_engine_weights(folder: UniversalFolder, module: nn.Module, names: dict[
     engine's -> our full names) and, when ``optimizer`` (a torch optimizer over the module's
     parameters, grouped as ``get_param_groups`` groups them) is given, its state: Adam's
     moments and step. Returns whether an optimizer state was loaded."""
-    from megatron.conversion import optim_state
-    from megatron.conversion.sharding import tp_piece
+    from megatron.checkpointing import optim_state
+    from megatron.model.sharding import tp_piece
 
     full = read_universal(folder, optimizer=optimizer is not None,
                           names=sorted(set(names.values())))

@@ -17,7 +17,7 @@ model; every data-parallel rank its distributed-optimizer shards) and reads only
 needs; nothing is gathered.
 
 Optimizer state is stored per parameter in model space, as megatron-core names it
-(``torch_dist_optim.py``); a distributed-optimizer shard is a flat range of a parameter,
+(``optim.py``); a distributed-optimizer shard is a flat range of a parameter,
 stored as the few boxes that range covers (``dcp.flat_boxes``). The random generators of each
 (tensor, pipeline) rank, one entry per data-parallel rank, are the object
 ``rng_state/shard_{pp}.{tp}_{PP}.{TP}``.
@@ -45,8 +45,6 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
-from megatron.checkpointing import dcp, mcore_buckets
-from megatron.checkpointing import torch_dist_optim as optim
 from megatron.checkpointing.contents import (
     CONVERTED_KEY,
     RESERVED_KEYS,
@@ -65,8 +63,9 @@ from megatron.checkpointing.files import (
     write_text_atomic,
     write_torch,
 )
-from megatron.checkpointing.folder import MEGATRON, FolderFormat, register_format
-from megatron.checkpointing.mcore_layout import (
+from megatron.checkpointing.format import SaveRequest
+from megatron.checkpointing.formats.torch_dist import dcp, mcore_buckets, optim
+from megatron.checkpointing.formats.torch_dist.mcore_layout import (
     EXTRA_STATE_MODULES,
     Place,
     chunk_places,
@@ -75,7 +74,7 @@ from megatron.checkpointing.mcore_layout import (
     rng_key,
 )
 from megatron.checkpointing.paths import CHECKPOINT_VERSION
-from megatron.checkpointing.publish import PublishedSave
+from megatron.checkpointing.publish import PublishedSave, make_tmp_dir
 from megatron.checkpointing.ranks import RankLayout, all_true, raise_together
 from megatron.checkpointing.run_config import config_from_stored
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
@@ -93,18 +92,18 @@ _BACKEND = {"sharded_backend": FORMAT, "sharded_backend_version": 1,
 COMMON_KEYS = RESERVED_KEYS | {"content_metadata", "rerun_state_machine", "model", "model0"}
 
 
-def _recognise(iter_dir: str) -> bool:
+def recognise(iter_dir: str) -> bool:
     try:
         return is_torch_dist(iter_dir)
     except CheckpointError:
         return False  # another distributed backend: not ours to read
 
 
-def _folder_layout(iter_dir: str) -> tuple[int, int]:
+def folder_layout(iter_dir: str) -> tuple[int, int]:
     return saved_layout(read_common(iter_dir))
 
 
-def _folder_config(iter_dir: str) -> Optional[dict]:
+def folder_config(iter_dir: str) -> Optional[dict]:
     return stored_config(read_common(iter_dir), iter_dir)
 
 
@@ -401,24 +400,23 @@ def _all_true_over(flag: bool, group: Any) -> bool:
     return bool(t.item())
 
 
-def start_save(iteration: int, chunks: list[nn.Module], optimizer: Any, scheduler: Any,
-               config: Any, layout: RankLayout, rng_states: Optional[list[dict]],
-               consumed: tuple[int, int], extra: Optional[dict], valid_loss: Optional[float],
-               make_tmp_dir: Callable[[], str], saver: Any = None,
-               refuse_nonfinite: bool = False) -> TorchDistSaveJob:
+def start_save(request: SaveRequest) -> TorchDistSaveJob:
     """A torch_dist save of this rank (every rank calls it): the state taken now (into the
     saver's host buffers when there is a ``saver``: ``--async-save``), the folder made; the
     caller writes and publishes it (``async_save.run_job`` or ``saver.start``).
     ``refuse_nonfinite``: the write fails, naming the tensor, if a piece holds NaN/Inf."""
-    copy = saver.buffers.copy if saver is not None else None
-    prepared = prepare_save(iteration, chunks, optimizer, scheduler, config, layout,
-                            rng_states, consumed, extra, copy_to_host=copy)
+    r = request
+    copy = r.saver.buffers.copy if r.saver is not None else None
+    prepared = prepare_save(r.iteration, r.chunks, r.optimizer, r.scheduler, r.config,
+                            r.layout, r.rng_states, r.consumed, r.extra, copy_to_host=copy)
+    save_dir = r.config.checkpoint.save
     return TorchDistSaveJob(
-        iteration=iteration, save_dir=config.checkpoint.save, tmp_dir=make_tmp_dir(),
-        manifest_layout=parallel_layout_dict(layout, len(chunks)),
-        config=config_dict(config), checkpoint=config.checkpoint, valid_loss=valid_loss,
-        prepared=prepared, group=saver.group if saver is not None else None,
-        refuse_nonfinite=refuse_nonfinite)
+        iteration=r.iteration, save_dir=save_dir,
+        tmp_dir=make_tmp_dir(save_dir, r.iteration, r.layout),
+        manifest_layout=parallel_layout_dict(r.layout, len(r.chunks)),
+        config=config_dict(r.config), checkpoint=r.config.checkpoint, valid_loss=r.valid_loss,
+        prepared=prepared, group=r.saver.group if r.saver is not None else None,
+        refuse_nonfinite=r.refuse_nonfinite)
 
 
 # Reading -------------------------------------------------------------------------------------
@@ -582,7 +580,3 @@ def check_stored_config(common: dict, config: Any, where: str) -> dict:
                               f"{config.model.vocab_size} (--vocab-size or the tokenizer's)")
     return saved
 
-
-TORCH_DIST = FolderFormat(FORMAT, MEGATRON, _recognise, _folder_layout, _folder_config,
-                         read_common)
-register_format(TORCH_DIST)

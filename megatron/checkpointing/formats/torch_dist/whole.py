@@ -4,7 +4,7 @@
 The model comes out under our full names (tp 1, one stage), the optimizer state, where the
 checkpoint holds it in model space (ours; Megatron-LM's plain optimizer and its
 ``fully_reshardable`` distributed one), in ``optim_state``'s full form. The folder format is
-``megatron/checkpointing/torch_dist.py``'s; this module only asks for whole tensors.
+``megatron/checkpointing/formats/torch_dist/checkpoint.py``'s; this module only asks for whole tensors.
 """
 
 from __future__ import annotations
@@ -15,20 +15,19 @@ from typing import Optional
 
 import torch
 
-from megatron.checkpointing import dcp, mcore_buckets
-from megatron.checkpointing import torch_dist as fmt
-from megatron.checkpointing import torch_dist_optim as optim
 from megatron.checkpointing.contents import consumed_samples
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.folder import CheckpointFolder
-from megatron.checkpointing.mcore_layout import (
+from megatron.checkpointing.formats.torch_dist import checkpoint as fmt
+from megatron.checkpointing.formats.torch_dist import dcp, mcore_buckets, optim
+from megatron.checkpointing.formats.torch_dist.mcore_layout import (
     Place,
     full_places,
     optimizer_key,
     whole_model_shapes,
 )
+from megatron.checkpointing.full_state import FullCheckpoint, model_config_from_dict, source_config
 from megatron.config import ModelConfig
-from megatron.conversion.full_state import FullCheckpoint, model_config_from_dict, source_config
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ stored without padding (``original_vocab_size`` rows). Nothing records the files
 folder holds: each file read is checked to exist and to unpickle, and an error names it.
 
 This module finds such a folder (``find_universal``) and reads its files
-(``UniversalFolder``); ``megatron/conversion/universal.py`` maps the names to ours, reads it
+(``UniversalFolder``); ``megatron/checkpointing/formats/deepspeed/universal.py`` maps the names to ours, reads it
 into a full checkpoint and loads it into a run at any layout.
 """
 
