@@ -25,8 +25,7 @@ from megatron.config import to_dict
 from megatron.conversion.full import save_full_checkpoint
 from megatron.model import hf_llama
 from megatron.model.hf_gpt2 import (
-    hf_to_megatron_state_dict,
-    megatron_to_hf_state_dict,
+    HF_GPT2,
     model_config_from_hf,
 )
 
@@ -130,7 +129,7 @@ def load_hf_checkpoint(hf_model_dir: str, make_vocab_size_divisible_by: int = 12
             data[key] = os.path.abspath(path)
     config = with_layout({"model": to_dict(model_config), "data": data}, 1, 1)
     return FullCheckpoint(config=config,
-                          model=hf_to_megatron_state_dict(hf.state_dict(), model_config),
+                          model=HF_GPT2.to_ours(hf.state_dict(), model_config),
                           release=True)
 
 
@@ -143,7 +142,7 @@ def _llama_checkpoint(hf, make_vocab_size_divisible_by: int, hf_model_dir: str) 
     except ValueError as error:
         raise ConversionError(f"{os.path.join(hf_model_dir, 'config.json')}: {error}") from None
     config = with_layout({"model": to_dict(model_config), "data": {}}, 1, 1)
-    model = hf_llama.hf_llama_to_megatron_state_dict(hf.state_dict(), model_config)
+    model = hf_llama.HF_LLAMA.to_ours(hf.state_dict(), model_config)
     return FullCheckpoint(config=config, model=model, release=True)
 
 
@@ -251,9 +250,8 @@ def save_hf_checkpoint(full: FullCheckpoint, save_dir: str, vocab_file: Optional
     hf_logging.disable_progress_bar()
     hf_config = hf_config_for(full)
     model_class = getattr(transformers, hf_config.architectures[0])
-    convert = megatron_to_hf_state_dict if model_class.__name__ == "GPT2LMHeadModel" else \
-        hf_llama.megatron_to_hf_llama_state_dict
-    state = convert(full.model, full.model_config())
+    adapter = HF_GPT2 if model_class.__name__ == "GPT2LMHeadModel" else hf_llama.HF_LLAMA
+    state = adapter.from_ours(full.model, full.model_config())
     if hf_config.tie_word_embeddings:
         state.pop("lm_head.weight")  # tied: from_pretrained sets it from the embeddings
     with torch.device("meta"):

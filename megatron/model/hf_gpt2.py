@@ -118,3 +118,18 @@ def megatron_to_hf_state_dict(sd: dict[str, torch.Tensor],
     head = sd.get(OUTPUT_LAYER, sd[WORD_EMBEDDINGS])
     out["lm_head.weight"] = head[:vocab]
     return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+class HfGpt2Adapter:
+    """``adapters.StateDictAdapter`` of Hugging Face's GPT2LMHeadModel."""
+
+    name = "hf_gpt2"
+
+    def to_ours(self, state: dict, config: ModelConfig) -> dict:
+        return hf_to_megatron_state_dict(state, config)
+
+    def from_ours(self, state: dict, config: ModelConfig) -> dict:
+        return megatron_to_hf_state_dict(state, config)
+
+
+HF_GPT2 = HfGpt2Adapter()

@@ -174,3 +174,19 @@ def megatron_to_hf_llama_state_dict(sd: dict[str, torch.Tensor],
     head = sd.get(OUTPUT_LAYER, sd[WORD_EMBEDDINGS])
     out["lm_head.weight"] = head[:vocab]
     return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+class HfLlamaAdapter:
+    """``adapters.StateDictAdapter`` of Hugging Face's Llama family (Llama, Mistral, Qwen2:
+    the same weight names)."""
+
+    name = "hf_llama"
+
+    def to_ours(self, state: dict, config: ModelConfig) -> dict:
+        return hf_llama_to_megatron_state_dict(state, config)
+
+    def from_ours(self, state: dict, config: ModelConfig) -> dict:
+        return megatron_to_hf_llama_state_dict(state, config)
+
+
+HF_LLAMA = HfLlamaAdapter()

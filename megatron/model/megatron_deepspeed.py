@@ -17,6 +17,8 @@ older saves), and the run's flags as an argparse Namespace under ``args``. From
 
 from __future__ import annotations
 
+from typing import Any
+
 from megatron.model.names import LAYER_PREFIX
 
 _PREFIXES = (
@@ -56,3 +58,50 @@ def our_names(model_state: dict) -> dict:
             raise ValueError(f"unknown Megatron-DeepSpeed model entry {name!r}")
         out[name.replace(".attention.", ".self_attention.")] = value
     return out
+
+
+# Ours -> the nesting of their model entry: (our prefix, their path of dict keys, the part of
+# our name dropped from the key inside that dict).
+_NESTING = (
+    ("embedding.word_embeddings.", ("language_model", "embedding", "word_embeddings"),
+     "embedding.word_embeddings."),
+    ("embedding.position_embeddings.", ("language_model", "embedding", "position_embeddings"),
+     "embedding.position_embeddings."),
+    (LAYER_PREFIX, ("language_model", "encoder"), "encoder."),
+    ("final_layernorm.", ("language_model", "encoder"), ""),
+    ("output_layer.", ("language_model", "output_layer"), "output_layer."),
+)
+
+
+def their_names(state: dict) -> dict:
+    """The inverse of ``our_names`` for a whole model (tp 1, one stage): their nested model
+    entry, with the current spellings (``encoder``, ``self_attention``)."""
+    out: dict = {}
+    for name, value in state.items():
+        for ours, path, dropped in _NESTING:
+            if name.startswith(ours):
+                rest = name[len(dropped):]
+                node = out
+                for key in path:
+                    node = node.setdefault(key, {})
+                node[rest] = value
+                break
+        else:
+            raise ValueError(f"no Megatron-DeepSpeed name for parameter {name!r}")
+    return out
+
+
+class MegatronDeepSpeedAdapter:
+    """``adapters.StateDictAdapter`` of Megatron-DeepSpeed's nested ``language_model`` entry
+    (the same tensors as ours: only the names differ)."""
+
+    name = "megatron_deepspeed"
+
+    def to_ours(self, state: dict, config: Any) -> dict:
+        return our_names(state)
+
+    def from_ours(self, state: dict, config: Any) -> dict:
+        return their_names(state)
+
+
+MDS = MegatronDeepSpeedAdapter()

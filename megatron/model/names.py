@@ -21,8 +21,9 @@ two parts, gate then up, each cut over the ranks on its own (``tp_parts``: a ran
 ``[gate_r; up_r]``). The word embeddings, their copy and the output layer are split over
 the (padded) vocabulary.
 
-Names of other programs (Hugging Face, megatron-core, Megatron-DeepSpeed, DeepSpeed's
-pipeline) are their adapters' business; they build and parse ours through this module.
+Names of other programs (Hugging Face, megatron-core, Megatron-DeepSpeed) are their
+adapters' business (``adapters.py``: to ours, from ours); they build and parse ours through
+this module.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def _module(state: dict, path: str) -> dict:
     if not isinstance(module, dict):
         raise CheckpointError(f"{path} holds no model ('module') and its folder no layer_*"
                               "-model_states.pt files")
-    named = mds.our_names(module) if any(k.startswith("language_model.") for k in module) \
+    named = mds.MDS.to_ours(module, None) if any(k.startswith("language_model.") for k in module) \
         else dict(module)
     named.pop(TIED_COPY, None)
     return named

@@ -93,7 +93,7 @@ def _chunk_states(state: dict, theirs: bool, path: str) -> list[dict]:
     try:
         if not keys:
             raise ValueError("it holds no model ('model' entry)")
-        chunks = [mds.our_names(state[k]) if theirs else state[k] for k in keys]
+        chunks = [mds.MDS.to_ours(state[k], None) if theirs else state[k] for k in keys]
         for chunk in chunks:
             layer_count(chunk)
     except ValueError as error:

@@ -30,39 +30,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from megatron.model.names import (
-    OUTPUT_LAYER,
-    POSITION_EMBEDDINGS,
-    TIED_COPY,
-    WORD_EMBEDDINGS,
-    parse_layer_key,
-    tp_split_dim,
-)
+from megatron.model.mcore_names import LAYERS, mcore_name  # noqa: F401 - LAYERS re-exported
+from megatron.model.names import TIED_COPY, parse_layer_key, tp_split_dim
 
-LAYERS = "decoder.layers."
-# Our per-layer parameter names (after "encoder.layers.{i}.") -> megatron-core's.
-_LAYER_NAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-    "self_attention.query_key_value.weight": "self_attention.linear_qkv.weight",
-    "self_attention.query_key_value.bias": "self_attention.linear_qkv.bias",
-    "self_attention.dense.weight": "self_attention.linear_proj.weight",
-    "self_attention.dense.bias": "self_attention.linear_proj.bias",
-    "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "post_attention_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
-    "mlp.dense_h_to_4h.weight": "mlp.linear_fc1.weight",
-    "mlp.dense_h_to_4h.bias": "mlp.linear_fc1.bias",
-    "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
-    "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
-}
-_OTHER_NAMES = {
-    WORD_EMBEDDINGS: WORD_EMBEDDINGS,
-    TIED_COPY: WORD_EMBEDDINGS,  # the last stage's copy of tied embeddings: the same tensor
-    POSITION_EMBEDDINGS: POSITION_EMBEDDINGS,
-    "final_layernorm.weight": "decoder.final_layernorm.weight",
-    "final_layernorm.bias": "decoder.final_layernorm.bias",
-    OUTPUT_LAYER: OUTPUT_LAYER,
-}
 # megatron-core keeps an ``_extra_state`` (Transformer Engine's FP8 metadata; None on its
 # local layers) per linear layer of each transformer layer; its loader asks for them.
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv",
@@ -102,13 +72,10 @@ def place(name: str, shape: tuple[int, ...], layer: Optional[int], num_layers: i
         full[dim] *= tp_size
         offset[dim] = tp_rank * shape[dim]
     writer = (dim is not None or tp_rank == 0) and name != TIED_COPY
-    parsed = parse_layer_key(name)
-    if parsed and parsed[1] in _LAYER_NAMES:
-        return Place(LAYERS + _LAYER_NAMES[parsed[1]], (num_layers, *full), (layer, *offset),
-                     True, writer)
-    if name not in _OTHER_NAMES:
-        raise KeyError(f"no megatron-core name for parameter {name!r}")
-    return Place(_OTHER_NAMES[name], tuple(full), tuple(offset), False, writer)
+    key, stacked = mcore_name(name)
+    if stacked:
+        return Place(key, (num_layers, *full), (layer, *offset), True, writer)
+    return Place(key, tuple(full), tuple(offset), False, writer)
 
 
 def chunk_places(chunk: nn.Module, num_layers: int, tp_rank: int,
