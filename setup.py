@@ -52,7 +52,9 @@ setup(
         # "megatron" and, installed here, would shadow this one wherever the checkout is not
         # on the path. README's test command puts it in .test-deps/megatron-core, which only
         # tests/mcore_driver.py imports from.
-        "test": ["pytest", "ruff", "datasets", "pyarrow", "wandb", "psutil"],
+        "test": ["pytest", "ruff", "datasets", "pyarrow", "wandb", "psutil", "sentencepiece"],
+        # Llama2Tokenizer / GPTSentencePieceTokenizer read SentencePiece's tokenizer.model.
+        "sentencepiece": ["sentencepiece"],
         "hf-data": ["datasets", "pyarrow"],  # preprocess_data.py --input of local HF datasets
         "wandb": ["wandb"],  # --wandb-project (offline runs)
         # No "cuda" extra: the index's "apex" is an unrelated package (NVIDIA's apex is built

@@ -56,11 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True,
                        help="GPT2BPETokenizer, PretrainedFromHF (alias HFTokenizer, "
-                            "HuggingFaceTokenizer) or NullTokenizer")
+                            "HuggingFaceTokenizer), Llama2Tokenizer, GPTSentencePieceTokenizer, "
+                            "Llama3Tokenizer or NullTokenizer")
     group.add_argument("--vocab-file", "--vocab", dest="vocab_file", default=None)
     group.add_argument("--merge-file", default=None)
-    group.add_argument("--tokenizer-name-or-path", default=None,
-                       help="local directory of a Hugging Face tokenizer (loaded offline)")
+    group.add_argument("--tokenizer-name-or-path", "--tokenizer-model",
+                       dest="tokenizer_name_or_path", default=None,
+                       help="local directory of a Hugging Face tokenizer (loaded offline), or "
+                            "the tokenizer.model file of the Llama tokenizer types")
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to each non-empty document")

@@ -111,13 +111,15 @@ class DataConfig(Slice):
     num_workers: int = option(default=2, help="DataLoader worker processes per rank.")
     tokenizer_type: str = option(
         default="GPT2BPETokenizer", help="GPT2BPETokenizer, PretrainedFromHF (alias "
-        "HFTokenizer, HuggingFaceTokenizer) or NullTokenizer.")
+        "HFTokenizer, HuggingFaceTokenizer), Llama2Tokenizer, GPTSentencePieceTokenizer, "
+        "Llama3Tokenizer or NullTokenizer.")
     vocab_file: Optional[str] = option("--vocab-file", "--vocab", default=None,
                                        help="GPT-2 vocab.json.")
     merge_file: Optional[str] = option(default=None, help="GPT-2 merges.txt.")
     tokenizer_name_or_path: Optional[str] = option(
         "--tokenizer-name-or-path", "--tokenizer-model", default=None,
-        help="Local Hugging Face tokenizer folder (PretrainedFromHF).")
+        help="Local Hugging Face tokenizer folder (PretrainedFromHF), or the tokenizer.model "
+        "file of Llama2Tokenizer, GPTSentencePieceTokenizer and Llama3Tokenizer.")
     vocab_size: Optional[int] = option(default=None, help="NullTokenizer's vocabulary size.")
     reset_position_ids: bool = option(default=False, help="Restart position ids after each "
                                       "end-of-document token.")
@@ -162,6 +164,9 @@ class DataConfig(Slice):
         """The flags this tokenizer type needs and did not get."""
         needs = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
                  "PretrainedFromHF": ("tokenizer_name_or_path",),
+                 "Llama2Tokenizer": ("tokenizer_name_or_path",),
+                 "GPTSentencePieceTokenizer": ("tokenizer_name_or_path",),
+                 "Llama3Tokenizer": ("tokenizer_name_or_path",),
                  "NullTokenizer": ("vocab_size",)}[self.tokenizer_type]
         return [f"{flag(n)} (for --tokenizer-type {self.tokenizer_type})"
                 for n in needs if getattr(self, n) is None]

@@ -1,7 +1,9 @@
-"""Tokenizers: GPT-2 BPE (GPT-2's exact ids), Hugging Face (local, offline), Null (ids as text)."""
+"""Tokenizers: GPT-2 BPE (GPT-2's exact ids), Hugging Face (local, offline), the Llama family's
+(SentencePiece, Llama 3's tiktoken BPE), Null (ids as text)."""
 
 from megatron.tokenizer.errors import LoneSurrogateError, TokenizerConfigError, TokenizerFileError
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from megatron.tokenizer.llama import Llama3Tokenizer, SentencePieceTokenizer
 from megatron.tokenizer.tokenizer import (
     NullTokenizer,
     PretrainedFromHF,
@@ -13,9 +15,11 @@ from megatron.tokenizer.tokenizer import (
 
 __all__ = [
     "GPT2BPETokenizer",
+    "Llama3Tokenizer",
     "LoneSurrogateError",
     "NullTokenizer",
     "PretrainedFromHF",
+    "SentencePieceTokenizer",
     "Tokenizer",
     "TokenizerConfig",
     "TokenizerConfigError",

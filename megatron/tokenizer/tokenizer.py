@@ -17,6 +17,7 @@ import numpy as np
 
 from megatron.tokenizer.errors import TokenizerConfigError
 from megatron.tokenizer.gpt2_bpe import BACKENDS, GPT2BPETokenizer
+from megatron.tokenizer.llama import Llama3Tokenizer, SentencePieceTokenizer
 
 
 @runtime_checkable
@@ -41,6 +42,10 @@ class Tokenizer(Protocol):
 GPT2_BPE = "GPT2BPETokenizer"
 PRETRAINED_FROM_HF = "PretrainedFromHF"
 NULL = "NullTokenizer"
+LLAMA2 = "Llama2Tokenizer"
+GPT_SENTENCEPIECE = "GPTSentencePieceTokenizer"
+LLAMA3 = "Llama3Tokenizer"
+MODEL_FILE_TYPES = (LLAMA2, GPT_SENTENCEPIECE, LLAMA3)  # --tokenizer-model names a file
 
 # Spellings used by Megatron-LM, Megatron-DeepSpeed, BigScience and older guides.
 _ALIASES = {
@@ -50,6 +55,9 @@ _ALIASES = {
     "huggingfacetokenizer": PRETRAINED_FROM_HF,
     "hfautotokenizer": PRETRAINED_FROM_HF,
     "nulltokenizer": NULL,
+    "llama2tokenizer": LLAMA2,
+    "gptsentencepiecetokenizer": GPT_SENTENCEPIECE,
+    "llama3tokenizer": LLAMA3,
 }
 
 
@@ -59,8 +67,8 @@ def canonical_tokenizer_type(name: str) -> str:
     if canonical is None:
         raise TokenizerConfigError(
             f"--tokenizer-type {name!r} is not supported; choose one of "
-            f"{GPT2_BPE}, {PRETRAINED_FROM_HF} (alias HFTokenizer, HuggingFaceTokenizer) "
-            f"or {NULL}"
+            f"{GPT2_BPE}, {PRETRAINED_FROM_HF} (alias HFTokenizer, HuggingFaceTokenizer), "
+            f"{LLAMA2}, {GPT_SENTENCEPIECE}, {LLAMA3} or {NULL}"
         )
     return canonical
 
@@ -92,6 +100,14 @@ class TokenizerConfig:
                     f"--tokenizer-name-or-path {path!r} is not a local directory "
                     "(tokenizers are loaded offline)"
                 )
+        elif self.tokenizer_type in MODEL_FILE_TYPES:
+            path = self.tokenizer_name_or_path
+            if not path:
+                raise TokenizerConfigError(f"{self.tokenizer_type} needs --tokenizer-model "
+                                           "(its tokenizer.model file)")
+            if not os.path.isfile(path):
+                raise TokenizerConfigError(f"--tokenizer-model {path!r} is not a file "
+                                           f"({self.tokenizer_type} reads its tokenizer.model)")
         elif self.tokenizer_type == NULL:
             if self.vocab_size is None or int(self.vocab_size) <= 0:
                 raise TokenizerConfigError(f"{NULL} needs a positive --vocab-size")
@@ -124,6 +140,12 @@ def build_tokenizer(
         return GPT2BPETokenizer(config.vocab_file, config.merge_file, backend=config.backend)
     if config.tokenizer_type == PRETRAINED_FROM_HF:
         return PretrainedFromHF(config.tokenizer_name_or_path)
+    if config.tokenizer_type in (LLAMA2, GPT_SENTENCEPIECE):
+        return SentencePieceTokenizer(config.tokenizer_name_or_path,
+                                      add_bos=config.tokenizer_type == LLAMA2,
+                                      kind=config.tokenizer_type)
+    if config.tokenizer_type == LLAMA3:
+        return Llama3Tokenizer(config.tokenizer_name_or_path)
     return NullTokenizer(config.vocab_size)
 
 
