@@ -18,14 +18,15 @@ from megatron.config import ModelConfig
 from megatron.core import tensor_parallel
 from megatron.model.gpt_batch import masked_mean_loss
 from megatron.model.gpt_model import Embedding
+from megatron.model.init import InitRNG
 from megatron.model.layer_norm import build_layer_norm
 from megatron.model.rotary import model_rotary_freqs
 from megatron.model.transformer import ParallelTransformer
 
 
 class EmbeddingPipe(Embedding):
-    """``(tokens [b, s], position_ids [b, s])`` -> hidden ``[s, b, h]``; on the last stage the
-    same module (tied) gives the LM head its weight (``lm_logits``)."""
+    """``(tokens [b, s], position_ids [b, s])`` -> hidden ``[s, b, h]``; with tied embeddings
+    the same module on the last stage gives the LM head its weight (``lm_logits``)."""
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens, position_ids = inputs
@@ -53,6 +54,23 @@ class FinalLayerNormPipe(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.final_layernorm(hidden)
+
+
+class LMHeadPipe(nn.Module):
+    """The untied output layer (--untie-embeddings-and-output-weights): hidden ``[s, b, h]``
+    -> logits ``[s, b, V/tp]``; GPTModel's ``output_layer`` (the same initialisation), its
+    weight named ``lm_head.weight`` as Megatron-DeepSpeed's ``LMHeadPipe`` names it."""
+
+    def __init__(self, config: ModelConfig, *, device=None) -> None:
+        super().__init__()
+        self.lm_head = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, config.padded_vocab_size, bias=False,
+            init_method=InitRNG(config, "output_layer").normal(),
+            sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+            device=device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
 
 def lm_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:

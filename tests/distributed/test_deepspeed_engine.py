@@ -26,7 +26,7 @@ from megatron.conversion import load_full_checkpoint
 from megatron.core import parallel_state
 from megatron.model.gpt_model import GPTModel
 from tests.dist_utils import free_port, run_distributed
-from tests.distributed.training_utils import flags_to_argv, parse_log_lines
+from tests.distributed.training_utils import LLAMA_FLAGS, flags_to_argv, parse_log_lines
 from tools.checkpoint import convert
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,6 +131,13 @@ def two_rank_launch(tmp_path_factory):
                                            "--save-interval": 100}),
         "pipe_pp2_resumed": argv(**pipe, **{"--load": pipe_ckpt}),
         "native_pp2": argv(**{"--pipeline-model-parallel-size": 2}),
+        # The Llama family (untied LM head, SwiGLU, GQA, RMSNorm) through the pipeline
+        # engine, and its layer files for the conversion test.
+        "pipe_pp2_llama": argv(**pipe, **LLAMA_FLAGS),
+        "pipe_pp2_llama_first3": argv(**pipe, **LLAMA_FLAGS, **{
+            "--exit-interval": 3, "--save": tmp_path / "ds_pipe_llama_ckpt",
+            "--save-interval": 100}),
+        "native_pp2_llama": argv(**{"--pipeline-model-parallel-size": 2}, **LLAMA_FLAGS),
         # DeepSpeed's activation checkpointing (tp 2) replays dropout from our RNG tracker:
         # the recomputed layers give the gradients of the built-in run without recompute.
         "tp2_ds_recompute": zero(1, **dropout, **{
@@ -160,6 +167,9 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, two_rank_launch):
     assert "pipeline engine (PipelineModule)" in log and "STAGE=0 LAYERS=2 [0, 2)" in log
     assert_same(results["pipe_pp2"], results["native_pp2"])
     assert_same(results["native_pp2"], reference)
+    # Untied (the Llama family): the LM head is its own last layer spec (LMHeadPipe).
+    assert_same(results["pipe_pp2_llama"], results["native_pp2_llama"])
+    assert results["native_pp2_llama"]["train"] != reference["train"]
     # Resume: iterations 4 and 5 after loading iteration 3 are those of the unbroken run.
     assert (ckpt / "latest").read_text().strip() == "global_step3"
     assert "loaded DeepSpeed checkpoint" in log
@@ -224,8 +234,9 @@ def test_real_deepspeed_checkpoints_convert_and_train_on(two_rank_launch, tmp_pa
     (--no-load-optim, LR schedule carried), so iteration 4, which only the weights decide."""
     results, _, launched = two_rank_launch
     sources = {"zero1": "ds_ckpt", "zero1_tp2": "ds_tp2_ckpt", "zero3": "ds_zero3_ckpt",
-               "pipe_pp2": "ds_pipe_ckpt"}
-    with_optimizer = {"zero1", "zero1_tp2", "pipe_pp2"}
+               "pipe_pp2": "ds_pipe_ckpt", "pipe_pp2_llama": "ds_pipe_llama_ckpt"}
+    with_optimizer = {"zero1", "zero1_tp2", "pipe_pp2", "pipe_pp2_llama"}
+    family = {"pipe_pp2_llama": LLAMA_FLAGS}
     same_as = {"zero1_tp2": "zero1"}  # the run whose iterations 4-5 it continues
     engine_module = torch.load(launched / "ds_ckpt" / "global_step3" / "mp_rank_00_model_states.pt",
                                map_location="cpu", weights_only=False)["module"]
@@ -239,12 +250,17 @@ def test_real_deepspeed_checkpoints_convert_and_train_on(two_rank_launch, tmp_pa
         assert (full.iteration, full.consumed_train_samples) == (3, 24)
         assert full.scheduler is not None and full.scheduler["num_steps"] == 24
         assert (full.optimizer is not None) == (run in with_optimizer), run
-        assert full.model.keys() == engine_module.keys()
-        want = _logits(full.model_config(), engine_module)
-        got = _logits(full.model_config(), full.model)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=run)
-        continued[run] = argv(**{"--load": out,
-                                 "--no-load-optim": run not in with_optimizer})
+        if run in family:  # its own model: the names and shapes GPTModel has (untied head)
+            built = GPTModel(full.model_config()).state_dict()
+            assert {k: v.shape for k, v in full.model.items()} == {
+                k: v.shape for k, v in built.items()}
+        else:
+            assert full.model.keys() == engine_module.keys()
+            want = _logits(full.model_config(), engine_module)
+            got = _logits(full.model_config(), full.model)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=run)
+        continued[run] = argv(**family.get(run, {}), **{
+            "--load": out, "--no-load-optim": run not in with_optimizer})
     trained = run_distributed(_train_each, 1, continued)[0]
     for run, got in trained.items():
         want = results[same_as.get(run, run)]

@@ -45,6 +45,7 @@ from megatron.checkpointing.formats.deepspeed.universal import read_universal
 from megatron.checkpointing.formats.deepspeed.universal_folder import UniversalFolder
 from megatron.conversion import load_full_checkpoint
 from tests.distributed.test_deepspeed_engine import argv, assert_same, launch
+from tests.distributed.training_utils import LLAMA_FLAGS
 from tools.checkpoint import convert
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,7 +87,7 @@ def universal_launch(tmp_path_factory):
     """One 4-rank launch: the ZeRO-1 and ZeRO-2 sources (tp 2 x dp 2), the conversions,
     then the resumed runs; returns (results, log, folder)."""
     tmp = tmp_path_factory.mktemp("universal")
-    z1, z2, z3, pipe = tmp / "z1", tmp / "z2", tmp / "z3", tmp / "pipe"
+    z1, z2, z3, pipe, llama = tmp / "z1", tmp / "z2", tmp / "z3", tmp / "pipe", tmp / "llama"
     saving = {"--save-interval": SAVED_AT, "--tensor-model-parallel-size": 2}
     universal_z2 = z2 / f"global_step{SAVED_AT}_universal"
     damaged = tmp / "damaged"
@@ -128,6 +129,18 @@ def universal_launch(tmp_path_factory):
         "native_from_pipe": _run(**{"--tensor-model-parallel-size": 4, "--load": pipe,
                                     "--universal-checkpoint": True}),
         "ds_damaged": {"argv": _ds(1, **{"--load": damaged}), "expect_error": True},
+        # The Llama family from the pipeline engine at tp 2 x pp 2 (untied LM head, SwiGLU's
+        # [gate_r; up_r] merged as two parts), resumed by the built-in engine at tp 1 x pp 2
+        # and by DeepSpeed's plain engine at dp 4.
+        "llama_source": _run(**LLAMA_FLAGS, **saving, **{
+            "--deepspeed": True, "--zero-stage": 1, "--save": llama,
+            "--pipeline-model-parallel-size": 2}),
+        "convert_llama": {"commands": [_convert_command(llama)]},
+        "llama_native_pp2": _run(**LLAMA_FLAGS, **{"--pipeline-model-parallel-size": 2,
+                                                   "--load": llama,
+                                                   "--universal-checkpoint": True}),
+        "llama_ds_z1_dp4": _ds(1, **LLAMA_FLAGS, **{"--load": llama,
+                                                    "--universal-checkpoint": True}),
     }
     results, log = launch(4, runs, tmp)
     return results, log, tmp
@@ -157,10 +170,16 @@ def test_ds_to_universal_folders_resume_at_other_layouts(universal_launch):
             got = {**got, "train": [[i, loss, norm] for (i, loss, _), (_, _, norm)
                                     in zip(got["train"], want["train"])]}
         assert_same(got, want)
+    llama = {"train": results["llama_source"]["train"][SAVED_AT:],
+             "valid": results["llama_source"]["valid"]}
+    assert results["llama_source"]["train"] != results["z1_source"]["train"]
+    for run in ("llama_native_pp2", "llama_ds_z1_dp4"):
+        assert [t[0] for t in results[run]["train"]] == [4, 5], run
+        assert_same(results[run], llama)
     # Who loaded it: the built-in engine says what starts anew; DeepSpeed's engine read the
     # optimizer state itself where it could, ours filled stage 0's.
     assert "loaded universal checkpoint" in log
-    assert log.count("by DeepSpeed's engine at iteration 3") == 3
+    assert log.count("by DeepSpeed's engine at iteration 3") == 4
     assert log.count("into the engine's model at iteration 3") == 1
     # The damaged copy: one line naming the missing file, on every rank (before DeepSpeed
     # read anything).

@@ -140,3 +140,27 @@ def test_universal_flag_needs_a_universal_checkpoint(tmp_path):
         find_universal(str(only), False)
     assert find_universal(str(only), True).path == str(only / "u")
     assert find_universal(str(only / "u"), False).path == str(only / "u")
+
+
+def test_universal_checkpoint_info_of_an_untied_swiglu_pipeline():
+    """The Llama family in the pipeline module: SwiGLU's first projection is two parts each
+    cut over the ranks ([gate_r; up_r], DeepSpeed's parameter_with_2_sub_params_cat_dim_0),
+    the embedding is layer spec 0 (not shared with a stage) and the LM head the last."""
+    import dataclasses
+
+    llama = dataclasses.replace(MODEL, normalization="RMSNorm", swiglu=True,
+                                ffn_hidden_size=64, untie_embeddings_and_output_weights=True,
+                                add_bias_linear=False, position_embedding_type="rope")
+    info = universal_checkpoint_info(llama, True)
+
+    def kinds(name: str) -> set[str]:
+        return {k for k, patterns in info.items() if isinstance(patterns, list)
+                and any(re.match(p, name) for p in patterns)}
+
+    assert kinds("1.layers.0.mlp.dense_h_to_4h.weight") == {
+        "parameter_with_2_sub_params_cat_dim_0"}
+    assert kinds("2.layers.0.mlp.dense_4h_to_h.weight") == {
+        "parameter_with_row_parallelism_patterns"}
+    assert kinds("0.word_embeddings.weight") == {"vocabulary_parameter_patterns"}
+    assert kinds("4.lm_head.weight") == {"vocabulary_parameter_patterns"}
+    assert info["pipeline_replicated_parameter_patterns"] == []

@@ -134,8 +134,6 @@ def _check_pipeline_engine(cfg: RunConfig) -> None:
     rules = (
         (d.reset_attention_mask, "--reset-attention-mask: only the hidden state travels "
          "between DeepSpeed's pipeline stages, so the mask must be the causal one"),
-        (m.untie_embeddings_and_output_weights, "--untie-embeddings-and-output-weights: the "
-         "pipeline model ties the LM head to the embedding"),
         (p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers,
          "--decoder-first/last-pipeline-num-layers: DeepSpeed balances the layers itself"),
         (m.num_layers % pp, f"--num-layers ({m.num_layers}) not divisible by "

@@ -96,8 +96,8 @@ def configure_activation_checkpointing(cfg: RunConfig) -> None:
 
 
 def build_pipeline_module(cfg: RunConfig, device: torch.device):
-    """GPT as DeepSpeed's PipelineModule: embedding, layers, final norm, LM head tied to the
-    embedding; stages over a topology laid out as our groups (tensor fastest, then data, then
+    """GPT as DeepSpeed's PipelineModule: embedding, layers, final norm, LM head (tied to the
+    embedding, or its own layer with --untie-embeddings-and-output-weights); stages over a topology laid out as our groups (tensor fastest, then data, then
     pipeline), layers split evenly."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -105,6 +105,7 @@ def build_pipeline_module(cfg: RunConfig, device: torch.device):
     from megatron.model.gpt_model_pipe import (
         EmbeddingPipe,
         FinalLayerNormPipe,
+        LMHeadPipe,
         TransformerLayerPipe,
         lm_logits,
         lm_loss,
@@ -112,9 +113,12 @@ def build_pipeline_module(cfg: RunConfig, device: torch.device):
 
     m, p = cfg.model, cfg.parallel
     tied = dict(tied_weight_attr="word_embeddings.weight")
-    specs = [TiedLayerSpec("embed", EmbeddingPipe, m, device=device, **tied)]
+    untied = m.untie_embeddings_and_output_weights
+    specs = [LayerSpec(EmbeddingPipe, m, device=device) if untied else
+             TiedLayerSpec("embed", EmbeddingPipe, m, device=device, **tied)]
     specs += [LayerSpec(TransformerLayerPipe, m, i, device=device) for i in range(m.num_layers)]
     specs += [LayerSpec(FinalLayerNormPipe, m, device=device),
+              LayerSpec(LMHeadPipe, m, device=device) if untied else
               TiedLayerSpec("embed", EmbeddingPipe, m, device=device, forward_fn=lm_logits,
                             **tied)]
     topology = PipeModelDataParallelTopology(num_pp=p.pipeline_model_parallel_size,

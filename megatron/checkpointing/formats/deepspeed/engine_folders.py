@@ -188,6 +188,8 @@ def _pipeline_model(step_dir: str, files: list) -> dict:
             out.update({f"final_layernorm.{k}": v for k, v in state.items()})
         elif set(state) == {"weight"}:
             out[OUTPUT_LAYER] = state["weight"]
+        elif set(state) == {"lm_head.weight"}:  # ours and Megatron-DeepSpeed's LMHeadPipe
+            out[OUTPUT_LAYER] = state["lm_head.weight"]
         else:
             raise CheckpointError(f"{path}: cannot tell which layer it is (entries "
                                   f"{sorted(state)[:6]})")

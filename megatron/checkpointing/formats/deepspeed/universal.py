@@ -43,10 +43,12 @@ from megatron.checkpointing.model_shape import check_model_shape, saved_model_fi
 from megatron.checkpointing.run_config import is_our_config
 from megatron.model import megatron_deepspeed as mds
 from megatron.model.names import (
+    OUTPUT_LAYER,
     TIED_COPY,
     VOCAB_TENSORS,
     WORD_EMBEDDINGS,
     layer_key,
+    tp_parts,
     tp_split_dim,
 )
 from megatron.model.sharding import chunk_to_full_names, resize_vocab
@@ -269,6 +271,8 @@ _VOCABULARY = "vocabulary_parameter_patterns"
 _PIPELINE_REPLICATED = "pipeline_replicated_parameter_patterns"
 _TP_REPLICATED = "tp_replicated_parameter_patterns"
 _ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
+# SwiGLU's first projection: each rank holds [gate_r; up_r], merged as [gate; up]
+_TWO_PARTS = "parameter_with_2_sub_params_cat_dim_0"
 
 
 def universal_checkpoint_info(model_config: Any, pipeline: bool) -> dict:
@@ -277,17 +281,20 @@ def universal_checkpoint_info(model_config: Any, pipeline: bool) -> dict:
     pipeline module: which parameters are replicated over tensor-parallel ranks, which are
     cut along their columns (row-parallel), which are vocabulary tensors (their padding is
     dropped: ``original_vocab_size`` rows are kept) and, in the pipeline module, which
-    appear on two stages (the tied embedding). Every other parameter was cut along its rows.
-    The rule is ``names.tp_split_dim``'s; the patterns cover every stage's parameters,
+    appear on two stages (the tied embedding), and which hold two parts cut on their own
+    (SwiGLU's ``[gate; up]``: ``names.tp_parts``). Every other parameter was cut along its
+    rows. The rule is ``names.tp_split_dim``'s; the patterns cover every stage's parameters,
     layer numbers written ``\\d+``."""
     by_kind: dict[str, list[str]] = {_VOCABULARY: [], _PIPELINE_REPLICATED: [],
-                                     _TP_REPLICATED: [], _ROW_PARALLEL: []}
+                                     _TP_REPLICATED: [], _ROW_PARALLEL: [], _TWO_PARTS: []}
     for full in expected_shapes(model_config):
-        engine_name = _pipeline_name(full) if pipeline else full
+        engine_name = _pipeline_name(full, model_config) if pipeline else full
         pattern = r"\.".join(r"\d+" if part.isdigit() else re.escape(part)
                               for part in engine_name.split(".")) + "$"
         dim = tp_split_dim(full)
         kind = _TP_REPLICATED if dim is None else _ROW_PARALLEL if dim == 1 else None
+        if tp_parts(full, model_config) == 2:
+            kind = _TWO_PARTS
         for key, member in ((kind, kind is not None), (_VOCABULARY, full in VOCAB_TENSORS),
                             (_PIPELINE_REPLICATED, engine_name.startswith(_TIED))):
             if member and pattern not in by_kind[key]:
@@ -296,14 +303,18 @@ def universal_checkpoint_info(model_config: Any, pipeline: bool) -> dict:
             "padded_vocab_size": model_config.padded_vocab_size}
 
 
-def _pipeline_name(full: str) -> str:
+def _pipeline_name(full: str, model_config: Any) -> str:
     """Our pipeline module's name of a full name (``zero_optim.our_name`` backwards; the
-    layer numbers only need to be numbers: the patterns match any)."""
+    layer numbers only need to be numbers: the patterns match any). Untied, the embedding is
+    layer spec 0 and the LM head (``lm_head.weight``) the last."""
+    untied = model_config.untie_embeddings_and_output_weights
     if full.startswith("embedding."):
-        return _TIED + full.removeprefix("embedding.")
+        return ("0." if untied else _TIED) + full.removeprefix("embedding.")
     m = re.fullmatch(r"encoder\.layers\.(\d+)\.(.+)", full)
     if m:
         return f"{int(m.group(1)) + 1}.{_OUR_LAYER_PREFIX}{m.group(2)}"
+    if full == OUTPUT_LAYER:
+        return f"{model_config.num_layers + 2}.lm_head.weight"
     return f"0.{full}"  # final_layernorm.*
 
 

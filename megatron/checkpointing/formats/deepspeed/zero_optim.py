@@ -21,7 +21,7 @@ import torch
 
 from megatron.checkpointing.formats.deepspeed.files import read_zero_optimizer_file
 from megatron.config import ModelConfig
-from megatron.model.names import VOCAB_TENSORS, layer_key, tp_parts
+from megatron.model.names import OUTPUT_LAYER, VOCAB_TENSORS, layer_key, tp_parts
 from megatron.model.sharding import merge_tp, resize_vocab
 
 _OPTIM_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt")
@@ -68,12 +68,19 @@ def read_zero_optimizer(step_dir: str, model_states: list[dict], config: ModelCo
     return {**meta, "param_state": param_state, "grad_scaler": None}
 
 
+_PIPE_UNTIED_RE = re.compile(r"\d+\.((?:word|position)_embeddings\.weight|lm_head\.weight)")
+
+
 def our_name(pipe_name: str) -> str:
-    """GPTModel's name of a ``PipelineModule`` parameter: ``tied_modules.embed.X`` ->
-    ``embedding.X``, ``{i}.layers.0.X`` (layer spec ``i``, 1-based) -> ``encoder.layers.{i-1}.X``,
-    ``{i}.final_layernorm.X`` -> ``final_layernorm.X``."""
+    """GPTModel's name of a ``PipelineModule`` parameter: ``tied_modules.embed.X`` (or, untied,
+    ``0.X``) -> ``embedding.X``, ``{i}.layers.0.X`` (layer spec ``i``, 1-based) ->
+    ``encoder.layers.{i-1}.X``, ``{i}.final_layernorm.X`` -> ``final_layernorm.X``, untied
+    ``{i}.lm_head.weight`` -> ``output_layer.weight``."""
     if pipe_name.startswith("tied_modules.embed."):
         return "embedding." + pipe_name.removeprefix("tied_modules.embed.")
+    m = _PIPE_UNTIED_RE.fullmatch(pipe_name)
+    if m:
+        return OUTPUT_LAYER if m.group(1) == "lm_head.weight" else "embedding." + m.group(1)
     m = _PIPE_LAYER_RE.fullmatch(pipe_name)
     if m:
         return layer_key(int(m.group(1)) - 1, m.group(2))
