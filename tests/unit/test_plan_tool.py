@@ -81,3 +81,43 @@ def test_pretrain_dry_run_prints_the_same_plan_and_trains_nothing(monkeypatch, c
     planned = capsys.readouterr().out
     assert "layout: tensor 2 x pipeline 2 x data 2 = 8 GPUs" in dry
     assert dry.strip().endswith(planned.strip())
+
+
+# The Llama recipes' models (examples/llama/) at their real sizes, Meta's vocabularies.
+LLAMA2_7B = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+             "--ffn-hidden-size", "11008", "--seq-length", "4096", "--vocab-size", "32000"]
+LLAMA3_8B = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+             "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size",
+             "14336", "--seq-length", "8192", "--vocab-size", "128256"]
+LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
+         "--micro-batch-size", "1", "--global-batch-size", "8", "--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize("model, published", [(LLAMA2_7B, 6_738_415_616),
+                                              (LLAMA3_8B, 8_030_261_248)])
+def test_llama_sizes_count_exactly_and_their_flops_follow_the_swiglu_gqa_formula(
+        capsys, model, published):
+    """The planner's count equals the model built on the meta device and Meta's published
+    count; FLOPs per token equal 2 x (every matrix's elements) + the attention scores, summed
+    over the built model's own weights (an independent count of the formula)."""
+    from megatron.config import parse_args
+    from megatron.core import parallel_state
+    from megatron.model.gpt_model import GPTModel
+    from megatron.planning.flops import flops_per_token
+
+    positions = ["--max-position-embeddings", model[model.index("--seq-length") + 1]]
+    plan = load_tool("plan").main([*model, *LLAMA, *positions])
+    capsys.readouterr()
+    assert plan.total_params == plan.closed_form_params == published
+    cfg = parse_args([*model, *LLAMA, *positions, "--train-iters", "1", "--mock-data",
+                      "--tokenizer-type", "NullTokenizer"], world_size=1)
+    cfg = cfg.with_vocab_size(cfg.data.vocab_size)
+    parallel_state.destroy_model_parallel()
+    built = GPTModel(cfg.model, device="meta")
+    assert sum(p.numel() for p in built.parameters()) == published
+    m = cfg.model
+    matrices = sum(p.numel() for name, p in built.named_parameters()
+                   if p.dim() == 2 and "word_embeddings" not in name)
+    forward = 2 * matrices + m.num_layers * 4 * m.seq_length * m.projection_size
+    assert flops_per_token(m) == 3 * forward

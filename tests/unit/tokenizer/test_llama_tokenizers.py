@@ -34,10 +34,11 @@ def _text() -> str:
     return "\n".join(docs) * 2 + "\n" + "\n".join(SAMPLES)
 
 
-@pytest.fixture(scope="module")
-def sp_model(tmp_path_factory) -> str:
-    spm = pytest.importorskip("sentencepiece")
-    folder = tmp_path_factory.mktemp("sp")
+def make_sp_model(folder) -> str:
+    """A SentencePiece BPE model trained on local text with Llama 2's settings, in
+    ``folder``; returns its tokenizer.model path."""
+    import sentencepiece as spm
+
     corpus = folder / "corpus.txt"
     corpus.write_text(_text(), encoding="utf-8")
     spm.SentencePieceTrainer.train(
@@ -48,6 +49,12 @@ def sp_model(tmp_path_factory) -> str:
         normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
         allow_whitespace_only_pieces=True, add_dummy_prefix=True)
     return str(folder / "tokenizer.model")
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory) -> str:
+    pytest.importorskip("sentencepiece")
+    return make_sp_model(tmp_path_factory.mktemp("sp"))
 
 
 def _train_byte_bpe(text: str, merges: int) -> dict[bytes, int]:
