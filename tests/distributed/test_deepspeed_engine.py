@@ -1,7 +1,8 @@
 """DeepSpeed's engine behind --deepspeed, through the real ``deepspeed`` launcher on CPU
 (gloo): ZeRO 1, 2 and 3 (2 ranks) and tensor parallel 2 + ZeRO-1 (4 ranks) give the
 one-process built-in losses and grad norms within 1e-5 relative over 5 iterations, and the
-log shows DeepSpeed's own engine lines; its pipeline engine at pp 2 equals the built-in pp 2;
+log shows DeepSpeed's own engine lines; its pipeline engine at pp 2 equals the built-in pp 2
+(the Llama family's options too: ZeRO 1-3 and the pipeline engine with its untied head);
 a DeepSpeed checkpoint resumes bit for bit; DeepSpeed's recompute replays dropout; real
 ZeRO-1, ZeRO-3 and pipeline checkpoints convert to ours and train on without DeepSpeed, and
 tools/generate_text.py and tools/evaluate.py read them as they are. Two launches in all: tests/distributed/deepspeed_driver.py runs the 2-rank trainings one after
@@ -101,6 +102,12 @@ def reference():
 
 
 @pytest.fixture(scope="module")
+def llama_reference():
+    """The built-in engine in one process, the Llama family's options."""
+    return run_distributed(_train, 1, argv(**LLAMA_FLAGS))[0]
+
+
+@pytest.fixture(scope="module")
 def two_rank_launch(tmp_path_factory):
     """All the 2-rank DeepSpeed trainings in one launch: (results, log, folder)."""
     tmp_path = tmp_path_factory.mktemp("ds2")
@@ -134,6 +141,7 @@ def two_rank_launch(tmp_path_factory):
         # The Llama family (untied LM head, SwiGLU, GQA, RMSNorm) through the pipeline
         # engine, and its layer files for the conversion test.
         "pipe_pp2_llama": argv(**pipe, **LLAMA_FLAGS),
+        **{f"zero{stage}_llama": zero(stage, **LLAMA_FLAGS) for stage in (1, 2, 3)},
         "pipe_pp2_llama_first3": argv(**pipe, **LLAMA_FLAGS, **{
             "--exit-interval": 3, "--save": tmp_path / "ds_pipe_llama_ckpt",
             "--save-interval": 100}),
@@ -149,11 +157,12 @@ def two_rank_launch(tmp_path_factory):
     return results, log, tmp_path
 
 
-def test_zero_stages_pipeline_and_resume_two_ranks(reference, two_rank_launch):
+def test_zero_stages_pipeline_and_resume_two_ranks(reference, llama_reference, two_rank_launch):
     results, log, tmp_path = two_rank_launch
     ckpt, pipe_ckpt = tmp_path / "ds_ckpt", tmp_path / "ds_pipe_ckpt"
     for stage in (1, 2, 3):
         assert_same(results[f"zero{stage}"], reference)
+        assert_same(results[f"zero{stage}_llama"], llama_reference)  # RMSNorm, SwiGLU, GQA
         # DeepSpeed's own configuration print, and our line naming the stage.
         assert re.search(rf"\[config.py:\d+:print\] +zero_optimization_stage \.+ {stage}\n",
                          log), stage
@@ -169,7 +178,8 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, two_rank_launch):
     assert_same(results["native_pp2"], reference)
     # Untied (the Llama family): the LM head is its own last layer spec (LMHeadPipe).
     assert_same(results["pipe_pp2_llama"], results["native_pp2_llama"])
-    assert results["native_pp2_llama"]["train"] != reference["train"]
+    assert_same(results["native_pp2_llama"], llama_reference)
+    assert llama_reference["train"] != reference["train"]
     # Resume: iterations 4 and 5 after loading iteration 3 are those of the unbroken run.
     assert (ckpt / "latest").read_text().strip() == "global_step3"
     assert "loaded DeepSpeed checkpoint" in log
