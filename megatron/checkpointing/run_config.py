@@ -32,9 +32,36 @@ def model_fields_from_args(args: dict, true_vocab_size: Any = None) -> dict:
         args.get("padded_vocab_size")
     if args.get("position_embedding_type") in ("learned_absolute", "rope"):
         fields["position_embedding_type"] = args["position_embedding_type"]
+    if args.get("use_rotary_position_embeddings"):  # Megatron-DeepSpeed's spelling
+        fields["position_embedding_type"] = "rope"
+    if args.get("rope_theta") is not None and args.get("rotary_base") is None:
+        fields["rotary_base"] = args["rope_theta"]
     if args.get("add_bias_linear") is False:
         fields["add_bias_linear"] = False
+    fields.update(_llama_fields(args))
     fields["activation"] = "gelu_tanh" if gelu_is_tanh(args) else "gelu"
+    return fields
+
+
+def _llama_fields(args: dict) -> dict:
+    """The Llama family's settings among their flags: RMSNorm, SwiGLU, grouped-query
+    attention (Megatron-LM's --group-query-attention --num-query-groups, Megatron-DeepSpeed's
+    --num-key-value-heads), QKV biases alone, rotation of adjacent pairs, Llama 3.1 scaling."""
+    fields: dict = {}
+    if str(args.get("normalization") or "LayerNorm").lower() == "rmsnorm":
+        fields["normalization"] = "RMSNorm"
+    if args.get("swiglu"):
+        fields["swiglu"] = True
+    heads = args.get("num_attention_heads")
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else None
+    groups = args.get("num_key_value_heads") or groups
+    if groups and groups != heads:
+        fields.update(group_query_attention=True, num_query_groups=groups)
+    for name in ("add_qkv_bias", "rotary_interleaved", "use_rope_scaling"):
+        if args.get(name):
+            fields[name] = True
+    if args.get("use_rope_scaling") and args.get("rope_scaling_factor") is not None:
+        fields["rope_scaling_factor"] = args["rope_scaling_factor"]
     return fields
 
 
@@ -50,16 +77,9 @@ def gelu_is_tanh(args: dict) -> bool:
 # Settings of theirs that change the model's computation in a way our GPT cannot: (flag,
 # test on vars(args)).
 _UNSUPPORTED = (
-    ("--swiglu", lambda a: a.get("swiglu")),
-    ("--group-query-attention", lambda a: a.get("group_query_attention")
-     and a.get("num_query_groups") not in (None, a.get("num_attention_heads"))),
-    ("--normalization RMSNorm", lambda a: a.get("normalization", "LayerNorm") != "LayerNorm"),
     ("--num-experts", lambda a: (a.get("num_experts") or 0) > 1),
     ("--qk-layernorm", lambda a: a.get("qk_layernorm")),
     ("--apply-layernorm-1p", lambda a: a.get("apply_layernorm_1p")),
-    ("--rotary-interleaved", lambda a: a.get("rotary_interleaved")),
-    ("--add-qkv-bias without linear biases", lambda a: a.get("add_qkv_bias")
-     and a.get("add_bias_linear") is False),
     ("--squared-relu", lambda a: a.get("squared_relu")),
     ("--multi-latent-attention", lambda a: a.get("multi_latent_attention")),
 )
@@ -70,8 +90,7 @@ def check_supported_args(args: dict) -> None:
     found = [flag for flag, test in _UNSUPPORTED if test(args)]
     if found:
         raise ValueError(f"the checkpoint's model was trained with {', '.join(found)}, which "
-                         "this framework's GPT (LayerNorm, GeLU MLP, multi-head attention) "
-                         "does not have")
+                         "this framework's GPT (GPT-2/3 and the Llama family) does not have")
 
 
 def is_our_config(saved: Any) -> bool:

@@ -236,6 +236,53 @@ def test_deepspeed_layout_converts(tmp_path, pipeline, untie, tp):
         assert torch.equal(back.model[name], value), name
 
 
+def test_megatron_deepspeeds_own_llama_checkpoint_converts(tmp_path):
+    """A Llama model as Megatron-DeepSpeed's hf2megads_weight_converter.py saves it (its
+    GPTModelPipe's layer files at tp 2: the embedding at spec 1, layers from 2, the RMSNorm
+    weight alone at L + 2, ``lm_head.weight`` at L + 3; per rank [gate_r; up_r]; its flags as
+    an argparse Namespace in the client state) converts to ours with its settings."""
+    from megatron.model.names import tp_parts
+
+    config = _config(num_layers=2, normalization="RMSNorm", swiglu=True, ffn_hidden_size=32,
+                     position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                     add_bias_linear=False)
+    full = _full(config, with_optimizer=False)
+    args = argparse.Namespace(
+        num_layers=2, hidden_size=16, num_attention_heads=4, num_key_value_heads=4,
+        ffn_hidden_size=32, seq_length=8, max_position_embeddings=8, padded_vocab_size=56,
+        make_vocab_size_divisible_by=4, swiglu=True, normalization="rmsnorm",
+        use_rotary_position_embeddings=True, untie_embeddings_and_output_weights=True,
+        add_bias_linear=False, tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+    step = tmp_path / "mds" / "global_step5"
+    step.mkdir(parents=True)
+    (tmp_path / "mds" / "latest").write_text("global_step5")
+    padded = repad_vocab(full.model, full.model_config(2).padded_vocab_size)
+    for t in range(2):
+        pieces = {k: split_tp(k, v, 2, tp_parts(k, config))[t] for k, v in padded.items()}
+        torch.save({"module": None, "iteration": 5, "global_steps": 5, "args": args},
+                   step / f"mp_rank_{t:02d}_model_states.pt")
+        files = {1: {"word_embeddings.weight": pieces["embedding.word_embeddings.weight"]},
+                 4: {"weight": pieces["final_layernorm.weight"]},
+                 5: {"lm_head.weight": pieces["output_layer.weight"]}}
+        for i in range(2):
+            prefix = f"encoder.layers.{i}."
+            files[2 + i] = {k.removeprefix(prefix): v for k, v in pieces.items()
+                            if k.startswith(prefix)}
+        for i, state in files.items():
+            torch.save(state, step / f"layer_{i:02d}-model_{t:02d}-model_states.pt")
+    save = tmp_path / "converted"
+    assert convert.main(["--model-type", "GPT", "--loader", "deepspeed", "--load-dir",
+                         str(tmp_path / "mds"), "--save-dir", str(save),
+                         "--true-vocab-size", "50"]) == 0
+    back = load_full_checkpoint(str(save))
+    m = back.model_config()
+    assert (m.normalization, m.swiglu, m.position_embedding_type, m.add_bias_linear,
+            m.untie_embeddings_and_output_weights) == ("RMSNorm", True, "rope", False, True)
+    assert back.model.keys() == full.model.keys()
+    for name, value in full.model.items():
+        assert torch.equal(back.model[name], value), name
+
+
 def test_zero3_checkpoint_at_tensor_parallel_2_is_refused(tmp_path, capsys):
     """ZeRO-3 keeps only placeholders in its model files; DeepSpeed's gatherer reads tensor
     rank 0 alone, so a tp 2 ZeRO-3 checkpoint is refused, saying why."""

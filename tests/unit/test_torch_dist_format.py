@@ -74,15 +74,37 @@ def test_megatron_gelu_settings_map_to_our_activation(args, activation):
 
 
 @pytest.mark.parametrize("args, named", [
-    ({"swiglu": True}, "--swiglu"),
-    ({"group_query_attention": True, "num_query_groups": 2, "num_attention_heads": 8},
-     "--group-query-attention"),
-    ({"normalization": "RMSNorm"}, "--normalization RMSNorm"),
     ({"num_experts": 8}, "--num-experts"),
+    ({"qk_layernorm": True}, "--qk-layernorm"),
 ])
 def test_megatron_models_we_cannot_compute_are_refused_by_name(args, named):
     with pytest.raises(ValueError, match=named):
         model_fields_from_args(args)
+
+
+LLAMA = {"swiglu": True, "num_attention_heads": 8, "add_bias_linear": False,
+         "untie_embeddings_and_output_weights": True}
+
+
+@pytest.mark.parametrize("args", [
+    # Megatron-LM's Llama flags
+    {**LLAMA, "normalization": "RMSNorm", "group_query_attention": True, "num_query_groups": 2,
+     "position_embedding_type": "rope", "rotary_base": 500000},
+    # Megatron-DeepSpeed's (pretrain_llama2_distributed.sh)
+    {**LLAMA, "normalization": "rmsnorm", "num_key_value_heads": 2,
+     "use_rotary_position_embeddings": True, "rope_theta": 500000},
+])
+def test_megatron_llama_settings_map_to_our_fields(args):
+    fields = model_fields_from_args(args)
+    assert {k: fields.get(k) for k in ("normalization", "swiglu", "group_query_attention",
+                                       "num_query_groups", "position_embedding_type",
+                                       "rotary_base", "add_bias_linear")} == {
+        "normalization": "RMSNorm", "swiglu": True, "group_query_attention": True,
+        "num_query_groups": 2, "position_embedding_type": "rope", "rotary_base": 500000,
+        "add_bias_linear": False}
+    # Megatron-LM keeps --num-query-groups 1 without --group-query-attention: not MQA.
+    plain = model_fields_from_args({"num_attention_heads": 8, "num_query_groups": 1})
+    assert "num_query_groups" not in plain
 
 
 class _TheirEnum(enum.Enum):  # stands for a megatron-core enum in Megatron-LM's args
