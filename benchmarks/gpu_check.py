@@ -31,6 +31,9 @@ started, recorded as timed out, and the next step runs; no step starts after ``-
   ``--use-flash-attn`` (no flash_attn package there) the same losses;
 - ``generate``: ``benchmarks/generate.py --device cuda`` at the GPT-2 124M shape, batch 1 and 8
   (before the throughput steps: it is short, and they are the ones that may overrun);
+- ``llama-1b``: ``pretrain_gpt.py`` with the Llama family's options (RMSNorm, SwiGLU, 8 of 32
+  heads' key/value groups, RoPE, untied) at Llama 3.2 1B's shape in bf16, sequence 2048,
+  12 iterations: finite losses, tokens/s and MFU after 3;
 - ``throughput-124m``, ``throughput-350m``, ``throughput-1.3b``:
   ``benchmarks/train_throughput.py --device cuda`` at one shape each (ours eager and
   ``--compile``, nanoGPT eager and compiled, HF), MFU against the ``env`` step's peak.
@@ -85,6 +88,7 @@ STEPS = (
     Step("smoke", 60, 120, "pretrain_gpt.py bf16 124M on WikiText: falls, exact resume, "
                            "--use-flash-attn fallback"),
     Step("generate", 30, 60, "benchmarks/generate.py: KV-cached generation against HF"),
+    Step("llama-1b", 45, 90, "pretrain_gpt.py bf16 at Llama 3.2 1B's shape: tokens/s, MFU"),
     Step("throughput-124m", 75, 130, "train_throughput.py at GPT-2 124M, 5 contenders"),
     Step("throughput-350m", 80, 140, "train_throughput.py at GPT-2 350M, 5 contenders"),
     Step("throughput-1.3b", 90, 150, "train_throughput.py at 1.3B, 5 contenders"),

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -58,6 +59,7 @@ class Scale:
     cpu_suite: tuple[str, ...]
     generate: tuple[str, ...]
     throughput: tuple[str, ...]  # train_throughput.py flags besides the shape
+    llama: tuple[str, ...]  # pretrain_gpt.py flags of the Llama step (shape, batch, length)
     contender_timeout_s: float
     pytest_workers: int  # pytest-xdist processes per test step, where xdist is installed
 
@@ -75,14 +77,22 @@ GPU = Scale(
     generate=("--device", "cuda", "--layers", "12", "--hidden", "768", "--heads", "12",
               "--new-tokens", "64", "--repeats", "3"),
     throughput=("--rounds", "1", "--iters", "10", "--warmup", "3"), contender_timeout_s=100,
-    pytest_workers=4)
+    pytest_workers=4,
+    # Llama 3.2 1B's shape (16 layers, hidden 2048, 32 heads in 8 groups, SwiGLU 8192,
+    # vocabulary 128256), sequence 2048, micro-batch 4.
+    llama=(*_model_flags(16, 2048, 32, 2048, 4), "--group-query-attention",
+           "--num-query-groups", "8", "--ffn-hidden-size", "8192", "--vocab-size", "128255",
+           "--train-iters", "12"))
 DRY_RUN = Scale(
     device="cpu", peak_sizes=(128, 256), model=_model_flags(2, 64, 4, 32, 2), smoke_lr="3e-3",
     smoke_lines=3000, cpu_suite=DRY_RUN_CPU_SUITE_TESTS,
     generate=("--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "4",
               "--vocab", "1024", "--new-tokens", "8", "--repeats", "1"),
     throughput=("--rounds", "1", "--iters", "2", "--warmup", "1", "--dry-run"),
-    contender_timeout_s=120, pytest_workers=0)
+    contender_timeout_s=120, pytest_workers=0,
+    llama=(*_model_flags(2, 64, 4, 32, 2), "--group-query-attention", "--num-query-groups",
+           "2", "--ffn-hidden-size", "128", "--vocab-size", "1023", "--train-iters", "5"))
+LLAMA_WARMUP = 3  # iterations left out of the Llama step's throughput
 
 
 class Checks:
@@ -410,6 +420,41 @@ def step_generate(scale: Scale, args, out: Checks) -> None:
               and all(r["tokens_per_s"] > 0 for r in cached))
 
 
+def llama_command(scale: Scale) -> list[str]:
+    """pretrain_gpt.py with the Llama family's options in bf16 on mock data, flash attention
+    where installed (SDPA otherwise, grouped k/v either way)."""
+    return [sys.executable, "pretrain_gpt.py", *scale.llama, "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--normalization", "RMSNorm", "--swiglu",
+            "--position-embedding-type", "rope", "--rotary-base", "500000",
+            "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
+            "--use-flash-attn", "--lr", "3e-4", "--clip-grad", "1.0",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
+            "--eval-iters", "0", *(("--use-cpu",) if scale.device == "cpu" else ())]
+
+
+def step_llama(scale: Scale, args, out: Checks) -> None:
+    """A Llama 1B-shape training run: finite losses, tokens/s and MFU after the warm-up."""
+    from megatron.training.log import parse_log_lines
+
+    status, log = stream(llama_command(scale))
+    lines = parse_log_lines(log) if status == 0 else []
+    losses = [line.get("lm loss") for line in lines]
+    if not out.check("pretrain_gpt.py trained the Llama shape with finite losses",
+                     bool(losses) and all(v is not None and math.isfinite(v) for v in losses),
+                     f"exit status {status}, {len(losses)} iterations"):
+        return
+    timed = [line for line in lines if line["iteration"] > LLAMA_WARMUP]
+    tgs = [line["tokens per GPU per second (TGS)"] for line in timed]
+    tflops = [line.get("TFLOP/s per GPU") for line in timed]
+    out.figures.update(losses=losses, tokens_per_s=statistics.median(tgs) if tgs else None,
+                       tflops=statistics.median(tflops) if tflops and None not in tflops
+                       else None,
+                       memory_line=next((ln for ln in log.splitlines() if "memory (MB)" in ln),
+                                        None))
+    if args.peak_tflops and out.figures["tflops"]:
+        out.figures["mfu"] = out.figures["tflops"] / args.peak_tflops
+
+
 def step_throughput(shape: str) -> Callable:
     def run(scale: Scale, args, out: Checks) -> None:
         # Written after every contender: if the step is stopped, gpu_check keeps what ran.
@@ -435,7 +480,7 @@ def step_throughput(shape: str) -> Callable:
 
 STEP_FUNCTIONS = {
     "env": step_env, "gpu-tests": step_gpu_tests, "cpu-tests": step_cpu_tests,
-    "smoke": step_smoke, "generate": step_generate,
+    "smoke": step_smoke, "generate": step_generate, "llama-1b": step_llama,
     "throughput-124m": step_throughput("gpt2-124m"),
     "throughput-350m": step_throughput("gpt2-350m"),
     "throughput-1.3b": step_throughput("1.3b"),

@@ -206,7 +206,7 @@ def test_dry_run_runs_every_step_without_the_packages_the_gpu_machine_lacks(tmp_
     assert done.returncode == 0, done.stdout[-3000:] + log[-5000:]
     record = json.loads((out / "gpu-check.json").read_text())
     steps = {s["name"]: s for s in record["steps"]}
-    assert list(steps) == ["env", "gpu-tests", "cpu-tests", "smoke", "generate",
+    assert list(steps) == ["env", "gpu-tests", "cpu-tests", "smoke", "generate", "llama-1b",
                            "throughput-124m"]
     assert all(s["status"] == "passed" for s in steps.values())
     assert steps["env"]["limit_s"] == 3 * 45  # a dry run's limits have slack
@@ -214,6 +214,8 @@ def test_dry_run_runs_every_step_without_the_packages_the_gpu_machine_lacks(tmp_
     smoke = steps["smoke"]["figures"]
     assert len(smoke["losses"]) == 30 and smoke["losses"][-1] < smoke["losses"][0] - 1
     assert smoke["flash_attn_fallback_line"]
+    llama = steps["llama-1b"]["figures"]
+    assert len(llama["losses"]) == 5 and llama["tokens_per_s"] > 0
     contenders = steps["throughput-124m"]["figures"]["shapes"]["gpt2-124m"]["contenders"]
     assert set(contenders) == {"ours", "ours-compile", "nanogpt", "nanogpt-compile", "hf"}
     assert all(c["tokens_per_s"] > 0 for c in contenders.values())
@@ -263,6 +265,9 @@ def test_the_gpu_scale_commands_are_valid_training_flags(gpu_check):
         assert command[1].endswith("pretrain_gpt.py")
         config = parse_args(command[2:])
         assert config.model.num_layers in (12, 24) and config.model.seq_length == 1024
+    llama = parse_args(steps.llama_command(steps.GPU)[2:])
+    assert (llama.model.num_layers, llama.model.hidden_size, llama.model.query_groups,
+            llama.model.ffn_hidden_size, llama.model.swiglu) == (16, 2048, 8, 8192, True)
     smoke = parse_args(runs[0][2:])
     assert smoke.model.hidden_size == 768 and smoke.training.train_iters == 30
     assert smoke.training.deterministic_mode and smoke.model.params_dtype == torch.bfloat16
