@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -30,10 +31,10 @@ def get_batch(ctx: RunContext, data_iterator):
     return gpt_batch(sample, eod, ctx.config.data)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, ranks: int = 1):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """The masked mean of the per-token losses ``output_tensor`` ``[b, s]``
-    (``masked_mean_loss``: of each of ``ranks`` data-parallel ranks' micro-batches)."""
-    loss = masked_mean_loss(output_tensor, loss_mask, ranks)
+    (``masked_mean_loss``, the DeepSpeed pipeline's reduction too)."""
+    loss = masked_mean_loss(output_tensor, loss_mask)
     return loss, {"lm loss": loss.detach()}
 
 
@@ -45,8 +46,7 @@ def forward_step(ctx: RunContext, data_iterator, model, stage: StageInfo):
     else:
         tokens = labels = loss_mask = attention_mask = position_ids = None
     output = model(tokens, position_ids, attention_mask, labels=labels)
-    ranks = ctx.config.parallel.devices_per_process  # one micro-batch per device
-    return output, lambda out: loss_func(loss_mask, out, ranks)
+    return output, functools.partial(loss_func, loss_mask)
 
 
 def train_valid_test_datasets_provider(ctx: RunContext, num_samples: list[int]):

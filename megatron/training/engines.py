@@ -212,7 +212,15 @@ class NativeEngine:
 
 
 class XlaEngine(NativeEngine):
-    """``NativeEngine`` on an XLA device: each iteration one traced graph (xla_step)."""
+    """``NativeEngine`` on an XLA device: each iteration one traced graph (xla_step); under
+    SPMD each device's rows of a micro-batch are a data-parallel rank's, and the loss is the
+    mean of the devices' own losses (``xla_step.split_over_devices``)."""
+
+    def __init__(self, forward_step: Callable, chunks: list, optimizer: Any, scheduler: Any,
+                 ctx: RunContext) -> None:
+        devices = ctx.config.parallel.devices_per_process
+        super().__init__(xla_step.split_over_devices(forward_step, devices), chunks,
+                         optimizer, scheduler, ctx)
 
     def train_step(self, data_iterator, num_microbatches: int) -> StepResult:
         step = xla_step.train_step(self.forward_step, data_iterator, self.chunks,
