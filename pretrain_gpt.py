@@ -12,6 +12,8 @@ import torch
 
 from megatron.assembly.build import RunContext, gpt_model_provider
 from megatron.core.pipeline_parallel.schedules import StageInfo
+from megatron.data.gpt_dataset import build_train_valid_test_datasets
+from megatron.data.mock_dataset import MockGPTDataset
 from megatron.model.gpt_batch import gpt_batch, masked_mean_loss
 from megatron.model.gpt_model import GPTModel
 from megatron.platform.output import print_rank_0
@@ -53,13 +55,9 @@ def train_valid_test_datasets_provider(ctx: RunContext, num_samples: list[int]):
     """GPT datasets from --data-path (or per-split paths), or synthetic ones (--mock-data)."""
     cfg = ctx.config
     if cfg.data.mock_data:
-        from megatron.data.mock_dataset import MockGPTDataset
-
         return tuple(MockGPTDataset(n, cfg.model.seq_length, cfg.model.vocab_size,
                                     cfg.training.seed + i) if n > 0 else None
                      for i, n in enumerate(num_samples))
-    from megatron.data.gpt_dataset import build_train_valid_test_datasets
-
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     d = cfg.data
     return build_train_valid_test_datasets(
