@@ -5,12 +5,15 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 
 from megatron.assembly.build import RunContext, gpt_model_provider
 from megatron.core.pipeline_parallel.schedules import StageInfo
+from megatron.data.gpt_dataset import build_train_valid_test_datasets
+from megatron.data.mock_dataset import MockGPTDataset
 from megatron.model.gpt_batch import gpt_batch, masked_mean_loss
 from megatron.model.gpt_model import GPTModel
 from megatron.platform.output import print_rank_0
@@ -30,10 +33,10 @@ def get_batch(ctx: RunContext, data_iterator):
     return gpt_batch(sample, eod, ctx.config.data)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, ranks: int = 1):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """The masked mean of the per-token losses ``output_tensor`` ``[b, s]``
-    (``masked_mean_loss``: of each of ``ranks`` data-parallel ranks' micro-batches)."""
-    loss = masked_mean_loss(output_tensor, loss_mask, ranks)
+    (``masked_mean_loss``, the DeepSpeed pipeline's reduction too)."""
+    loss = masked_mean_loss(output_tensor, loss_mask)
     return loss, {"lm loss": loss.detach()}
 
 
@@ -45,21 +48,16 @@ def forward_step(ctx: RunContext, data_iterator, model, stage: StageInfo):
     else:
         tokens = labels = loss_mask = attention_mask = position_ids = None
     output = model(tokens, position_ids, attention_mask, labels=labels)
-    ranks = ctx.config.parallel.devices_per_process  # one micro-batch per device
-    return output, lambda out: loss_func(loss_mask, out, ranks)
+    return output, functools.partial(loss_func, loss_mask)
 
 
 def train_valid_test_datasets_provider(ctx: RunContext, num_samples: list[int]):
     """GPT datasets from --data-path (or per-split paths), or synthetic ones (--mock-data)."""
     cfg = ctx.config
     if cfg.data.mock_data:
-        from megatron.data.mock_dataset import MockGPTDataset
-
         return tuple(MockGPTDataset(n, cfg.model.seq_length, cfg.model.vocab_size,
                                     cfg.training.seed + i) if n > 0 else None
                      for i, n in enumerate(num_samples))
-    from megatron.data.gpt_dataset import build_train_valid_test_datasets
-
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     d = cfg.data
     return build_train_valid_test_datasets(

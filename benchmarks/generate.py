@@ -34,8 +34,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.config import RunConfig
 from megatron.inference.loading import build_inference_model  # noqa: E402
 from megatron.inference.text_generation import GREEDY, generate_tokens  # noqa: E402
+from megatron.model.hf_gpt2 import hf_to_megatron_state_dict, model_config_from_hf
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,9 +45,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def build_models(args: argparse.Namespace, device: torch.device):
     """The HF model and ours with its weights, both in eval mode on ``device``."""
     from transformers import GPT2Config, GPT2LMHeadModel
-
-    from megatron.config import RunConfig
-    from megatron.model.hf_gpt2 import hf_to_megatron_state_dict, model_config_from_hf
 
     cfg = GPT2Config(vocab_size=args.vocab, n_positions=args.prompt_length + args.new_tokens,
                      n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,

@@ -214,6 +214,7 @@ def step_env(scale: Scale, args, out: Checks) -> None:
                  nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
     else:
         f["device_name"] = "cpu"
+    # lazy: runs in the step's own process; gpu_check.py imports this module torch-free
     import megatron
 
     f["megatron_from"] = str(Path(megatron.__file__).resolve().parent)
@@ -340,6 +341,7 @@ def smoke_command(scale: Scale, data_flags: list[str], *extra: str) -> list[str]
 
 def train(command: list[str]) -> tuple[list[tuple[float, float]], str]:
     """(lm loss, grad norm) per logged iteration, and the output; [] where it failed."""
+    # lazy: runs in the step's own process; gpu_check.py imports this module torch-free
     from megatron.training.log import parse_log_lines
 
     status, output = stream(command)
@@ -362,6 +364,7 @@ def _differs(a: list, b: list) -> str:
 
 
 def step_smoke(scale: Scale, args, out: Checks) -> None:
+    # lazy: runs in the step's own process; gpu_check.py imports this module torch-free
     from megatron.checkpointing import read_tracker
 
     data = find_inputs(args.inputs)["data"]

@@ -120,6 +120,7 @@ SHAPES_BY_DEVICE = {"cpu": SHAPES, "cuda": GPU_SHAPES}
 
 
 def flops_per_token(shape: Shape) -> float:
+    # lazy: importable once main() has put the checkout on sys.path; --help imports no torch
     from megatron.config import ModelConfig
     from megatron.planning.flops import flops_per_token as megatron_flops
 
@@ -143,6 +144,7 @@ def matmul_peak_gflops(sizes=(1024, 2048, 3072), repeats: int = 5) -> dict[str, 
     (MKL here) and of oneDNN's matmul (which our linear layers use on CPU)."""
     import torch
 
+    # lazy: importable once main() has put the checkout on sys.path; --help imports no torch
     from megatron.core.tensor_parallel.layers import matmul_nt
 
     kernels = {"torch.mm": lambda a, b, c: torch.mm(a, b, out=c),
@@ -192,6 +194,7 @@ def pretrain_command(shape: Shape, iters: int, clip_grad: float) -> list[str]:
 def tokens_per_second_from_log(log: str, warmup: int, tokens_per_iteration: int) -> float:
     """Tokens over time for the logged iterations after ``warmup`` (each line's TGS covers one
     iteration at --log-interval 1)."""
+    # lazy: importable once main() has put the checkout on sys.path; --help imports no torch
     from megatron.training.log import parse_log_lines
 
     tgs = [line["tokens per GPU per second (TGS)"] for line in parse_log_lines(log)

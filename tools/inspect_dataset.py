@@ -49,6 +49,7 @@ from megatron.data.indexed_dataset import (  # noqa: E402
     sequences_end,
     uncounted_eod_message,
 )
+from megatron.tokenizer import build_tokenizer
 
 Dataset = Union[MMapIndexedDataset, legacy.LegacyIndexedDataset]
 
@@ -172,8 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _tokenizer(args):
     if args.tokenizer_type is None and args.vocab_file is None:
         return None
-    from megatron.tokenizer import build_tokenizer
-
     return build_tokenizer(args.tokenizer_type or "GPT2BPETokenizer", args.vocab_file,
                            args.merge_file, args.tokenizer_name_or_path, args.vocab_size)
 

@@ -30,9 +30,12 @@ from typing import Optional
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron.assembly.build import build_run_tokenizer
 from megatron.checkpointing import checkpoint_model_settings  # noqa: E402
 from megatron.config import ConfigError, RunConfig, parse_args  # noqa: E402
+from megatron.planning.memory_formulas import compare, format_comparison, variants
 from megatron.planning.planner import Plan, build_plan, format_plan  # noqa: E402
+from megatron.tokenizer import TokenizerConfigError
 
 
 def _own_flags() -> argparse.ArgumentParser:
@@ -62,9 +65,6 @@ def _vocab_size(config: RunConfig) -> int:
     there are tokenizer files or a NullTokenizer; else --vocab-size, else GPT-2's 50257."""
     d = config.data
     if d.vocab_file or d.tokenizer_name_or_path or d.tokenizer_type == "NullTokenizer":
-        from megatron.assembly.build import build_run_tokenizer
-        from megatron.tokenizer import TokenizerConfigError
-
         try:
             return build_run_tokenizer(config).vocab_size
         except TokenizerConfigError as error:
@@ -96,8 +96,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Plan:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     if "--compare-formulas" in argv:
-        from megatron.planning.memory_formulas import compare, format_comparison, variants
-
         print(format_comparison([compare(c, label) for label, c in variants(config)]))
         raise SystemExit(0)
     plan = build_plan(config, zero_stage, gpu_memory_gb)

@@ -21,7 +21,9 @@ from torch import nn
 from megatron.config import ConfigError, ModelConfig, OptimizerConfig, RunConfig
 from megatron.core import parallel_state, watchdog
 from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed.gossip import ParameterGossip, TopologyError, topology_rounds
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer.decentralized import DecentralizedOptimizer
 from megatron.core.optimizer_param_scheduler import build_optimizer_param_scheduler
 from megatron.core.timers import Timers
 from megatron.model.gpt_model import GPTModel
@@ -29,6 +31,7 @@ from megatron.model.placement import Chunk, stage_chunks
 from megatron.model.transformer import compile_transformer_layers
 from megatron.platform import xla
 from megatron.platform.output import print_rank_0
+from megatron.tokenizer import build_tokenizer
 
 
 @dataclasses.dataclass
@@ -59,8 +62,6 @@ class RunContext:
 def build_run_tokenizer(cfg: RunConfig):
     """The tokenizer named by the data flags; with --mock-data and no files, none (the
     vocabulary size then comes from --vocab-size or GPT-2's 50257)."""
-    from megatron.tokenizer import build_tokenizer
-
     d = cfg.data
     has_files = d.vocab_file or d.tokenizer_name_or_path
     if d.mock_data and d.tokenizer_type != "NullTokenizer" and not has_files:
@@ -149,8 +150,6 @@ def dp_ranks_per_node(cfg: RunConfig) -> int:
 
 def check_dp_topology_or_exit(cfg: RunConfig) -> None:
     """A --dp-topology this run's sizes cannot build ends the run before any process group."""
-    from megatron.core.distributed.gossip import TopologyError, topology_rounds
-
     p = cfg.parallel
     if p.dp_mode != "decentralized":
         return
@@ -163,9 +162,6 @@ def check_dp_topology_or_exit(cfg: RunConfig) -> None:
 
 def wrap_decentralized(optimizer, cfg: RunConfig):
     """--dp-mode decentralized: the optimizer that averages with --dp-topology neighbours."""
-    from megatron.core.distributed.gossip import ParameterGossip, TopologyError
-    from megatron.core.optimizer.decentralized import DecentralizedOptimizer
-
     p = cfg.parallel
     groups = parallel_state.build_rank_groups(
         dist.get_world_size() if dist.is_initialized() else 1,

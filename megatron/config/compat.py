@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.config.base import ConfigError
+from megatron.platform.output import print_rank_0  # rank 0 only, before and after start-up
 
 
 @dataclass(frozen=True)
@@ -185,8 +186,6 @@ def announce_no_ops(ns: argparse.Namespace) -> list[str]:
         if dest == "local_rank" or value == noop.stores_false or (noop.takes_value
                                                                   and value is None):
             continue
-        from megatron.platform.output import print_rank_0  # rank 0 only, before and after start-up
-
         given_as = f"{noop.spelling} {value}" if noop.takes_value else noop.spelling
         print_rank_0(f"> {given_as} is accepted for compatibility and has no effect: "
                      f"{noop.reason}")

@@ -28,6 +28,8 @@ from megatron.data.dataset_utils import (
     parse_data_path,
     parse_split,
 )
+from megatron.tokenizer.errors import TokenizerConfigError
+from megatron.tokenizer.tokenizer import canonical_tokenizer_type as canonical
 
 _PATHS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 _PATH_HELP = "one dataset prefix (no .bin/.idx), or WEIGHT PREFIX pairs to blend"
@@ -37,9 +39,6 @@ Blend = tuple[tuple[str, ...], Optional[tuple[float, ...]]]
 
 def canonical_tokenizer_type(name: str) -> str:
     """--tokenizer-type in the tokenizer package's one spelling (forks' aliases accepted)."""
-    from megatron.tokenizer.errors import TokenizerConfigError
-    from megatron.tokenizer.tokenizer import canonical_tokenizer_type as canonical
-
     try:
         return canonical(name)
     except TokenizerConfigError as error:

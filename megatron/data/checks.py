@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from megatron.data import token_files
 from megatron.data.dataset_utils import (
     DEFAULT_SPLIT,
     DataConfigError,
@@ -41,6 +42,7 @@ from megatron.data.indexed_dataset import (
     MMapIndexedDataset,
     data_file_path,
     index_file_path,
+    make_dataset,
 )
 
 SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
@@ -175,8 +177,6 @@ def data_sources(data: Any) -> list[tuple[str, list[str]]]:
 
 def open_checked(flag: str, prefix: str, data_impl: str = "mmap") -> MMapIndexedDataset:
     """The dataset at ``prefix``, which must exist, be consistent and hold documents."""
-    from megatron.data.indexed_dataset import make_dataset
-
     missing = [p for p in (index_file_path(prefix), data_file_path(prefix))
                if not os.path.isfile(p)]
     if missing:
@@ -305,8 +305,6 @@ def check_token_files(flag: str, paths: list[str], data: Any, train_samples: int
     """For flat/npy token files (``token_files``): every file opens (headers, sizes) and
     the training split holds one sample; returns False when ``paths`` are not token files.
     Their id range is not scanned (the files carry no dtype to check it against cheaply)."""
-    from megatron.data import token_files
-
     data_impl = getattr(data, "data_impl", "mmap")
     if not token_files.uses_token_files(paths, data_impl):
         return False

@@ -25,7 +25,8 @@ from typing import Optional
 
 import numpy as np
 
-from megatron.data import helpers
+from megatron.data import helpers, token_files
+from megatron.data.blended_dataset import BlendedDataset, build_blending_index_cached
 from megatron.data.dataset_utils import (
     DataConfigError,
     DataPath,
@@ -38,6 +39,7 @@ from megatron.data.dataset_utils import (
     parse_data_path,
 )
 from megatron.data.indexed_dataset import MMapIndexedDataset, make_dataset
+from megatron.data.token_files import uses_token_files
 
 logger = logging.getLogger(__name__)
 
@@ -274,8 +276,6 @@ def _open(prefix: str, data_impl: str, skip_warmup: bool,
           in_memory: bool = False) -> MMapIndexedDataset:
     """The dataset at ``prefix``: a .bin/.idx pair (mmap, lazy, cached) or, for flat/npy,
     every token of the token files it names (``token_files.TokenSpans``)."""
-    from megatron.data import token_files
-
     if token_files.uses_token_files([prefix], data_impl):
         impl = token_files.source_impl(prefix, data_impl)
         ds = token_files.TokenSpans(token_files.whole_spans(prefix, impl), in_memory)
@@ -290,8 +290,6 @@ def _token_file_builder(prefixes: list[str], weights: Optional[list[float]], dat
                         splits_string: str, num_samples: Sequence[int], seq_length: int,
                         seed: int, in_memory: bool, common: dict) -> Callable[[int], object]:
     """The builder of split s of flat/npy token files, split by tokens (see ``token_files``)."""
-    from megatron.data import token_files
-
     per_prefix = []
     for prefix in prefixes:
         impl = token_files.source_impl(prefix, data_impl)
@@ -347,8 +345,6 @@ def _blend(name: str, prefixes: list[str], weights: list[float], doc_ranges: lis
            seq_length: int, seed: int, data_cache_path: Optional[str],
            lock_timeout_s: float, flag_name: str):
     """One split of a weighted blend, or None when no dataset has documents in it."""
-    from megatron.data.blended_dataset import BlendedDataset, build_blending_index_cached
-
     empty = [p for p, docs in zip(prefixes, doc_ranges) if len(docs) == 0]
     if len(empty) == len(prefixes):
         return None
@@ -430,8 +426,6 @@ def build_train_valid_test_datasets(data_prefix: DataPath, data_impl: str, split
             SPLIT_NAMES[s], separate[s], data_impl, splits_string, n[s], seq_length, seed,
             skip_warmup, in_memory=in_memory, **common))
     prefixes, weights = parsed
-    from megatron.data.token_files import uses_token_files
-
     if uses_token_files(prefixes, data_impl):
         return _wanted_splits(n, _token_file_builder(prefixes, weights, data_impl,
                                                      splits_string, n, seq_length, seed,

@@ -35,6 +35,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from megatron.data import index_checks
+from megatron.data import legacy_indexed_dataset as legacy
 from megatron.data.index_checks import (  # the reader's API too
     UncountedEod,
     find_uncounted_eod,
@@ -343,8 +344,6 @@ def make_dataset(path: str, impl: str = "mmap", skip_warmup: bool = True,
     """Open ``path`` (a prefix) as ``--data-impl`` ``impl``: 'mmap', the legacy 'lazy' or
     'cached', or 'infer' (the format the .idx's magic names). ``in_memory`` reads an mmap
     dataset's tokens into RAM."""
-    from megatron.data import legacy_indexed_dataset as legacy
-
     if impl not in ("mmap", "infer", *legacy.LEGACY_IMPLS):
         raise IndexedDatasetError(f"--data-impl {impl!r} cannot open {path}: a .bin/.idx "
                                   "prefix is 'mmap', 'lazy', 'cached' or 'infer'")
@@ -544,8 +543,6 @@ def make_builder(out_file: str, impl: str = "mmap", vocab_size: Optional[int] = 
                  atomic: bool = True) -> Any:
     """A builder writing ``out_file`` (the .bin path): mmap in the smallest dtype for
     ``vocab_size``; the legacy 'lazy'/'cached' format in int32, as Megatron-DeepSpeed does."""
-    from megatron.data import legacy_indexed_dataset as legacy
-
     if impl in legacy.LEGACY_IMPLS:
         return legacy.LegacyIndexedDatasetBuilder(out_file, dtype=np.int32, atomic=atomic)
     if impl != "mmap":

@@ -34,14 +34,9 @@ def gpt_batch(sample: torch.Tensor, eod: Optional[int], data: DataConfig,
     return GPTBatch(tokens, labels, loss_mask, attention_mask, position_ids)
 
 
-def masked_mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor,
-                     ranks: int = 1) -> torch.Tensor:
-    """Mean of the per-token ``losses`` ``[b, s]`` where the loss mask is one, of each
-    data-parallel rank's micro-batch: averaged over ``ranks`` where the batch holds several
-    ranks' micro-batches one after another (XLA SPMD), as data parallelism averages its
-    ranks' gradients."""
+def masked_mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the per-token ``losses`` ``[b, s]`` where the loss mask is one. (Under XLA
+    SPMD, where a batch holds several devices' micro-batches, the XLA engine takes each
+    device's mean through this: megatron/training/xla_step.py ``split_over_devices``.)"""
     losses = losses.float()
-    if ranks == 1:
-        return torch.sum(losses.reshape(-1) * loss_mask.reshape(-1)) / loss_mask.sum()
-    losses, mask = losses.reshape(ranks, -1), loss_mask.reshape(ranks, -1)  # [ranks, b/ranks*s]
-    return (torch.sum(losses * mask, dim=1) / mask.sum(dim=1)).mean()
+    return torch.sum(losses.reshape(-1) * loss_mask.reshape(-1)) / loss_mask.sum()

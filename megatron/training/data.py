@@ -12,7 +12,9 @@ from megatron.assembly.build import RunContext
 from megatron.checkpointing.ranks import all_true, first_failure
 from megatron.config import RunConfig
 from megatron.core import parallel_state
+from megatron.data.dataset_utils import DataConfigError
 from megatron.data.dataset_utils import train_valid_test_num_samples as data_sample_counts
+from megatron.data.samplers import build_pretraining_data_loader, shutdown_signals_blocked
 from megatron.platform.output import refuse
 from megatron.training.state import TrainState, data_parallel_size
 
@@ -29,8 +31,6 @@ def build_data_iterators(provider: Callable, ctx: RunContext, state: TrainState)
 
     Only the first and last pipeline stages read data (tokens and labels); others get None.
     """
-    from megatron.data.samplers import build_pretraining_data_loader, shutdown_signals_blocked
-
     cfg = ctx.config
     needs_data = (parallel_state.is_pipeline_first_stage(ignore_virtual=True)
                   or parallel_state.is_pipeline_last_stage(ignore_virtual=True))
@@ -61,8 +61,6 @@ def _build_datasets_or_exit(provider: Optional[Callable], ctx: RunContext):
     """The provider's datasets (None: this rank builds none). A data error met while they
     are built (a full --data-cache-path) ends every rank with one ``error:`` line, as the
     start-up checks do; collective over all ranks."""
-    from megatron.data.dataset_utils import DataConfigError
-
     datasets, error = None, None
     if provider is not None:
         try:

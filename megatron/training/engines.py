@@ -20,7 +20,10 @@ from typing import Any, NamedTuple, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron import checkpointing
 from megatron.assembly.build import RunContext
+from megatron.checkpointing.formats.deepspeed.universal import load_universal_checkpoint
+from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
 from megatron.config import RunConfig
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
@@ -174,8 +177,6 @@ class NativeEngine:
     def save(self, state: TrainState, valid_loss: Optional[float], saver: Any) -> str:
         """Megatron's checkpoint of ``state.iteration``; with ``saver`` (--async-save)
         written in the background from a host copy (which is checked for NaN/Inf there)."""
-        from megatron import checkpointing
-
         self.optimizer.average_replicas()  # --dp-mode decentralized saves the replicas' mean
         if saver is None:  # a background save checks its host copy, off the loop
             check_finite_for_save(self.chunks, self.optimizer, state.iteration)
@@ -188,13 +189,8 @@ class NativeEngine:
     def load(self, state: TrainState, cfg: RunConfig) -> None:
         """Restore the latest checkpoint into the model, optimizer, scheduler and ``state``;
         say on one line (rank 0) what was loaded and what starts anew."""
-        from megatron import checkpointing
-        from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
-
         universal = find_universal(cfg.checkpoint.load, cfg.checkpoint.universal_checkpoint)
         if universal is not None:  # DeepSpeed's, read whole and cut for this layout
-            from megatron.checkpointing.formats.deepspeed.universal import load_universal_checkpoint
-
             loaded = load_universal_checkpoint(universal, self.chunks, self.optimizer,
                                                self.scheduler, cfg)
         else:
@@ -212,7 +208,15 @@ class NativeEngine:
 
 
 class XlaEngine(NativeEngine):
-    """``NativeEngine`` on an XLA device: each iteration one traced graph (xla_step)."""
+    """``NativeEngine`` on an XLA device: each iteration one traced graph (xla_step); under
+    SPMD each device's rows of a micro-batch are a data-parallel rank's, and the loss is the
+    mean of the devices' own losses (``xla_step.split_over_devices``)."""
+
+    def __init__(self, forward_step: Callable, chunks: list, optimizer: Any, scheduler: Any,
+                 ctx: RunContext) -> None:
+        devices = ctx.config.parallel.devices_per_process
+        super().__init__(xla_step.split_over_devices(forward_step, devices), chunks,
+                         optimizer, scheduler, ctx)
 
     def train_step(self, data_iterator, num_microbatches: int) -> StepResult:
         step = xla_step.train_step(self.forward_step, data_iterator, self.chunks,

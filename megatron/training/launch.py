@@ -39,11 +39,15 @@ from megatron.core import parallel_state, watchdog
 from megatron.core.nonfinite import NonFiniteError
 from megatron.core.optimizer_param_scheduler import ScheduleMismatchError
 from megatron.core.timers import Timers
+from megatron.integrations import deepspeed as ds_integration
 from megatron.integrations.deepspeed import deepspeed_config_or_exit
 from megatron.model.layer_norm import apex_layer_norm_used
 from megatron.model.transformer import flash_attn_installed
 from megatron.planning.flops import flops_per_token
+from megatron.planning.planner import build_plan, format_plan
+from megatron.planning.rehearsal.entry import rehearse_or_exit
 from megatron.platform import launcher_watch, xla
+from megatron.platform.launch_env import free_port
 from megatron.platform.output import configure_output, global_rank, print_rank_0, refuse
 from megatron.platform.signals import (
     INTERRUPTED_EXIT_STATUS,
@@ -91,14 +95,10 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     callbacks = RunCallbacks(train_valid_test_datasets_provider, model_provider,
                              forward_step_func)
     if cfg.training.rehearse:
-        from megatron.planning.rehearsal.entry import rehearse_or_exit
-
         rehearse_or_exit(cfg, rank_starter(callbacks))
     configure_output(cfg.logging.log_all_ranks)
     check_device_support_or_exit(cfg)
     if xla_step.launches_replicas(cfg):
-        from megatron.platform.launch_env import free_port
-
         xla.launch_replicas(
             functools.partial(pretrain, train_valid_test_datasets_provider, model_provider,
                               forward_step_func, extra_args_provider=extra_args_provider,
@@ -232,8 +232,6 @@ def _build_engine(cfg: RunConfig, ctx: RunContext, callbacks: RunCallbacks,
     """This rank's model chunks, optimizer and schedule inside the run's step engine:
     DeepSpeed's (with ``ds_config``) or ours."""
     if ds_config is not None:
-        from megatron.integrations import deepspeed as ds_integration
-
         run = ds_integration.setup_engine(callbacks.model_provider, ctx, ds_config)
         return build_engine(ctx, forward_step, run.chunks, run.optimizer, run.scheduler, run)
     chunks, optimizer, scheduler = setup_model_and_optimizer(callbacks.model_provider, ctx)
@@ -242,8 +240,6 @@ def _build_engine(cfg: RunConfig, ctx: RunContext, callbacks: RunCallbacks,
 def _dry_run(cfg: RunConfig) -> TrainState:
     """--dry-run: print the run's plan (megatron/planning/planner.py, as tools/plan.py does), judged
     against this machine's GPU memory where there is a GPU, and train nothing."""
-    from megatron.planning.planner import build_plan, format_plan
-
     gpu_gb = None
     if torch.cuda.is_available() and not cfg.training.use_cpu:
         gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2**30

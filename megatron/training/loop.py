@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megatron import checkpointing
 from megatron.assembly.build import RunContext
 from megatron.checkpointing.async_save import AsyncSaver
 from megatron.checkpointing.ranks import any_true
@@ -183,8 +184,6 @@ class Trainer:
         if self.saver is not None and not self._host_buffers_reserved:
             # After this run's first step (the optimizer's state exists): the first save then
             # copies into memory mapped in the background, as later saves do.
-            from megatron import checkpointing
-
             checkpointing.reserve_host_buffers(it, self.chunks, self.optimizer,
                                                self.engine.scheduler, self.cfg, self.saver)
             self._host_buffers_reserved = True
@@ -244,8 +243,6 @@ class Trainer:
                 return
             self.finish_writing()  # this iteration's folder must exist to be named the best
             if self.save() and (not dist.is_initialized() or dist.get_rank() == 0):
-                from megatron import checkpointing
-
                 checkpointing.update_best_checkpoint(ck.save, self.state.iteration, loss)
 
     def finish_writing(self) -> None:

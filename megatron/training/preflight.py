@@ -10,16 +10,23 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron import checkpointing
 from megatron.assembly.build import build_run_tokenizer
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.folder import DEEPSPEED, MEGATRON
 from megatron.checkpointing.load import checkpoint_model_settings
+from megatron.checkpointing.lock import SaveLock
+from megatron.checkpointing.ranks import broadcast_from_rank0
 from megatron.config import ConfigError, RunConfig, parse_args
 from megatron.core.optimizer_param_scheduler import (
     ScheduleMismatchError,
     build_optimizer_param_scheduler,
 )
+from megatron.data.checks import check_training_data
+from megatron.data.dataset_utils import DataConfigError
+from megatron.data.indexed_dataset import IndexedDatasetError
 from megatron.platform.output import print_rank_0, refuse
+from megatron.tokenizer import TokenizerConfigError
 from megatron.training import xla_step
 from megatron.training.data import train_valid_test_num_samples
 
@@ -28,11 +35,6 @@ def check_run_inputs(cfg: RunConfig):
     """The run's tokenizer, built and checked with the data files before any process group or
     model exists: bad input ends the run with ``error: ...`` naming the flag or file, and
     status 2. Returns the tokenizer (None for --mock-data without tokenizer files)."""
-    from megatron.data.checks import check_training_data
-    from megatron.data.dataset_utils import DataConfigError
-    from megatron.data.indexed_dataset import IndexedDatasetError
-    from megatron.tokenizer import TokenizerConfigError
-
     try:
         tokenizer = build_run_tokenizer(cfg)
         samples = train_valid_test_num_samples(cfg)
@@ -79,8 +81,6 @@ def check_device_support_or_exit(cfg: RunConfig, replica: bool = False) -> None:
 def check_checkpoint_folders_or_exit(cfg: RunConfig) -> None:
     """A --load that is a file and a --save that cannot be written are user errors: say so
     (``error: ...``, exit 2) before any process group or model exists."""
-    from megatron import checkpointing
-
     try:
         if cfg.checkpoint.load:
             checkpointing.check_load_dir(cfg.checkpoint.load, cfg.deepspeed.deepspeed,
@@ -94,9 +94,6 @@ def lock_save_folder_or_exit(cfg: RunConfig):
     """Global rank 0 locks --save for this run (megatron/checkpointing/lock.py); a folder
     another live run saves into ends every rank with ``error: ...`` (rank 0) and status 2,
     before the model is built. Returns the lock (rank 0), else None."""
-    from megatron.checkpointing.lock import SaveLock
-    from megatron.checkpointing.ranks import broadcast_from_rank0
-
     if not cfg.checkpoint.save:
         return None
     lock, problem = None, None
@@ -129,8 +126,6 @@ def check_resumed_schedule_or_exit(cfg: Any, ds_config: Optional[dict]) -> None:
     exists: ``error: ...`` on rank 0 naming each value, its flags and the flag that resolves
     it (exit status 2), instead of a ``ScheduleMismatchError`` on every rank at the load. The
     same rule as the load: a scheduler built from the flags loads the checkpoint's state."""
-    from megatron import checkpointing
-
     ck, sc = cfg.checkpoint, cfg.scheduler
     if (not ck.load or ck.finetune or ck.no_load_optim or ck.no_load_lr_state
             or sc.override_opt_param_scheduler or sc.use_checkpoint_opt_param_scheduler

@@ -13,6 +13,7 @@ count at the end of the run, come from torch_xla's metrics).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import NamedTuple, Optional
@@ -140,6 +141,42 @@ def unsupported_off_xla(cfg: RunConfig) -> Optional[str]:
         return ("--xla-spmd splits the batch over XLA devices: it needs an XLA device (--device "
                 "xla, or PJRT_DEVICE with torch_xla installed)")
     return None
+
+
+def split_over_devices(forward_step: Callable, devices: int) -> Callable:
+    """``forward_step`` with its loss taken as data parallelism takes it where one process
+    trains ``devices`` XLA devices with SPMD: the micro-batch holds each device's rows one
+    after another (``RunContext.batch_to_device``), and the loss is the mean of each device's
+    own loss, as separate data-parallel ranks' gradients average; ``devices`` 1: as it is."""
+    if devices == 1:
+        return forward_step
+
+    @functools.wraps(forward_step)  # the schedule reads its signature (``stage``)
+    def step(*args, **kwargs):
+        output, loss_func = forward_step(*args, **kwargs)
+        return output, functools.partial(mean_of_devices, loss_func, devices)
+
+    return step
+
+
+def mean_of_devices(loss_func: Callable, devices: int, output: torch.Tensor):
+    """``loss_func``'s loss and reported values as the mean over ``devices`` of each device's
+    rows of ``output`` ``[b, ...]`` alone. ``loss_func`` is a weighted mean of its input (as
+    ``masked_mean_loss`` is): given ``output`` with the other devices' rows zeroed it gives
+    this device's weighted sum over all the weight, and given this device's rows of ones
+    its share of the weight; their ratio is this device's own mean."""
+    rows = output.size(0) // devices
+    device_of_row = torch.arange(output.size(0), device=output.device) // rows  # [b]
+    losses, reported = [], []
+    for d in range(devices):
+        keep = (device_of_row == d).to(output.dtype).view(-1, *[1] * (output.dim() - 1))
+        keep = keep.expand_as(output)
+        share = loss_func(keep)[0].detach()  # [] this device's weight / all the weight
+        loss, values = loss_func(output * keep)
+        losses.append(loss / share)
+        reported.append({name: value / share for name, value in values.items()})
+    mean = torch.stack(losses).mean()
+    return mean, {name: torch.stack([r[name] for r in reported]).mean() for name in reported[0]}
 
 
 def _reduce_losses(losses: list[dict[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:

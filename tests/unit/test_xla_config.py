@@ -5,12 +5,15 @@ the host-decided one. The runs on a real XLA device are in tests/xla (CI's torch
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from megatron.config import ConfigError, parse_args
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32, grad_norm_on_device
+from megatron.core.pipeline_parallel import schedules
 from megatron.platform import device as device_mod
 from megatron.platform import xla
 from megatron.training import pretrain, run_devices, xla_step
@@ -208,16 +211,29 @@ def test_spmd_batch_sizes_the_devices_cannot_split_stop_the_run(monkeypatch, cap
         in last, last
 
 
-def test_the_loss_of_several_ranks_micro_batches_is_the_mean_of_their_losses():
-    """Each rank's loss is over its own unmasked tokens, as on separate ranks."""
-    out = torch.arange(24, dtype=torch.float).view(4, 6)  # [b, s]: ranks 0 and 1, 2 rows each
+def test_the_loss_of_several_devices_micro_batches_is_the_mean_of_their_losses():
+    """Under SPMD the XLA engine takes pretrain_gpt's plain loss per device: each device's
+    loss is over its own unmasked tokens, as on separate ranks, gradients included."""
+    out = torch.arange(24, dtype=torch.float).view(4, 6).requires_grad_()  # devices 0, 1: 2 rows
     mask = torch.ones(4, 6)
-    mask[0, :5] = 0  # rank 0 counts 7 tokens, rank 1 all 12
-    together, reported = loss_func(mask, out, ranks=2)
+    mask[0, :5] = 0  # device 0 counts 7 tokens, device 1 all 12
+
+    def forward_step(data_iterator, model, stage=None):
+        return out, functools.partial(loss_func, mask)
+
+    step = xla_step.split_over_devices(forward_step, 2)
+    assert schedules.takes_stage(step)  # the schedule still passes the stage
+    output, split_loss = step(None, None, stage=None)
+    together, reported = split_loss(output)
     apart = [loss_func(mask[r * 2:(r + 1) * 2], out[r * 2:(r + 1) * 2])[0] for r in (0, 1)]
-    assert torch.allclose(together, (apart[0] + apart[1]) / 2)
+    expected = (apart[0] + apart[1]) / 2
+    assert torch.allclose(together, expected)
     assert not torch.allclose(together, loss_func(mask, out)[0])  # the masks differ
-    assert torch.equal(reported["lm loss"], together)
+    assert torch.equal(reported["lm loss"], together.detach())
+    (grad,) = torch.autograd.grad(together, out)
+    (want,) = torch.autograd.grad(expected, out)
+    assert torch.allclose(grad, want)
+    assert xla_step.split_over_devices(forward_step, 1) is forward_step
 
 
 def test_the_compute_line_says_spmd():

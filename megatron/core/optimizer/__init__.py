@@ -41,6 +41,7 @@ from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     MixedPrecisionOptimizer,
 )
+from megatron.platform import xla
 
 ParamCond = Callable[[str, nn.Parameter], bool]
 
@@ -91,8 +92,6 @@ def build_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.
     params = [p for g in groups for p in g["params"]]
     on_cuda = bool(params) and all(p.is_cuda for p in params)
     if config.use_syncfree_optim:  # an XLA device's: the NaN/Inf skip stays on the device
-        from megatron.platform import xla
-
         if config.optimizer == "adam":
             return xla.syncfree_optimizer(
                 "adam", groups, lr=config.lr, weight_decay=config.weight_decay,

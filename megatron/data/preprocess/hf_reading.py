@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron.data.preprocess.config import InputError
-from megatron.data.preprocess.reading import Chunk, Span
+from megatron.data.preprocess.reading import Chunk, Span, iter_chunks
 
 BATCH_ROWS = 1024
 
@@ -149,8 +149,6 @@ def iter_hf_chunks(span: HFSpan, span_index: int, chunk_lines: int,
 def iter_input_chunks(spans: Sequence[Span], chunk_lines: int,
                       columns: Sequence[str]) -> Iterator[Chunk]:
     """Chunks of every span in order: JSON-lines files as they are, HF inputs row by row."""
-    from megatron.data.preprocess.reading import iter_chunks
-
     for span_index, span in enumerate(spans):
         if isinstance(span, HFSpan):
             yield from iter_hf_chunks(span, span_index, chunk_lines, columns)

@@ -20,7 +20,9 @@ import os
 import sys
 from typing import Any, Optional, Union
 
-from megatron.checkpointing import checkpoint_model_settings
+from megatron.assembly.build import build_run_tokenizer
+from megatron.assembly.initialize import initialize_megatron
+from megatron.checkpointing import CheckpointError, checkpoint_model_settings
 from megatron.config import RunConfig, parse_args_or_exit, print_config
 from megatron.inference.evaluation.datasets import (
     EvaluationDataError,
@@ -118,9 +120,6 @@ def build_task_dataset(cfg: RunConfig, tokenizer: Any):
 def run_task(cfg: RunConfig) -> Union[PerplexityResult, AccuracyResult]:
     """Initialize, build the tokenizer, dataset and model, evaluate, print the result line;
     returns the result (on every rank)."""
-    from megatron.assembly.build import build_run_tokenizer
-    from megatron.assembly.initialize import initialize_megatron
-
     try:
         tokenizer = build_run_tokenizer(cfg)
         dataset = build_task_dataset(cfg, tokenizer)
@@ -144,8 +143,6 @@ def run_task(cfg: RunConfig) -> Union[PerplexityResult, AccuracyResult]:
 
 
 def main(argv: Optional[list[str]] = None) -> Union[PerplexityResult, AccuracyResult]:
-    from megatron.checkpointing import CheckpointError
-
     cfg = parse_task_args(argv)
     try:
         return run_task(cfg)

@@ -21,6 +21,15 @@ import os
 import sys
 from typing import Any, Optional
 
+from megatron.checkpointing import CheckpointError
+from megatron.checkpointing.run_config import stored_run_config
+from megatron.inference.evaluation.cli import main as task_main
+from megatron.inference.loading import (
+    checkpoint_folder,
+    checkpoint_tokenizer_settings,
+    tokenizer_data_config,
+)
+
 _TASKS = {"wikitext": "WIKITEXT103", "wikitext103": "WIKITEXT103", "lambada": "LAMBADA"}
 _TOKENIZER_FLAGS = ("--tokenizer-type", "--vocab-file", "--merge-file",
                     "--tokenizer-name-or-path", "--vocab-size")
@@ -58,10 +67,6 @@ def _given(rest: list[str], flag: str) -> bool:
 def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
     """What the checkpoint in ``load_dir`` can tell that ``rest`` does not: model shape,
     tokenizer files, tensor/pipeline layout."""
-    from megatron.checkpointing import CheckpointError
-    from megatron.checkpointing.run_config import stored_run_config
-    from megatron.inference.loading import checkpoint_folder
-
     try:
         folder = checkpoint_folder(load_dir)
         tp, pp = folder.layout()
@@ -87,8 +92,6 @@ def _checkpoint_flags(load_dir: str, rest: list[str]) -> list[str]:
 def _tokenizer_flags(data: dict[str, Any], load_dir: str) -> list[str]:
     """The tokenizer flags a checkpoint recorded (its ``data`` slice), a moved file found
     where ``megatron.inference.loading.checkpoint_tokenizer_settings`` finds it."""
-    from megatron.inference.loading import checkpoint_tokenizer_settings, tokenizer_data_config
-
     settings = checkpoint_tokenizer_settings(tokenizer_data_config(data), load_dir)
     return [part for key, value in settings.items() if value is not None
             for part in ("--" + key.replace("_", "-"), str(value))]
@@ -114,6 +117,4 @@ def task_argv(argv: Optional[list[str]] = None) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None):
-    from megatron.inference.evaluation.cli import main as task_main
-
     return task_main(task_argv(argv))

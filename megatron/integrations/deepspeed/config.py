@@ -13,6 +13,9 @@ import os
 import sys
 from typing import Any, Optional
 
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.folder import DEEPSPEED, MEGATRON, namings_in
+from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
 from megatron.config import OptimizerConfig, RunConfig
 from megatron.config.base import field_default, flag
 
@@ -179,9 +182,6 @@ def engine_reads_universal(ds: dict, cfg: RunConfig) -> bool:
     weights only (--no-load-optim, --finetune), ``conversion.universal`` loads it. ZeRO-3 is
     refused: DeepSpeed's ZeRO-3 universal load does not resume the run it was saved from
     (measured on ours: the grad norm of the second step after it 4e-4 relative off)."""
-    from megatron.checkpointing.errors import CheckpointError
-    from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
-
     ck = cfg.checkpoint
     try:
         if not ck.load or find_universal(ck.load, ck.universal_checkpoint) is None:
@@ -200,8 +200,6 @@ def engine_reads_universal(ds: dict, cfg: RunConfig) -> bool:
 
 def check_load_folder(cfg: RunConfig) -> None:
     """--deepspeed loads DeepSpeed's checkpoints only: a Megatron checkpoint says so."""
-    from megatron.checkpointing.folder import DEEPSPEED, MEGATRON, namings_in
-
     load = cfg.checkpoint.load
     found = namings_in(load) if load else []
     if MEGATRON in found and DEEPSPEED not in found:
@@ -215,6 +213,7 @@ def _check_fp16_supported(ds: dict) -> None:
     every rank after the model is built: say so first."""
     if not (ds.get("fp16") or {}).get("enabled"):
         return
+    # optional: deepspeed, imported only under --deepspeed
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

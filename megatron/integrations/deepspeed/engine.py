@@ -31,8 +31,46 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing.async_save import raise_save_failure
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.files import write_torch
+from megatron.checkpointing.folder import (
+    DEEPSPEED,
+    CheckpointFolder,
+    folder_digests,
+    latest_checkpoint,
+    make_tmp_folder,
+    publish_checkpoint,
+)
+from megatron.checkpointing.formats.deepspeed.universal import (
+    UNIVERSAL_CHECKPOINT_INFO,
+    load_into_deepspeed,
+    universal_checkpoint_info,
+)
+from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
+from megatron.checkpointing.manifest import build_manifest
+from megatron.checkpointing.paths import MANIFEST_FILENAME
+from megatron.checkpointing.ranks import all_true, broadcast_from_rank0
+from megatron.checkpointing.retention import remove_leftover_folders
+from megatron.checkpointing.rng import capture_rng_state, restore_rng_state
 from megatron.config import RunConfig
 from megatron.core import parallel_state
+from megatron.core.nonfinite import grads_are_finite, locate_nonfinite_loss, ranks_where
+from megatron.core.optimizer import build_torch_optimizer, get_param_groups
+from megatron.core.optimizer_param_scheduler import build_optimizer_param_scheduler
+from megatron.core.pipeline_parallel.schedules import StageInfo, takes_stage
+from megatron.core.tensor_parallel.random import get_rng_tracker, set_checkpoint_implementation
+from megatron.model.gpt_batch import gpt_batch
+from megatron.model.gpt_model_pipe import (
+    EmbeddingPipe,
+    FinalLayerNormPipe,
+    LMHeadPipe,
+    TransformerLayerPipe,
+    lm_logits,
+    lm_loss,
+)
+from megatron.platform.launch_env import distributed_env
+from megatron.platform.output import print_rank_0
 
 # Our parallel state as DeepSpeed's mpu --------------------------------------------------
 
@@ -72,12 +110,11 @@ class ParallelStateMPU:
 def configure_activation_checkpointing(cfg: RunConfig) -> None:
     """Recompute through DeepSpeed's checkpointing (with --deepspeed-activation-
     checkpointing), drawing dropout from our RNG tracker; else the built-in recompute."""
-    from megatron.core.tensor_parallel.random import get_rng_tracker, set_checkpoint_implementation
-
     d = cfg.deepspeed
     if not d.deepspeed_activation_checkpointing:
         set_checkpoint_implementation(None)
         return
+    # optional: deepspeed, imported only under --deepspeed
     import deepspeed
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
@@ -97,19 +134,12 @@ def configure_activation_checkpointing(cfg: RunConfig) -> None:
 
 def build_pipeline_module(cfg: RunConfig, device: torch.device):
     """GPT as DeepSpeed's PipelineModule: embedding, layers, final norm, LM head (tied to the
-    embedding, or its own layer with --untie-embeddings-and-output-weights); stages over a topology laid out as our groups (tensor fastest, then data, then
-    pipeline), layers split evenly."""
+    embedding, or its own layer with --untie-embeddings-and-output-weights); stages over a
+    topology laid out as our groups (tensor fastest, then data, then pipeline), layers split
+    evenly."""
+    # optional: deepspeed, imported only under --deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
-    from megatron.model.gpt_model_pipe import (
-        EmbeddingPipe,
-        FinalLayerNormPipe,
-        LMHeadPipe,
-        TransformerLayerPipe,
-        lm_logits,
-        lm_loss,
-    )
 
     m, p = cfg.model, cfg.parallel
     tied = dict(tied_weight_attr="word_embeddings.weight")
@@ -141,6 +171,7 @@ def _check_topology(engine) -> None:
 
 def _show_deepspeed_log() -> None:
     """DeepSpeed's own INFO lines (engine, ZeRO stage) in the log, as users know them."""
+    # optional: deepspeed, imported only under --deepspeed
     from deepspeed.utils import logger
 
     if dist.get_rank() == 0:  # its per-rank INFO lines would repeat on every rank
@@ -164,8 +195,6 @@ class _PipeBatches:
         return self
 
     def __next__(self):
-        from megatron.model.gpt_batch import gpt_batch
-
         sample = next(self.iterator)["text"].to(self.device, non_blocking=True)
         batch = gpt_batch(sample, self.eod, self.data, causal_only=True)
         return (batch.tokens, batch.position_ids), (batch.labels, batch.loss_mask)
@@ -211,8 +240,6 @@ class DeepSpeedRun:
         return _PipeBatches(data_iterator, self.cfg, eod, self.ctx.device)
 
     def _forward(self, forward_step: Callable, data_iterator):
-        from megatron.core.pipeline_parallel.schedules import StageInfo, takes_stage
-
         if takes_stage(forward_step):
             return forward_step(data_iterator, self.engine, stage=StageInfo())
         return forward_step(data_iterator, self.engine)
@@ -228,8 +255,6 @@ class DeepSpeedRun:
         loss on any rank makes the last micro-batch's gradients NaN everywhere, so that rule
         applies even where the loss's own gradients stayed finite.
         """
-        from megatron.core.nonfinite import locate_nonfinite_loss
-
         engine, check = self.engine, self.cfg.optimizer.check_for_nan_in_loss_and_grad
         bad_loss = None
         if self.pipeline:
@@ -274,9 +299,6 @@ class DeepSpeedRun:
              consumed_valid_samples: int) -> str:
         """DeepSpeed's checkpoint of ``iteration`` (tag ``global_step{iteration}``) with our
         state as client state; every rank must call it. Returns its folder."""
-        from megatron.checkpointing.formats.deepspeed import universal
-        from megatron.checkpointing.rng import capture_rng_state
-
         rng_states = [None] * parallel_state.get_data_parallel_world_size()
         dist.all_gather_object(rng_states, capture_rng_state(),
                                group=parallel_state.get_data_parallel_group())
@@ -287,14 +309,9 @@ class DeepSpeedRun:
                                     if self.scheduler is not None else None),
             "rng_states": rng_states, "config": self.cfg.to_dict(),
             # What DeepSpeed's ds_to_universal.py needs to join tensor-parallel pieces.
-            universal.UNIVERSAL_CHECKPOINT_INFO: universal.universal_checkpoint_info(
+            UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(
                 self.cfg.model, self.pipeline),
         }
-        from megatron.checkpointing.async_save import raise_save_failure
-        from megatron.checkpointing.folder import DEEPSPEED, make_tmp_folder
-        from megatron.checkpointing.ranks import all_true, broadcast_from_rank0
-        from megatron.platform.output import print_rank_0
-
         tag = DEEPSPEED.folder_name(iteration)
         rank0 = dist.get_rank() == 0
         # Written under a temporary tag (global_stepN.tmp-XXXX) and renamed once complete:
@@ -319,16 +336,9 @@ class DeepSpeedRun:
 
     def load(self, state: Any) -> None:
         """--load: DeepSpeed's latest checkpoint into the engine and our ``state``."""
-        from megatron.checkpointing.folder import DEEPSPEED
-        from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
-        from megatron.checkpointing.rng import restore_rng_state
-        from megatron.platform.output import print_rank_0
-
         ck = self.cfg.checkpoint
         universal = _on_rank0_for_all(lambda: find_universal(ck.load, ck.universal_checkpoint))
         if universal is not None:
-            from megatron.checkpointing.formats.deepspeed.universal import load_into_deepspeed
-
             load_into_deepspeed(self, state, universal)
             return
         folder = _on_rank0_for_all(lambda: _latest_deepspeed_folder(
@@ -344,8 +354,6 @@ class DeepSpeedRun:
             load_lr_scheduler_states=not (ck.no_load_lr_state or ck.finetune),
             load_module_only=ck.finetune)
         if path is None:
-            from megatron.checkpointing import CheckpointError
-
             raise CheckpointError(f"--load {ck.load}: DeepSpeed could not load the checkpoint "
                                   f"'{DEEPSPEED.tracker}' names ({tag})")
         reset = []
@@ -375,8 +383,6 @@ def _refuse_nonfinite_steps(engine) -> None:
     every rank's gradients (one all-reduce: every rank steps together, in both engines), and
     skips when any is NaN/Inf, setting ``overflow``, which the engine reads (the step is not
     applied and counted as skipped)."""
-    from megatron.core.nonfinite import grads_are_finite, ranks_where
-
     optimizer, model = engine.optimizer, engine.module
     if hasattr(optimizer, "overflow"):
         return
@@ -405,8 +411,6 @@ def _on_rank0_for_all(fn: Callable[[], Any]) -> Any:
         raise error
     result, failure = shared[0]
     if failure is not None:
-        from megatron.checkpointing import CheckpointError
-
         raise CheckpointError(f"on rank 0: {failure[0]}: {failure[1]}")
     return result
 
@@ -418,9 +422,6 @@ def _recorded_write_failures(engine):
     through the engine's collectives with the others; later writes of the save are skipped.
     The files are written by our ``write_torch`` (torch.save through a Python file), whose
     error names the file and the space needed and free."""
-    from megatron.checkpointing.errors import CheckpointError
-    from megatron.checkpointing.files import write_torch
-
     failures: list[BaseException] = []
     checkpoint_engine = engine.checkpoint_engine
 
@@ -450,10 +451,6 @@ def _recorded_write_failures(engine):
 def _publish_deepspeed_save(save_dir: str, tmp_dir: str, iteration: int, cfg: RunConfig) -> None:
     """Rank 0, after every rank saved into ``tmp_dir``: its manifest, the rename to
     ``global_stepN``, then the `latest` tag, atomically; folders of killed saves go."""
-    from megatron.checkpointing.folder import DEEPSPEED, folder_digests, publish_checkpoint
-    from megatron.checkpointing.manifest import build_manifest
-    from megatron.checkpointing.retention import remove_leftover_folders
-
     layout = {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
               "pipeline_model_parallel_size":
                   parallel_state.get_pipeline_model_parallel_world_size(),
@@ -468,8 +465,6 @@ def _latest_deepspeed_folder(load_dir: str, checksums: bool) -> Optional[str]:
     """The DeepSpeed checkpoint folder to resume from (`latest`'s tag, or the newest complete
     one when `latest` is missing or names an incomplete folder), checked against its manifest;
     None when there is none."""
-    from megatron.checkpointing.folder import DEEPSPEED, latest_checkpoint
-
     folder = latest_checkpoint(load_dir, DEEPSPEED)
     if folder is None:
         return None
@@ -480,9 +475,6 @@ def _latest_deepspeed_folder(load_dir: str, checksums: bool) -> Optional[str]:
 def _verify_deepspeed_folder(folder: str, checksums: bool) -> None:
     """``folder``'s files against its manifest (sizes; ``checksums``: CRC-32 too), naming the
     first that differs; a folder without one (saved by DeepSpeed elsewhere) with a warning."""
-    from megatron.checkpointing.folder import DEEPSPEED, CheckpointFolder
-    from megatron.checkpointing.paths import MANIFEST_FILENAME
-
     checkpoint = CheckpointFolder(os.path.dirname(folder), folder, 0, naming=DEEPSPEED)
     if checkpoint.manifest is None:
         logging.getLogger(__name__).warning(
@@ -496,6 +488,7 @@ def cpu_comm_op_to_build() -> Optional[str]:
     """The folder DeepSpeed is about to compile its shared-memory CPU all-reduce op into when
     its communication starts (DeepSpeed's CPU accelerator, the op neither shipped with the
     package nor built before on this machine); None when nothing is built."""
+    # optional: deepspeed, imported only under --deepspeed
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
@@ -513,18 +506,13 @@ def cpu_comm_op_to_build() -> Optional[str]:
 
 def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpeedRun:
     """The model, optimizer and LR schedule inside DeepSpeed's engine for this run."""
+    # optional: deepspeed, imported only under --deepspeed
     import deepspeed
-
-    from megatron.core.optimizer import build_torch_optimizer, get_param_groups
-    from megatron.core.optimizer_param_scheduler import build_optimizer_param_scheduler
-    from megatron.platform.output import print_rank_0
 
     cfg = ctx.config
     _show_deepspeed_log()
     # DeepSpeed reads the launcher's variables; a plain `python pretrain_gpt.py` (or srun)
     # sets none of them.
-    from megatron.platform.launch_env import distributed_env
-
     env = distributed_env()
     os.environ.setdefault("LOCAL_RANK", str(env["local_rank"]))
     os.environ.setdefault("RANK", str(env["rank"]))

@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Optional
 
+from megatron.assembly.build import build_run_tokenizer, run_vocab_size
 from megatron.config import ConfigError, RunConfig
 from megatron.planning.planner import Plan, build_plan
 from megatron.planning.rehearsal.checker import check
@@ -27,6 +28,7 @@ from megatron.planning.rehearsal.runner import (
     run_planned_ranks,
 )
 from megatron.planning.rehearsal.setup import check_rehearsable, rehearsal_config
+from megatron.tokenizer import TokenizerConfigError
 
 GB = 2**30
 # The rehearsal keeps one rank's model at a time; leave the machine some room.
@@ -67,9 +69,6 @@ def _check_memory(rehearsed: RunConfig, small_plan: Plan) -> None:
 
 def _prepare(cfg: RunConfig):
     """(the run's config with its vocabulary, what the ranks run, the tokenizer), or exit 2."""
-    from megatron.assembly.build import build_run_tokenizer, run_vocab_size
-    from megatron.tokenizer import TokenizerConfigError
-
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _fail("--rehearse runs every rank in this one process: start it with python (WORLD_SIZE "
               "set to the launch's size), not under torchrun or srun", 2)
