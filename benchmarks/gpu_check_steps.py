@@ -437,6 +437,7 @@ def llama_command(scale: Scale) -> list[str]:
 
 def step_llama(scale: Scale, args, out: Checks) -> None:
     """A Llama 1B-shape training run: finite losses, tokens/s and MFU after the warm-up."""
+    # lazy: runs in the step's own process; gpu_check.py imports this module torch-free
     from megatron.training.log import parse_log_lines
 
     status, log = stream(llama_command(scale))

@@ -33,16 +33,24 @@ import argparse
 import os
 import sys
 
+import torch
+import torch.distributed as dist
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.checkpointing import CheckpointError  # noqa: E402
+from megatron.checkpointing import CheckpointError, check_save_dir, save_checkpoint  # noqa: E402
 from megatron.checkpointing.formats.deepspeed.engine_folders import load_deepspeed_checkpoint  # noqa: E402
+from megatron.checkpointing.formats.deepspeed.universal import read_universal  # noqa: E402
+from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal  # noqa: E402
+from megatron.config import CheckpointConfig  # noqa: E402
 from megatron.conversion import ConversionError, load_full_checkpoint, save_full_checkpoint  # noqa: E402
 from megatron.conversion.hf import (  # noqa: E402
     load_hf_checkpoint,
     save_hf_checkpoint,
     save_keeping_tokenizer,
 )
+from megatron.core import parallel_state  # noqa: E402
+from megatron.inference.loading import build_inference_model, run_config_from_stored  # noqa: E402
 
 LOADERS = ("megatron", "core", "hf", "megatron_deepspeed", "deepspeed", "universal")
 SAVERS = ("megatron", "hf", "core")
@@ -114,9 +122,6 @@ def load(args: argparse.Namespace):
     if args.loader == "hf":
         return load_hf_checkpoint(args.load_dir, args.make_vocab_size_divisible_by)
     if args.loader == "universal":
-        from megatron.checkpointing.formats.deepspeed.universal import read_universal
-        from megatron.checkpointing.formats.deepspeed.universal_folder import find_universal
-
         folder = find_universal(args.load_dir, True, "--load-dir", "--loader universal")
         return read_universal(folder, true_vocab_size=args.true_vocab_size)
     if args.loader == "deepspeed":
@@ -130,14 +135,6 @@ def save_torch_dist(full, save_dir: str) -> str:
     """``full`` written by this one process as a torch_dist checkpoint under ``save_dir``
     (tensor/pipeline size 1: the format is read at any layout), through the same writer as
     ``pretrain_gpt.py --ckpt-format torch_dist``. Returns the iteration folder."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron.checkpointing import check_save_dir, save_checkpoint
-    from megatron.config import CheckpointConfig
-    from megatron.core import parallel_state
-    from megatron.inference.loading import build_inference_model, run_config_from_stored
-
     check_save_dir(save_dir)
     cfg = run_config_from_stored(full.config, (1, 1), 1, 1, 1, CheckpointConfig(
         save=save_dir, save_interval=1, ckpt_format="torch_dist", no_save_optim=True,

@@ -33,15 +33,24 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from megatron.checkpointing.contents import stored_config
+from megatron.checkpointing import optim_state
+from megatron.checkpointing.contents import as_chunks, config_dict, consumed_samples, stored_config
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.deepspeed.files import pickled_classes
 from megatron.checkpointing.formats.deepspeed.universal_folder import STATE_KEYS, UniversalFolder
 from megatron.checkpointing.formats.deepspeed.zero_optim import our_name
+from megatron.checkpointing.formats.torch.cut import LayoutCut, mixed_precision
+from megatron.checkpointing.formats.torch.load import load_built_state
 from megatron.checkpointing.full_state import FullCheckpoint, model_config_from_dict, source_config
 from megatron.checkpointing.model_shape import check_model_shape, saved_model_fields
+from megatron.checkpointing.ranks import raise_together
 from megatron.checkpointing.run_config import is_our_config
+from megatron.core import parallel_state
+from megatron.core.distributed.distributed_data_parallel import unwrap_model
+from megatron.core.optimizer.optimizer import shards_state
+from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
 from megatron.model import megatron_deepspeed as mds
+from megatron.model.gpt_model import GPTModel
 from megatron.model.names import (
     OUTPUT_LAYER,
     TIED_COPY,
@@ -51,7 +60,9 @@ from megatron.model.names import (
     tp_parts,
     tp_split_dim,
 )
-from megatron.model.sharding import chunk_to_full_names, resize_vocab
+from megatron.model.placement import stage_chunks
+from megatron.model.sharding import chunk_to_full_names, resize_vocab, tp_piece
+from megatron.platform.output import print_rank_0
 
 _OURS_RE = re.compile(r"(embedding\.|encoder\.layers\.\d+\.|final_layernorm\.|output_layer\.)")
 _PIPE_RE = re.compile(r"(\d+)\.(.+)")
@@ -181,8 +192,6 @@ def _step(saved: dict) -> Optional[float]:
 
 
 def _consumed(common: dict) -> tuple[int, int]:
-    from megatron.checkpointing.contents import consumed_samples
-
     train, valid = consumed_samples(common)
     return train or int(common.get("global_samples", 0) or 0), valid
 
@@ -231,8 +240,6 @@ def expected_shapes(model: Any) -> dict[str, torch.Size]:
     ``ModelConfig``, or its fields as a dict), built on the meta device: no memory."""
     import dataclasses
 
-    from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
-    from megatron.model.gpt_model import GPTModel
 
     config = model_config_from_dict(model if isinstance(model, dict)
                                     else dataclasses.asdict(model))
@@ -373,14 +380,6 @@ def load_universal_checkpoint(folder: UniversalFolder, model_chunks: Any, optimi
     --finetune), the LR schedule, the iteration and consumed samples. Returns
     ``checkpointing.load``'s ``LoadedCheckpoint``. The generators start from --seed (their
     states belong to the source's ranks). Every rank must call it."""
-    from megatron.checkpointing.contents import as_chunks, config_dict
-    from megatron.checkpointing.formats.torch.cut import LayoutCut, mixed_precision
-    from megatron.checkpointing.formats.torch.load import load_built_state
-    from megatron.core import parallel_state
-    from megatron.core.distributed.distributed_data_parallel import unwrap_model
-    from megatron.core.optimizer.optimizer import shards_state
-    from megatron.model.placement import stage_chunks
-
     chunks = as_chunks(model_chunks)
     ckpt, p = config.checkpoint, config.parallel
     load_optim = optimizer is not None and not (ckpt.finetune or ckpt.no_load_optim)
@@ -410,9 +409,6 @@ def load_engine_weights(folder: UniversalFolder, module: nn.Module, names: dict[
     engine's -> our full names) and, when ``optimizer`` (a torch optimizer over the module's
     parameters, grouped as ``get_param_groups`` groups them) is given, its state: Adam's
     moments and step. Returns whether an optimizer state was loaded."""
-    from megatron.checkpointing import optim_state
-    from megatron.model.sharding import tp_piece
-
     full = read_universal(folder, optimizer=optimizer is not None,
                           names=sorted(set(names.values())))
 
@@ -447,10 +443,6 @@ def load_into_deepspeed(run: Any, state: Any, folder: UniversalFolder) -> None:
     the weights, and at stage 0 our bare optimizer's state, by ``load_engine_weights``.
     Then the iteration, consumed samples and LR schedule into ``state`` and the scheduler;
     the generators start from --seed. Every rank must call it."""
-    from megatron.checkpointing.ranks import raise_together
-    from megatron.core import parallel_state
-    from megatron.platform.output import print_rank_0
-
     engine, ck = run.engine, run.cfg.checkpoint
     load_optim = not (ck.finetune or ck.no_load_optim)
     by_engine = engine.load_universal_checkpoint()

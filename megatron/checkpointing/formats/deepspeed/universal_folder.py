@@ -43,6 +43,7 @@ import torch
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import _legacy_safe_globals
+from megatron.checkpointing.folder import namings_in
 
 UNIVERSAL_TRACKER = "latest_universal"
 ZERO_DIR = "zero"
@@ -194,6 +195,4 @@ def find_universal(load_dir: str, requested: bool, flag: str = "--load",
 
 
 def _holds_other_checkpoints(load_dir: str) -> bool:
-    from megatron.checkpointing.folder import namings_in
-
     return bool(namings_in(load_dir))

@@ -73,9 +73,11 @@ from megatron.checkpointing.formats.torch_dist.mcore_layout import (
     local_layers,
     rng_key,
 )
+from megatron.checkpointing.model_shape import check_model_shape
 from megatron.checkpointing.paths import CHECKPOINT_VERSION
 from megatron.checkpointing.publish import PublishedSave, make_tmp_dir
 from megatron.checkpointing.ranks import RankLayout, all_true, raise_together
+from megatron.checkpointing.rng import restore_rng_state
 from megatron.checkpointing.run_config import config_from_stored
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.nonfinite import first_nonfinite_of
@@ -517,8 +519,6 @@ def read_into(iter_dir: str, common: dict, model_chunks: ModelChunks, optimizer:
     """Read this rank's model (and optimizer, schedule, generators when asked) from a
     torch_dist folder; every rank calls it (the read is a collective). The checks that
     can fail alone run first; callers vote on them (``prepare_read``)."""
-    from megatron.checkpointing.rng import restore_rng_state
-
     chunks = as_chunks(model_chunks)
     error, prepared = None, None
     try:  # checks that can fail on one rank alone, decided together before the read
@@ -566,8 +566,6 @@ def check_stored_config(common: dict, config: Any, where: str) -> dict:
     """The checkpoint's configuration (ours), after checking its model flags against this
     run's (the vocabulary only by its unpadded size: padding follows the tensor-parallel
     size, which may change)."""
-    from megatron.checkpointing.model_shape import check_model_shape
-
     saved = stored_config(common, where)
     model = dict(saved.get("model", {}))
     vocab = model.pop("vocab_size", None)

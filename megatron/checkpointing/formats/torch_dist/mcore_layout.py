@@ -30,6 +30,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
+from megatron.model.gpt_model import GPTModel
 from megatron.model.mcore_names import LAYERS, mcore_name  # noqa: F401 - LAYERS re-exported
 from megatron.model.names import TIED_COPY, parse_layer_key, tp_split_dim
 
@@ -91,9 +93,6 @@ def chunk_places(chunk: nn.Module, num_layers: int, tp_rank: int,
 def whole_model_shapes(config: Any) -> dict[str, torch.Size]:
     """Every parameter of the whole model (tp 1, one stage, our full names) and its shape,
     from a ``ModelConfig``, without memory."""
-    from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
-    from megatron.model.gpt_model import GPTModel
-
     whole = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False)
     with assume_tensor_parallel_rank(1, 0):  # whatever this process's groups are
         model = GPTModel(whole, device="meta")
