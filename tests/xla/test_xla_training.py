@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.distributed.training_utils import flags_to_argv
+from tests.distributed.training_utils import LLAMA_FLAGS, flags_to_argv
 
 pytestmark = [pytest.mark.xla, pytest.mark.slow]
 
@@ -63,12 +63,13 @@ def _run(script, argv: list[str], on_xla: bool, timeout: int = 600, check: bool 
 
 
 def _train(tmp: Path, name: str, on_xla: bool, load: Path | None = None, devices: int = 1,
-           **extra_env) -> dict:
-    """A recorded run of TINY: its history (exact floats) and its log."""
+           flags: dict | None = None, **extra_env) -> dict:
+    """A recorded run of TINY (with ``flags`` beside): its history (exact floats) and its
+    log."""
     history = tmp / f"{name}-history"
     history.mkdir()
     # The plain command: on XLA the NaN check picks the sync-free optimizer by itself.
-    run_flags = {**TINY, "--save": tmp / f"{name}-ckpt", "--load": load}
+    run_flags = {**TINY, **(flags or {}), "--save": tmp / f"{name}-ckpt", "--load": load}
     result = _run(RECORDED, flags_to_argv(run_flags), on_xla, devices=devices,
                   MEGATRON_TEST_HISTORY=str(history), **extra_env)
     return {"history": json.loads((history / "rank0.json").read_text()),
@@ -109,7 +110,19 @@ def runs(tmp_path_factory):
                                load=_at_iteration(xla["save"], 5, tmp, "xla5-for-cpu")),
         "xla_dp2_from_cpu": _train(tmp, "xla_dp2_from_cpu", True, devices=2,
                                    load=_at_iteration(cpu["save"], 5, tmp, "cpu5")),
+        # The Llama family's options (RMSNorm, SwiGLU, grouped-query attention, RoPE, untied)
+        # over two XLA devices, against the CPU.
+        "xla_dp2_llama": _train(tmp, "xla_dp2_llama", True, devices=2, flags=LLAMA_FLAGS),
+        "cpu_llama": _train(tmp, "cpu_llama", False, flags=LLAMA_FLAGS),
     }
+
+
+def test_the_llama_family_on_two_xla_devices_gives_the_cpu_losses(runs):
+    xla, cpu = runs["xla_dp2_llama"], runs["cpu_llama"]
+    assert "XLA SPMD over 2 device(s)" in xla["log"]
+    assert np.allclose(_losses(xla), _losses(cpu), rtol=0, atol=1e-4), \
+        (_losses(xla), _losses(cpu))
+    assert _losses(cpu) != _losses(runs["cpu"])
 
 
 def test_fp32_on_one_xla_device_gives_the_cpu_losses(runs):
