@@ -67,7 +67,6 @@ class RunConfig:
         self._check_eval_only()
         self._check_decentralized()
         self._check_deepspeed()
-        self._check_checkpoint_format()
 
     def _set(self, slice_name: str, **changes: Any) -> None:
         current = getattr(self, slice_name)
@@ -99,14 +98,6 @@ class RunConfig:
                     changes[f.name] = getattr(getattr(self, owner), name)
             if changes:
                 self._set(slice_name, **changes)
-
-    def _check_checkpoint_format(self) -> None:
-        """Megatron-LM's torch_dist keeps SwiGLU's gate and up projections as two sharded
-        tensors, which this framework's torch_dist writer does not make yet."""
-        require(not (self.checkpoint.ckpt_format == "torch_dist" and self.model.swiglu),
-                "--ckpt-format torch_dist with --swiglu: not supported yet (megatron-core "
-                "stores the gate and up projections apart); save with --ckpt-format torch, "
-                "which loads at any layout through tools/checkpoint/convert.py")
 
     def _check_decentralized(self) -> None:
         """--dp-mode decentralized keeps whole replicas apart: no sharded optimizer state, no

@@ -234,3 +234,31 @@ def test_megatron_lms_fully_reshardable_state_from_several_buckets_is_warned_of(
     assert (why is not None) == warned
     if warned:
         assert "shifted" in why and "--no-load-optim" in why
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_swiglu_pieces_lay_out_gate_then_up_as_megatron_core_does(tp):
+    """Each tensor rank holds [gate_r; up_r] (names.tp_parts); megatron-core's SwiGLU factory
+    (mlp.apply_swiglu_sharded_factory) stores the global [gate; up] with rank r's gate rows at
+    r*f/tp and its up rows at f + r*f/tp. Our pieces of every rank, the model's and a
+    distributed-optimizer shard's flat ranges across the gate/up boundary alike, assemble into
+    exactly that tensor."""
+    from megatron.checkpointing.formats.torch_dist import optim
+    from megatron.checkpointing.formats.torch_dist.mcore_layout import local_views
+    from megatron.model.sharding import split_tp
+
+    name, f, h = "encoder.layers.0.mlp.dense_h_to_4h.weight", 8, 3
+    full = torch.arange(2 * f * h, dtype=torch.float32).reshape(2 * f, h)  # [gate; up]
+    model, state = torch.zeros(1, 2 * f, h), torch.zeros(1, 2 * f, h)
+    for r, local in enumerate(split_tp(name, full, tp, parts=2)):
+        where = place(name, tuple(local.shape), 0, 1, r, tp, swiglu_shape=True)
+        assert where.key == "decoder.layers.mlp.linear_fc1.weight"
+        assert where.global_shape == (1, 2 * f, h)
+        for offset, view in local_views(where, local):
+            model[tuple(slice(o, o + s) for o, s in zip(offset, view.shape))] = view
+        n = local.numel()
+        for lo, hi in ((0, n // 3), (n // 3, n - 1), (n - 1, n)):  # shards crossing the parts
+            for offset, box in optim.boxes(where, tuple(local.shape), local.reshape(-1)[lo:hi],
+                                           lo, hi):
+                state[tuple(slice(o, o + s) for o, s in zip(offset, box.shape))] = box
+    assert torch.equal(model[0], full) and torch.equal(state[0], full)

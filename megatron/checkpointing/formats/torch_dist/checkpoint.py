@@ -71,6 +71,7 @@ from megatron.checkpointing.formats.torch_dist.mcore_layout import (
     chunk_places,
     extra_state_key,
     local_layers,
+    local_views,
     rng_key,
 )
 from megatron.checkpointing.model_shape import check_model_shape
@@ -213,8 +214,8 @@ def _model_pieces(chunks: list[nn.Module], config: Any, layout: RankLayout) -> l
         for _, param, place in chunk_places(unwrap_model(chunk), config.model.num_layers,
                                             layout.tp_rank, layout.tp_size):
             if place.writer:
-                pieces.append(dcp.Piece(place.key, place.global_shape, place.offset,
-                                        _stacked(place, param.detach())))
+                pieces += [dcp.Piece(place.key, place.global_shape, offset, view)
+                           for offset, view in local_views(place, param.detach())]
     return pieces
 
 
@@ -494,8 +495,8 @@ def prepare_read(iter_dir: str, common: dict, chunks: list[nn.Module], optimizer
     for param, place in places.values():
         if place.key in ("embedding.word_embeddings.weight", "output_layer.weight"):
             param.data.zero_()  # rows past the stored vocabulary are padding
-        pieces.append(dcp.Piece(place.key, place.global_shape, place.offset,
-                                _stacked(place, param.data)))
+        pieces += [dcp.Piece(place.key, place.global_shape, offset, view)
+                   for offset, view in local_views(place, param.data)]
     read = None
     if load_optim and optimizer is not None:
         read, optimizer_pieces = optim.optimizer_requests(optimizer, chunks, places, metadata,

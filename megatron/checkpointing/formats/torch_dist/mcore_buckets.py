@@ -263,6 +263,10 @@ def bucket_layout(metadata: Any, common: dict, model_config: Any,
     if not stored:
         return None
     run = _run_settings(common, where)
+    if getattr(model_config, "swiglu", False) and run.tp > 1:
+        raise BucketLayoutError(where, "its run used --swiglu at tensor-parallel size "
+                                f"{run.tp}, whose buckets (each rank's gate and up rows) are "
+                                "not laid out here")
     if sorted(stored) != list(range(run.tp * run.pp)):
         raise BucketLayoutError(where, f"its buckets belong to model-parallel ranks "
                                 f"{sorted(stored)}, not the {run.tp * run.pp} of tensor x "

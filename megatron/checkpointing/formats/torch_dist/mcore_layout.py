@@ -33,7 +33,7 @@ from torch import nn
 from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
 from megatron.model.gpt_model import GPTModel
 from megatron.model.mcore_names import LAYERS, mcore_name  # noqa: F401 - LAYERS re-exported
-from megatron.model.names import TIED_COPY, parse_layer_key, tp_split_dim
+from megatron.model.names import SWIGLU_PARTS, TIED_COPY, parse_layer_key, tp_split_dim
 
 # megatron-core keeps an ``_extra_state`` (Transformer Engine's FP8 metadata; None on its
 # local layers) per linear layer of each transformer layer; its loader asks for them.
@@ -54,40 +54,81 @@ class Place:
     offset: tuple[int, ...]
     stacked: bool
     writer: bool
+    # Two parts cut on their own (SwiGLU's [gate_r; up_r] at tp > 1): (the local rows of the
+    # first part, the global rows of the first part); the second part's rows lie that many
+    # further on in the global tensor than the local layout puts them.
+    parts: Optional[tuple[int, int]] = None
 
     def box(self, local_offset: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[tuple, tuple]:
-        """The global (offset, sizes) of the local box at ``local_offset`` with ``sizes``."""
+        """The global (offset, sizes) of the local box at ``local_offset`` with ``sizes``
+        (within one part)."""
         lead = self.offset[:1] if self.stacked else ()
         rest = self.offset[1:] if self.stacked else self.offset
-        offset = tuple(a + b for a, b in zip(rest, local_offset))
-        return lead + offset, ((1,) if self.stacked else ()) + tuple(sizes)
+        offset = list(a + b for a, b in zip(rest, local_offset))
+        if self.parts is not None and local_offset and local_offset[0] >= self.parts[0]:
+            offset[0] += self.parts[1] - self.parts[0]  # the second part's rows
+        return lead + tuple(offset), ((1,) if self.stacked else ()) + tuple(sizes)
+
+    def boxes(self, local_offset: tuple[int, ...],
+              sizes: tuple[int, ...]) -> list[tuple[tuple, tuple, tuple, tuple]]:
+        """``(global offset, global sizes, local offset, local sizes)`` of the local box at
+        ``local_offset`` with ``sizes``, cut where the parts meet (one box without parts)."""
+        cuts = [(tuple(local_offset), tuple(sizes))]
+        if self.parts is not None and sizes:
+            first, end = local_offset[0], local_offset[0] + sizes[0]
+            half = self.parts[0]
+            if first < half < end:
+                rest = tuple(sizes[1:])
+                cuts = [(tuple(local_offset), (half - first, *rest)),
+                        ((half, *local_offset[1:]), (end - half, *rest))]
+        return [(*self.box(o, s), o, s) for o, s in cuts]
 
 
 def place(name: str, shape: tuple[int, ...], layer: Optional[int], num_layers: int,
-          tp_rank: int, tp_size: int) -> Place:
+          tp_rank: int, tp_size: int, swiglu_shape: bool = False) -> Place:
     """The place of our parameter ``name`` (chunk name) of local ``shape`` on tensor rank
-    ``tp_rank``; ``layer``: its global layer index (0-based) for a layer's parameter."""
+    ``tp_rank``; ``layer``: its global layer index (0-based) for a layer's parameter;
+    ``swiglu_shape``: the model has --swiglu (its first MLP projection is two parts)."""
     dim = tp_split_dim(name)
     full = list(shape)
     offset = [0] * len(shape)
+    parts = None
     if dim is not None:
         full[dim] *= tp_size
         offset[dim] = tp_rank * shape[dim]
+        if name.endswith(SWIGLU_PARTS) and swiglu_shape and tp_size > 1:
+            # megatron-core's SwiGLU factory: [gate; up] globally, a rank's gate rows at
+            # tp_rank * f/tp and its up rows at f + tp_rank * f/tp
+            half = shape[0] // 2
+            offset[0] = tp_rank * half
+            parts = (half, half * tp_size)
     writer = (dim is not None or tp_rank == 0) and name != TIED_COPY
     key, stacked = mcore_name(name)
     if stacked:
-        return Place(key, (num_layers, *full), (layer, *offset), True, writer)
-    return Place(key, tuple(full), tuple(offset), False, writer)
+        return Place(key, (num_layers, *full), (layer, *offset), True, writer, parts)
+    return Place(key, tuple(full), tuple(offset), False, writer, parts)
 
 
 def chunk_places(chunk: nn.Module, num_layers: int, tp_rank: int,
                  tp_size: int) -> Iterator[tuple[str, nn.Parameter, Place]]:
     """``(name, parameter, place)`` of every parameter of one model chunk (unwrapped)."""
     layers = getattr(getattr(chunk, "encoder", None), "layers", [])
+    swiglu = bool(getattr(getattr(chunk, "config", None), "swiglu", False))
     for name, param in chunk.named_parameters():
         parsed = parse_layer_key(name)
         layer = layers[parsed[0]].layer_number - 1 if parsed else None
-        yield name, param, place(name, tuple(param.shape), layer, num_layers, tp_rank, tp_size)
+        yield name, param, place(name, tuple(param.shape), layer, num_layers, tp_rank, tp_size,
+                                 swiglu)
+
+
+def local_views(place: Place, tensor: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
+    """``(global offset, view)`` of a parameter's whole local tensor: one box, or one per
+    part (views of ``tensor``: what is read into them lands in it)."""
+    out = []
+    for offset, _, local, sizes in place.boxes((0,) * tensor.dim(), tuple(tensor.shape)):
+        view = tensor.narrow(0, local[0], sizes[0]) if tensor.dim() else tensor
+        out.append((offset, view.unsqueeze(0) if place.stacked else view))
+    return out
 
 
 def whole_model_shapes(config: Any) -> dict[str, torch.Size]:

@@ -18,6 +18,7 @@ owns (``DistributedOptimizer``), which is stored as the few boxes it covers.
 
 from __future__ import annotations
 
+import math
 from itertools import chain
 from typing import Any, NamedTuple, Optional
 
@@ -71,14 +72,21 @@ def boxes(place: Place, shape: tuple, flat: torch.Tensor, lo: Optional[int],
           hi: Optional[int]) -> list[tuple[tuple, torch.Tensor]]:
     """``(global offset, tensor)`` of each box of ``flat``: a parameter's whole tensor (any
     shape with its elements), or the flat range ``[lo, hi)`` of it."""
+    flat = flat.reshape(-1)  # a view: what is read into it lands in the tensor given
     if lo is None:
-        offset, sizes = place.box((0,) * len(shape), shape)
-        return [(offset, flat.reshape(sizes))]
+        lo, hi = 0, math.prod(shape)
+        runs = [((0,) * len(shape), tuple(shape), 0)]
+    else:
+        runs = dcp.flat_boxes(shape, lo, hi)
     out = []
-    for local_offset, local_sizes, first in dcp.flat_boxes(shape, lo, hi):
-        offset, sizes = place.box(local_offset, local_sizes)
-        n = torch.Size(local_sizes).numel()
-        out.append((offset, flat[first - lo:first - lo + n].reshape(sizes)))
+    for local_offset, local_sizes, first in runs:
+        # A box crossing where two parts meet (SwiGLU) is cut in two: rows stay contiguous.
+        row = math.prod(local_sizes[1:]) if local_sizes else 1
+        for offset, sizes, part_offset, part_sizes in place.boxes(local_offset, local_sizes):
+            start = first - lo + (part_offset[0] - local_offset[0]) * row if part_offset else \
+                first - lo
+            n = math.prod(part_sizes)
+            out.append((offset, flat[start:start + n].reshape(sizes)))
     return out
 
 
