@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import pretrain_gpt
 from megatron.checkpointing import read_tracker
-from megatron.checkpointing import save as checkpoint_save
+from megatron.checkpointing.formats.torch import save as checkpoint_save
 from megatron.core import parallel_state
 from megatron.training import pretrain
 from tests.dist_utils import run_distributed
