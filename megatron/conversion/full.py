@@ -62,7 +62,7 @@ def load_full_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
     Reads our checkpoints (checked against their manifest unless ``verify`` is False),
     Megatron-DeepSpeed / Megatron-LM ones (their ``language_model`` layout, model only;
     ``true_vocab_size`` when their flags do not record the unpadded vocabulary), and
-    torch_dist folders, Megatron-LM's or ours (``conversion/torch_dist.py``).
+    torch_dist folders, Megatron-LM's or ours (``checkpointing/formats/torch_dist/whole.py``).
     ``optimizer=False`` reads (and checks) the model files only: ``optimizer`` stays None.
     """
     return read_folder(_iteration_folder(load_dir, iteration), verify=verify,

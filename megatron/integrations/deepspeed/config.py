@@ -179,7 +179,7 @@ def engine_reads_universal(ds: dict, cfg: RunConfig) -> bool:
     """Whether --load names a universal checkpoint that DeepSpeed's engine reads itself
     (``checkpoint.load_universal``): its ZeRO-1/2 and bf16 optimizers restore their fp32 main
     copies and moments from it. At stage 0 without bf16 (our optimizer, bare), or loading the
-    weights only (--no-load-optim, --finetune), ``conversion.universal`` loads it. ZeRO-3 is
+    weights only (--no-load-optim, --finetune), ``formats.deepspeed.universal`` loads it. ZeRO-3 is
     refused: DeepSpeed's ZeRO-3 universal load does not resume the run it was saved from
     (measured on ours: the grad norm of the second step after it 4e-4 relative off)."""
     ck = cfg.checkpoint
