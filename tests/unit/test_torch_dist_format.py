@@ -251,7 +251,7 @@ def test_swiglu_pieces_lay_out_gate_then_up_as_megatron_core_does(tp):
     full = torch.arange(2 * f * h, dtype=torch.float32).reshape(2 * f, h)  # [gate; up]
     model, state = torch.zeros(1, 2 * f, h), torch.zeros(1, 2 * f, h)
     for r, local in enumerate(split_tp(name, full, tp, parts=2)):
-        where = place(name, tuple(local.shape), 0, 1, r, tp, swiglu_shape=True)
+        where = place(name, tuple(local.shape), 0, 1, r, tp, parts=2)
         assert where.key == "decoder.layers.mlp.linear_fc1.weight"
         assert where.global_shape == (1, 2 * f, h)
         for offset, view in local_views(where, local):

@@ -204,10 +204,6 @@ def _object_bytes(value: Any) -> bytes:
 # Writing -------------------------------------------------------------------------------------
 
 
-def _stacked(place: Place, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.unsqueeze(0) if place.stacked else tensor
-
-
 def _model_pieces(chunks: list[nn.Module], config: Any, layout: RankLayout) -> list[dcp.Piece]:
     pieces = []
     for chunk in chunks:

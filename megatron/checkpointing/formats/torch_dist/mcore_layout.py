@@ -33,7 +33,7 @@ from torch import nn
 from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
 from megatron.model.gpt_model import GPTModel
 from megatron.model.mcore_names import LAYERS, mcore_name  # noqa: F401 - LAYERS re-exported
-from megatron.model.names import SWIGLU_PARTS, TIED_COPY, parse_layer_key, tp_split_dim
+from megatron.model.names import TIED_COPY, parse_layer_key, tp_parts, tp_split_dim
 
 # megatron-core keeps an ``_extra_state`` (Transformer Engine's FP8 metadata; None on its
 # local layers) per linear layer of each transformer layer; its loader asks for them.
@@ -85,40 +85,41 @@ class Place:
 
 
 def place(name: str, shape: tuple[int, ...], layer: Optional[int], num_layers: int,
-          tp_rank: int, tp_size: int, swiglu_shape: bool = False) -> Place:
+          tp_rank: int, tp_size: int, parts: int = 1) -> Place:
     """The place of our parameter ``name`` (chunk name) of local ``shape`` on tensor rank
     ``tp_rank``; ``layer``: its global layer index (0-based) for a layer's parameter;
-    ``swiglu_shape``: the model has --swiglu (its first MLP projection is two parts)."""
+    ``parts``: how many parts the tensor-parallel cut takes apart (``names.tp_parts``: 2 for
+    SwiGLU's first projection)."""
     dim = tp_split_dim(name)
     full = list(shape)
     offset = [0] * len(shape)
-    parts = None
+    halves = None
     if dim is not None:
         full[dim] *= tp_size
         offset[dim] = tp_rank * shape[dim]
-        if name.endswith(SWIGLU_PARTS) and swiglu_shape and tp_size > 1:
+        if parts == 2 and tp_size > 1:
             # megatron-core's SwiGLU factory: [gate; up] globally, a rank's gate rows at
             # tp_rank * f/tp and its up rows at f + tp_rank * f/tp
             half = shape[0] // 2
             offset[0] = tp_rank * half
-            parts = (half, half * tp_size)
+            halves = (half, half * tp_size)
     writer = (dim is not None or tp_rank == 0) and name != TIED_COPY
     key, stacked = mcore_name(name)
     if stacked:
-        return Place(key, (num_layers, *full), (layer, *offset), True, writer, parts)
-    return Place(key, tuple(full), tuple(offset), False, writer, parts)
+        return Place(key, (num_layers, *full), (layer, *offset), True, writer, halves)
+    return Place(key, tuple(full), tuple(offset), False, writer, halves)
 
 
 def chunk_places(chunk: nn.Module, num_layers: int, tp_rank: int,
                  tp_size: int) -> Iterator[tuple[str, nn.Parameter, Place]]:
     """``(name, parameter, place)`` of every parameter of one model chunk (unwrapped)."""
     layers = getattr(getattr(chunk, "encoder", None), "layers", [])
-    swiglu = bool(getattr(getattr(chunk, "config", None), "swiglu", False))
+    config = getattr(chunk, "config", None)
     for name, param in chunk.named_parameters():
         parsed = parse_layer_key(name)
         layer = layers[parsed[0]].layer_number - 1 if parsed else None
         yield name, param, place(name, tuple(param.shape), layer, num_layers, tp_rank, tp_size,
-                                 swiglu)
+                                 tp_parts(name, config))
 
 
 def local_views(place: Place, tensor: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
