@@ -79,7 +79,6 @@ NO_OP_FLAGS = {
 # leaves this table when its feature lands (and becomes a field or a translated flag).
 _LLAMA = "planned with the Llama-family models"
 _MOE = "mixture-of-experts layers, planned"
-_LONG = "planned with long-sequence training"
 MISSING_FEATURES = {
     "--qk-layernorm": "layer norms on queries and keys",
     "--apply-layernorm-1p": "zero-centred layer-norm weights",
@@ -92,9 +91,6 @@ MISSING_FEATURES = {
     "--expert-interval": f"{_MOE}",
     "--create-moe-param-group": f"{_MOE}",
     "--disable-moe-token-dropping": f"{_MOE}",
-    "--context-parallel-size": f"context parallelism (ring attention); {_LONG}",
-    "--cp-comm-type": f"context parallelism (ring attention); {_LONG}",
-    "--ds-sequence-parallel-size": f"DeepSpeed-Ulysses sequence parallelism; {_LONG}",
     "--cpu-optimizer": "ZeRO-Offload's CPU optimizer",
 }
 MISSING_PREFIXES = {  # families of flags: the first that matches names the feature

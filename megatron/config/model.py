@@ -119,6 +119,11 @@ class ModelConfig(Slice):
     perform_initialization: bool = internal("programmatic: converters skip random init", True)
     tensor_model_parallel_size: int = received("parallel.tensor_model_parallel_size", 1)
     sequence_parallel: bool = received("parallel.sequence_parallel", False)
+    # Ranks that split each sequence and how attention spans them (ParallelConfig's
+    # context_degree and context_attention: --context-parallel-size with --cp-comm-type, or
+    # --ds-sequence-parallel-size's ulysses).
+    context_parallel_size: int = received("parallel.context_degree", 1)
+    context_attention: str = received("parallel.context_attention", "p2p")
     seed: int = received("training.seed", 1234)
 
     def __post_init__(self) -> None:
@@ -157,9 +162,44 @@ class ModelConfig(Slice):
                 or self.max_position_embeddings >= self.seq_length,
                 f"--max-position-embeddings ({self.max_position_embeddings}) is smaller than "
                 f"--seq-length ({self.seq_length})")
-        require(not self.sequence_parallel or self.seq_length % tp == 0,
+        self._check_context_split()
+        require(not self.sequence_parallel or self.local_seq_length % tp == 0,
                 f"--sequence-parallel needs --seq-length ({self.seq_length}) divisible by "
-                f"--tensor-model-parallel-size ({tp})")
+                f"--tensor-model-parallel-size ({tp})"
+                + (f" x the context-parallel size ({self.context_parallel_size})"
+                   if self.context_parallel_size > 1 else ""))
+
+    def _check_context_split(self) -> None:
+        """What splitting the sequence over ``context_parallel_size`` ranks needs."""
+        cp, kind = self.context_parallel_size, self.context_attention
+        if cp == 1:
+            return
+        flag = "--ds-sequence-parallel-size" if kind == "ulysses" else "--context-parallel-size"
+        chunks = cp if kind == "ulysses" else 2 * cp
+        require(self.seq_length % chunks == 0,
+                f"--seq-length ({self.seq_length}) is not divisible by {chunks}: {flag} ({cp}) "
+                + ("cuts each sequence into that many contiguous shards" if kind == "ulysses"
+                   else "cuts each sequence into 2 x that many chunks (each rank holds two, "
+                   "balancing the causal attention's work)"))
+        if kind in ("a2a", "ulysses"):
+            heads = self.num_attention_heads // self.tensor_model_parallel_size
+            require(heads % cp == 0,
+                    f"{flag} ({cp}) with all-to-all attention gives each rank a share of the "
+                    f"attention heads: the {heads} heads of each tensor rank "
+                    f"(--num-attention-heads {self.num_attention_heads} / "
+                    f"--tensor-model-parallel-size {self.tensor_model_parallel_size}) do not "
+                    f"divide by {cp}")
+        if kind == "p2p":
+            require(self.attention_dropout == 0.0,
+                    f"--context-parallel-size ({cp}) with --cp-comm-type p2p merges partial "
+                    "attention results across ranks and has no attention dropout: give "
+                    f"--attention-dropout 0 (got {self.attention_dropout}), or --cp-comm-type "
+                    "a2a")
+
+    @property
+    def local_seq_length(self) -> int:
+        """Tokens of each sequence a context-parallel rank holds (all of them without)."""
+        return self.seq_length // self.context_parallel_size
 
     def _resolve_families(self) -> None:
         """The Llama family's options, in both peers' spellings, checked and resolved."""

@@ -24,6 +24,7 @@ from megatron.config.base import (
 )
 
 DP_MODES = ("allreduce", "decentralized")
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 DP_TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
 
 
@@ -58,6 +59,21 @@ class ParallelConfig(Slice):
         default=False, help="Shard layer-norm and dropout activations over the tensor-parallel "
         "ranks along the sequence (turned off at tensor-parallel size 1, as in Megatron).")
     # Decentralized data parallelism (issue 15): megatron/core/distributed/gossip.py.
+    # Long sequences (issue 33): megatron/core/context_parallel.py.
+    context_parallel_size: int = option(
+        default=1, help="Ranks that split each sequence (context parallelism): each holds "
+        "two of 2N chunks (i and 2N-1-i, balancing the causal work) and attention spans them "
+        "as --cp-comm-type says.")
+    cp_comm_type: str = option(
+        default="p2p", choices=CP_COMM_TYPES, help="How context-parallel attention sees the "
+        "other ranks' tokens: p2p (ring attention: keys and values travel round the ring, "
+        "partial results merged by their log-sum-exp), a2a (all-to-all from sequence shards "
+        "to head shards and back, Ulysses-style) or allgather (every rank gathers all keys and "
+        "values).")
+    ds_sequence_parallel_size: int = option(
+        default=1, help="DeepSpeed-Ulysses (Megatron-DeepSpeed's flag): ranks that split each "
+        "sequence into contiguous shards, exchanged for head shards by all-to-all around "
+        "attention. Combines with tensor, pipeline and data parallelism here.")
     dp_mode: str = option(
         default="allreduce", choices=DP_MODES, help="How data-parallel replicas agree: "
         "allreduce (average the gradients every step) or decentralized (each replica steps on "
@@ -73,14 +89,25 @@ class ParallelConfig(Slice):
         "exchanged while the gradient is computed, and the local update is applied to it.")
 
     def __post_init__(self) -> None:
-        positive(self, "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        positive(self, "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size", "ds_sequence_parallel_size")
+        one_of(self, "cp_comm_type", CP_COMM_TYPES)
+        require(self.context_parallel_size == 1 or self.ds_sequence_parallel_size == 1,
+                f"--context-parallel-size ({self.context_parallel_size}) and "
+                f"--ds-sequence-parallel-size ({self.ds_sequence_parallel_size}) both split the "
+                "sequence: use one of them")
         optional_positive(self, "xla_spmd_devices", "num_layers_per_virtual_pipeline_stage",
                           "virtual_pipeline_model_parallel_size",
                           "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        require(self.world_size % (tp * pp) == 0,
+        cp, cp_flag = self.context_degree, self.context_flag
+        with_cp = f" x {cp_flag} ({cp})" if cp > 1 else ""
+        require(self.world_size % (tp * pp * cp) == 0,
                 f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size "
-                f"({tp}) x --pipeline-model-parallel-size ({pp})")
+                f"({tp}) x --pipeline-model-parallel-size ({pp}){with_cp}")
+        require(cp == 1 or self.dp_mode == "allreduce",
+                f"{cp_flag} ({cp}) needs --dp-mode allreduce: decentralized data parallelism "
+                "does not know the context-parallel ranks")
         if self.sequence_parallel and tp == 1:
             set_field(self, "sequence_parallel", False)
         one_of(self, "dp_mode", DP_MODES)
@@ -107,11 +134,30 @@ class ParallelConfig(Slice):
         return self.xla_spmd_devices or 1
 
     @property
+    def context_degree(self) -> int:
+        """Ranks that split each sequence: --context-parallel-size or, for DeepSpeed-Ulysses,
+        --ds-sequence-parallel-size (one of them is 1)."""
+        return max(self.context_parallel_size, self.ds_sequence_parallel_size)
+
+    @property
+    def context_flag(self) -> str:
+        """The flag that set ``context_degree``, for messages."""
+        return ("--ds-sequence-parallel-size" if self.ds_sequence_parallel_size > 1
+                else "--context-parallel-size")
+
+    @property
+    def context_attention(self) -> str:
+        """How attention spans the split sequence: --cp-comm-type, or ``ulysses``
+        (contiguous shards, all-to-all around attention)."""
+        return "ulysses" if self.ds_sequence_parallel_size > 1 else self.cp_comm_type
+
+    @property
     def data_parallel_size(self) -> int:
-        """Model replicas: processes per replica come from tensor and pipeline parallelism;
-        under XLA SPMD each device of a process is one replica."""
+        """Model replicas that read different samples: processes per replica come from tensor,
+        pipeline and context parallelism; under XLA SPMD each device of a process is one
+        replica."""
         return (self.world_size // (self.tensor_model_parallel_size
-                                    * self.pipeline_model_parallel_size)
+                                    * self.pipeline_model_parallel_size * self.context_degree)
                 * self.devices_per_process)
 
     def stage_num_layers(self, num_layers: int) -> tuple[int, ...]:

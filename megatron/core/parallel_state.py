@@ -1,7 +1,11 @@
-"""Process groups for tensor, pipeline and data parallelism, in Megatron's rank order.
+"""Process groups for tensor, context, pipeline and data parallelism, in Megatron's rank order.
 
-Ranks are laid out with the tensor-parallel index varying fastest, then the data-parallel
-index, then the pipeline stage: ``rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``.
+Ranks are laid out with the tensor-parallel index varying fastest, then the context-parallel
+index, then the data-parallel index, then the pipeline stage (Megatron-LM's ``tp-cp-dp-pp``):
+``rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank``. The
+context-parallel ranks of one replica split each sequence (``megatron.core.context_parallel``)
+and hold the same weights, so gradients and optimizer shards go over the data x context group
+(``data_context``), while the data group alone decides which samples a rank reads.
 ``build_rank_groups`` is the pure arithmetic (testable without processes);
 ``initialize_model_parallel`` turns it into torch.distributed groups and keeps them here,
 the one place that holds process-group state.
@@ -29,6 +33,8 @@ class RankGroups:
     model: list[list[int]]
     embedding: list[list[int]]
     position_embedding: list[list[int]]
+    context: list[list[int]]
+    data_context: list[list[int]]
 
     def containing(self, kind: str, rank: int) -> list[int]:
         """The group of ``kind`` that holds ``rank`` (empty if none, e.g. embedding groups)."""
@@ -39,32 +45,39 @@ class RankGroups:
 
 
 def build_rank_groups(world_size: int, tensor_model_parallel_size: int = 1,
-                      pipeline_model_parallel_size: int = 1) -> RankGroups:
+                      pipeline_model_parallel_size: int = 1,
+                      context_parallel_size: int = 1) -> RankGroups:
     """The rank lists of every process group, as Megatron lays them out."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if tp < 1 or pp < 1 or world_size < 1 or world_size % (tp * pp) != 0:
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    if min(tp, pp, cp, world_size) < 1 or world_size % (tp * pp * cp) != 0:
+        with_cp = f" x context-parallel size ({cp})" if cp > 1 else ""
         raise ValueError(
             f"world size ({world_size}) is not divisible by tensor-model-parallel size ({tp}) "
-            f"x pipeline-model-parallel size ({pp})"
+            f"x pipeline-model-parallel size ({pp}){with_cp}"
         )
-    dp = world_size // (tp * pp)
-    ranks_per_stage = tp * dp
+    dp = world_size // (tp * pp * cp)
+    ranks_per_stage = tp * cp * dp
+
+    def rank(p: int, d: int, c: int, t: int) -> int:
+        return p * ranks_per_stage + d * cp * tp + c * tp + t
 
     tensor = [list(range(i * tp, (i + 1) * tp)) for i in range(world_size // tp)]
-    data = [
-        list(range(stage * ranks_per_stage + t, (stage + 1) * ranks_per_stage, tp))
-        for stage in range(pp)
-        for t in range(tp)
-    ]
+    data = [[rank(p, d, c, t) for d in range(dp)]
+            for p in range(pp) for c in range(cp) for t in range(tp)]
+    context = [[rank(p, d, c, t) for c in range(cp)]
+               for p in range(pp) for d in range(dp) for t in range(tp)]
+    data_context = [sorted(rank(p, d, c, t) for d in range(dp) for c in range(cp))
+                    for p in range(pp) for t in range(tp)]
     num_pipeline_groups = world_size // pp
     pipeline = [list(range(i, world_size, num_pipeline_groups)) for i in range(num_pipeline_groups)]
-    # A model-parallel group: every rank that holds part of one model replica (same dp index).
-    model = [
-        sorted(r for r in range(world_size) if (r % ranks_per_stage) // tp == d) for d in range(dp)
-    ]
+    # A model-parallel group: every rank that holds part of one model replica (same data and
+    # context index).
+    model = [[rank(p, d, c, t) for p in range(pp) for t in range(tp)]
+             for d in range(dp) for c in range(cp)]
     embedding = [[g[0], g[-1]] if len(g) > 1 else list(g) for g in pipeline]
     position_embedding = [[g[0]] for g in pipeline]
-    return RankGroups(tensor, pipeline, data, model, embedding, position_embedding)
+    return RankGroups(tensor, pipeline, data, model, embedding, position_embedding, context,
+                      data_context)
 
 
 class _State:
@@ -73,11 +86,14 @@ class _State:
     def __init__(self) -> None:
         self.groups: Optional[RankGroups] = None
         self.tensor = self.pipeline = self.data = self.model = None
+        self.context = self.data_context = None
         self.embedding = self.position_embedding = None
         self.pipeline_ranks: list[int] = []
         self.embedding_ranks: list[int] = []
         self.position_embedding_ranks: list[int] = []
         self.data_ranks: list[int] = []
+        self.context_ranks: list[int] = []
+        self.data_context_ranks: list[int] = []
         self.virtual_pipeline_world_size: Optional[int] = None
         self.virtual_pipeline_rank: Optional[int] = None
         self.timeout: Optional[datetime.timedelta] = None  # of every group made here
@@ -97,13 +113,16 @@ GROUP_DESCRIPTIONS = {
     "model": "MODEL_PARALLEL_GROUP",
     "embedding": "EMBEDDING_GROUP",
     "position_embedding": "POSITION_EMBEDDING_GROUP",
+    "context": "CONTEXT_PARALLEL_GROUP",
+    "data_context": "DATA_PARALLEL_GROUP_WITH_CP",
 }
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
-                              *, distributed_timeout_minutes: float = 30) -> None:
+                              *, context_parallel_size: int = 1,
+                              distributed_timeout_minutes: float = 30) -> None:
     """Create all process groups. Every rank must call this with the same sizes.
 
     Each group gets ``distributed_timeout_minutes`` (``--distributed-timeout-minutes``): a
@@ -115,7 +134,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     if model_parallel_is_initialized():
         raise RuntimeError("model parallel groups are already initialized")
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    groups = build_rank_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
+    groups = build_rank_groups(world_size, tensor_model_parallel_size,
+                               pipeline_model_parallel_size, context_parallel_size)
     _state.timeout = datetime.timedelta(minutes=distributed_timeout_minutes)
 
     def make(kind: str):
@@ -134,8 +154,14 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     _state.model = make("model")
     _state.embedding = make("embedding")
     _state.position_embedding = make("position_embedding")
+    # Groups of one are not made: only a context-parallel run asks for its context group.
+    _state.context = make("context") if context_parallel_size > 1 else None
+    # Without context parallelism the data x context groups are the data groups.
+    _state.data_context = make("data_context") if context_parallel_size > 1 else _state.data
     _state.pipeline_ranks = groups.containing("pipeline", rank)
     _state.data_ranks = groups.containing("data", rank)
+    _state.context_ranks = groups.containing("context", rank)
+    _state.data_context_ranks = groups.containing("data_context", rank)
     _state.embedding_ranks = groups.containing("embedding", rank)
     _state.position_embedding_ranks = groups.containing("position_embedding", rank)
     if virtual_pipeline_model_parallel_size is not None:
@@ -236,8 +262,14 @@ def get_pipeline_model_parallel_group():
     return _need(_state.pipeline)
 
 
-def get_data_parallel_group():
-    return _need(_state.data)
+def get_data_parallel_group(with_context_parallel: bool = False):
+    """The ranks that read different samples; ``with_context_parallel``: with the context-
+    parallel ranks of each (the group gradients and optimizer shards are reduced over)."""
+    return _need(_state.data_context if with_context_parallel else _state.data)
+
+
+def get_context_parallel_group():
+    return _need(_state.context)
 
 
 def get_model_parallel_group():
@@ -268,12 +300,24 @@ def get_pipeline_model_parallel_rank() -> int:
     return _rank(_state.pipeline)
 
 
-def get_data_parallel_world_size() -> int:
-    return _size(_state.data)
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return _size(_state.data_context if with_context_parallel else _state.data)
 
 
-def get_data_parallel_rank() -> int:
-    return _rank(_state.data)
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return _rank(_state.data_context if with_context_parallel else _state.data)
+
+
+def get_context_parallel_world_size() -> int:
+    return _size(_state.context)
+
+
+def get_context_parallel_rank() -> int:
+    return _rank(_state.context)
+
+
+def get_context_parallel_global_ranks() -> list[int]:
+    return list(_state.context_ranks)
 
 
 def get_tensor_model_parallel_src_rank() -> int:
@@ -287,8 +331,8 @@ def get_data_parallel_src_rank() -> int:
     return _state.data_ranks[0] if _state.data_ranks else 0
 
 
-def get_data_parallel_group_ranks() -> list[int]:
-    return list(_state.data_ranks)
+def get_data_parallel_group_ranks(with_context_parallel: bool = False) -> list[int]:
+    return list(_state.data_context_ranks if with_context_parallel else _state.data_ranks)
 
 
 def get_pipeline_model_parallel_first_rank() -> int:

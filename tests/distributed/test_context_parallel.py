@@ -1,0 +1,70 @@
+"""Context-parallel attention (megatron/core/context_parallel.py) on real gloo groups: each
+kind's output and gradients equal plain causal attention over the whole sequence, for
+multi-head, grouped-query and too-few-key/value-head attention, at 2 and 4 ranks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core import context_parallel as cp
+from megatron.core import parallel_state
+from tests.dist_utils import run_distributed
+
+B, HEADS, S, D = 2, 4, 16, 8
+
+
+def _inputs(groups: int):
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(B, HEADS, S, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, groups, S, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, groups, S, D, generator=gen, dtype=torch.float64)
+    dout = torch.randn(B, HEADS, S, D, generator=gen, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _reference(groups: int):
+    q, k, v, dout = (t.clone().requires_grad_(i < 3) for i, t in enumerate(_inputs(groups)))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups != HEADS)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+KINDS = ("p2p", "a2a", "allgather", "ulysses")
+GROUPS = {2: (4, 2), 4: (2, 1)}  # cp2: multi-head, grouped; cp4: grouped, multi-query
+
+
+def _split_attention(rank, world_size):
+    """Every kind and head grouping in one launch (spawning ranks costs seconds)."""
+    parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+    results = {}
+    for kind in KINDS:
+        for groups in GROUPS[world_size]:
+            q, k, v, dout = (cp.shard(t, 2, kind) for t in _inputs(groups))
+            q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+            out = cp.attention(q, k, v, kind)
+            out.backward(dout)
+            results[kind, groups] = out.detach(), q.grad, k.grad, v.grad
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_split_attention_equals_whole_sequence_attention(world_size):
+    per_rank = run_distributed(_split_attention, world_size)
+    for groups in GROUPS[world_size]:
+        expected = _reference(groups)
+        for kind in KINDS:
+            for rank, got in enumerate(per_rank):
+                positions = cp.local_positions(S, world_size, rank, kind)
+                for name, mine, whole in zip(("out", "dq", "dk", "dv"), got[kind, groups],
+                                             expected):
+                    torch.testing.assert_close(mine, whole.index_select(2, positions),
+                                               rtol=1e-10, atol=1e-10,
+                                               msg=f"{kind} groups {groups} rank {rank} {name}")
+
+
+def test_load_balanced_chunks_pair_first_and_last():
+    assert cp.local_positions(16, 2, 0, "p2p").tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert cp.local_positions(16, 2, 1, "p2p").tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert cp.local_positions(16, 2, 1, "ulysses").tolist() == list(range(8, 16))
+    every = torch.cat([cp.local_positions(24, 3, r, "a2a") for r in range(3)])
+    assert sorted(every.tolist()) == list(range(24))
