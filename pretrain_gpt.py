@@ -30,7 +30,8 @@ def get_batch(ctx: RunContext, data_iterator):
     """tokens/labels ``[b, s]``, loss mask, attention mask (None = causal), position ids."""
     sample = ctx.batch_to_device(next(data_iterator)["text"])  # [b, s + 1]
     eod = ctx.tokenizer.eod if ctx.tokenizer is not None else None
-    return gpt_batch(sample, eod, ctx.config.data)
+    return gpt_batch(sample, eod, ctx.config.data,
+                     context_attention=ctx.config.parallel.context_attention)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

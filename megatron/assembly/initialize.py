@@ -154,7 +154,7 @@ def initialize_megatron(config: RunConfig) -> torch.device:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-            p.virtual_pipeline_model_parallel_size,
+            p.virtual_pipeline_model_parallel_size, context_parallel_size=p.context_degree,
             distributed_timeout_minutes=t.distributed_timeout_minutes)
     set_random_seeds(t.seed)
     if device.type == "xla":  # dropout there draws from the device's own generator

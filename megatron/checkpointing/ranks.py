@@ -41,8 +41,11 @@ def current_layout() -> RankLayout:
                           ps.get_tensor_model_parallel_world_size(),
                           ps.get_pipeline_model_parallel_rank(),
                           ps.get_pipeline_model_parallel_world_size(),
-                          ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                          dist.get_rank(), ps.get_data_parallel_group())
+                          # Context-parallel ranks hold the same weights as data-parallel
+                          # ones: a checkpoint sees them all as replicas.
+                          ps.get_data_parallel_rank(with_context_parallel=True),
+                          ps.get_data_parallel_world_size(with_context_parallel=True),
+                          dist.get_rank(), ps.get_data_parallel_group(with_context_parallel=True))
     if dist.is_initialized():
         # No model-parallel groups: every rank is a data-parallel replica.
         return RankLayout(dp_rank=dist.get_rank(), dp_size=dist.get_world_size(),

@@ -67,6 +67,7 @@ class RunConfig:
         self._check_eval_only()
         self._check_decentralized()
         self._check_deepspeed()
+        self._check_context_parallel()
 
     def _set(self, slice_name: str, **changes: Any) -> None:
         current = getattr(self, slice_name)
@@ -239,6 +240,25 @@ class RunConfig:
                     "--deepspeed-activation-checkpointing recomputes whole layers: add "
                     "--recompute-granularity full --recompute-method uniform (or "
                     "--checkpoint-activations)")
+
+    def _check_context_parallel(self) -> None:
+        """What splitting each sequence over ranks cannot combine with (the model's own rules,
+        divisibility and attention dropout, are ModelConfig's)."""
+        p = self.parallel
+        cp, name = p.context_degree, p.context_flag
+        if cp == 1:
+            return
+        for given, why in (
+                (self.data.reset_attention_mask, "--reset-attention-mask: its per-document "
+                 "masks are not split across the context-parallel ranks' attention (use "
+                 "--reset-position-ids and --eod-mask-loss alone)"),
+                (self.training.distributed_backend == "xla", "--distributed-backend xla: the "
+                 "XLA step does not split sequences"),
+                (self.deepspeed.deepspeed and not self.deepspeed.no_pipeline_parallel,
+                 "--deepspeed without --no-pipeline-parallel: DeepSpeed's pipeline engine "
+                 "reduces gradients over its own data-parallel groups, which do not hold the "
+                 "context-parallel ranks")):
+            require(not given, f"{name} ({cp}) cannot be combined with {why}")
 
     @property
     def pipeline_stage_num_layers(self) -> tuple[int, ...]:

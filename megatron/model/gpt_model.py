@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.core import tensor_parallel
+from megatron.core import context_parallel, tensor_parallel
 from megatron.core.tensor_parallel.cross_entropy import (
     LogitsWorkspace,
     linear_vocab_parallel_cross_entropy,
@@ -55,12 +55,22 @@ class Embedding(nn.Module):
         x = self.word_embeddings(input_ids)  # [b, s, h]
         if self.position_embeddings is not None:
             if position_ids is None:
-                position_ids = torch.arange(input_ids.size(1), device=input_ids.device)
+                position_ids = _local_positions(self.config, input_ids.size(1),
+                                                input_ids.device)
             x = x + self.position_embeddings(position_ids)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.config.sequence_parallel:
             x = tensor_parallel.scatter_to_sequence_parallel_region(x)  # [s/tp, b, h]
         return dropout(x, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
+
+
+def _local_positions(config: ModelConfig, local_length: int, device) -> torch.Tensor:
+    """The global positions of the ``local_length`` tokens this rank holds: all of them from
+    0, or under context parallelism its share of the whole sequence."""
+    cp = config.context_parallel_size
+    positions = (context_parallel.group_positions(local_length * cp, config.context_attention,
+                                                  device) if cp > 1 else None)
+    return torch.arange(local_length, device=device) if positions is None else positions
 
 
 class GPTModel(nn.Module):
@@ -129,10 +139,15 @@ class GPTModel(nn.Module):
         return None
 
     def _rotary(self, seq_length: int, device, offset: int = 0) -> Optional[torch.Tensor]:
-        """Rotary angles of positions ``[offset, offset + seq_length)``, if RoPE is used."""
+        """Rotary angles of positions ``[offset, offset + seq_length)``, if RoPE is used
+        (under context parallelism: of the global positions of this rank's tokens)."""
         cfg = self.config
         if cfg.position_embedding_type != "rope":
             return None
+        if cfg.context_parallel_size > 1:
+            positions = _local_positions(cfg, seq_length, device)
+            whole = model_rotary_freqs(cfg, seq_length * cfg.context_parallel_size, device)
+            return whole.index_select(0, positions)
         return model_rotary_freqs(cfg, offset + seq_length, device)[offset:]
 
     def forward(self, input_ids: Optional[torch.Tensor],

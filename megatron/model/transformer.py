@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.core import tensor_parallel
+from megatron.core import context_parallel, tensor_parallel
 from megatron.core.grad_accumulation import refuse_fusion
 from megatron.core.tensor_parallel.layers import compiled_fusion_works
 from megatron.core.utils import divide
@@ -80,6 +80,9 @@ class CoreAttention(nn.Module):
         # training loop says so once.
         self.flash = _flash_attn_func() if config.use_flash_attn else None
         self.softmax_in_fp32 = config.attention_softmax_in_fp32
+        # Under context parallelism each rank holds part of the sequence: attention spans the
+        # other parts as megatron/core/context_parallel.py's kind says.
+        self.context = config.context_attention if config.context_parallel_size > 1 else None
 
     def forward(self, q, k, v, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         p = self.dropout_p if self.training else 0.0
@@ -89,6 +92,10 @@ class CoreAttention(nn.Module):
         return on_tracker_stream(self._attend, q, k, v, attention_mask, p)
 
     def _attend(self, q, k, v, attention_mask, p: float) -> torch.Tensor:
+        if self.context is not None:
+            if attention_mask is not None:
+                raise ValueError("context parallelism attends causally: no attention mask")
+            return context_parallel.attention(q, k, v, self.context, p)
         if self.flash is not None and q.is_cuda and attention_mask is None:
             # flash_attn takes fewer key/value heads than query heads as they are.
             out = self.flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

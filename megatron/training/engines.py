@@ -102,10 +102,14 @@ def reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         values.zero_()
     # Groups of one are skipped: under XLA SPMD the one rank's group is gloo, which carries
     # no XLA tensor (its devices' losses are averaged inside the graph).
-    dp_size = parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1
+    # Over the context-parallel ranks too: each reports its share of the loss times their
+    # count (gpt_batch.masked_mean_loss), so the mean is the whole sequences' loss.
+    dp_size = (parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+               if dist.is_initialized() else 1)
     if dp_size > 1:
         values /= dp_size
-        dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(values, group=parallel_state.get_data_parallel_group(
+            with_context_parallel=True))
     if dist.is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
     if device.type == "xla":  # run the traced evaluation step before reading it

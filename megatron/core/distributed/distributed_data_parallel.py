@@ -46,9 +46,10 @@ _DEFAULT_OVERLAP_BUCKET_SIZE = 40_000_000
 
 
 def default_data_parallel_group() -> Optional[Any]:
-    """The data-parallel group from parallel_state, else the world group, else None."""
+    """The data-parallel group from parallel_state (with the context-parallel ranks, which
+    hold the same weights), else the world group, else None."""
     if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_data_parallel_group()
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.is_initialized():
         return dist.group.WORLD
     return None

@@ -248,6 +248,8 @@ def build_communicator(chunk: nn.Module, seq_length: int, micro_batch_size: int,
     if tensor_shape is None or dtype is None:
         config = _model_config(chunk)
         if tensor_shape is None:
+            # Under context parallelism each rank passes on its share of the sequence.
+            seq_length //= getattr(config, "context_parallel_size", 1)
             tensor_shape = activation_shape(
                 seq_length, micro_batch_size, config.hidden_size,
                 sequence_parallel=getattr(config, "sequence_parallel", False),

@@ -102,6 +102,32 @@ class ParallelStateMPU:
         parallel_state.get_pipeline_model_parallel_rank)
     get_pipeline_model_parallel_world_size = staticmethod(
         parallel_state.get_pipeline_model_parallel_world_size)
+    # DeepSpeed-Ulysses' names for our context-parallel group, and for the data x context
+    # group over which ZeRO shards and reduces (DeepSpeed divides the sum by the data-parallel
+    # size alone, so each context rank's loss must be its share: _deepspeed_loss).
+    get_sequence_parallel_group = staticmethod(parallel_state.get_context_parallel_group)
+    get_sequence_parallel_rank = staticmethod(parallel_state.get_context_parallel_rank)
+    get_sequence_parallel_world_size = staticmethod(
+        parallel_state.get_context_parallel_world_size)
+
+    @staticmethod
+    def get_sequence_data_parallel_group():
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+    @staticmethod
+    def get_sequence_data_parallel_rank():
+        return parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+    @staticmethod
+    def get_sequence_data_parallel_world_size():
+        return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+
+def _deepspeed_loss(loss):
+    """The loss DeepSpeed's engine differentiates: ours (gpt_batch.masked_mean_loss, which
+    is the context group's size times this rank's share, for an average over data x context
+    ranks) divided by that size, as DeepSpeed sums over the sequence-parallel ranks."""
+    return loss / parallel_state.get_context_parallel_world_size()
 
 
 # Activation checkpointing -----------------------------------------------------------------
@@ -190,13 +216,15 @@ class _PipeBatches:
     def __init__(self, iterator: Iterator, cfg: RunConfig, eod: Optional[int],
                  device: torch.device) -> None:
         self.iterator, self.data, self.eod, self.device = iterator, cfg.data, eod, device
+        self.context_attention = cfg.parallel.context_attention
 
     def __iter__(self):
         return self
 
     def __next__(self):
         sample = next(self.iterator)["text"].to(self.device, non_blocking=True)
-        batch = gpt_batch(sample, self.eod, self.data, causal_only=True)
+        batch = gpt_batch(sample, self.eod, self.data, causal_only=True,
+                          context_attention=self.context_attention)
         return (batch.tokens, batch.position_ids), (batch.labels, batch.loss_mask)
 
 
@@ -272,7 +300,8 @@ class DeepSpeedRun:
                     bad_loss = locate_nonfinite_loss(losses)
                     if bad_loss is not None:
                         loss = loss * float("nan")
-                engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
+                # DeepSpeed divides by gradient_accumulation_steps.
+                engine.backward(_deepspeed_loss(loss))
                 engine.step()  # applies the update at the accumulation boundary only
         applied = engine.was_step_applied()
         norm = engine.get_global_grad_norm()
