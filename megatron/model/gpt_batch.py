@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-
 import torch.distributed as dist
 
 from megatron.config import DataConfig

@@ -68,3 +68,30 @@ def test_load_balanced_chunks_pair_first_and_last():
     assert cp.local_positions(16, 2, 1, "ulysses").tolist() == list(range(8, 16))
     every = torch.cat([cp.local_positions(24, 3, r, "a2a") for r in range(3)])
     assert sorted(every.tolist()) == list(range(24))
+
+
+def _masked_loss(rank, world_size):
+    from megatron.model.gpt_batch import masked_mean_loss
+
+    parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+    losses = torch.arange(1.0, 17.0).reshape(2, 8).requires_grad_()
+    mask = torch.ones(2, 8)
+    mask[:, :2] = 0.0  # every token of rank 0's first chunk (of four) masked ...
+    mask[:, 6:] = 0.0  # ... and of its second: rank 0 holds no token that counts
+    mine, my_mask = (cp.shard(t, 1, "p2p") for t in (losses, mask))
+    loss = masked_mean_loss(mine, my_mask)
+    loss.backward()
+    return loss.detach(), losses.grad
+
+
+def test_a_rank_whose_tokens_are_all_masked_adds_zero_not_nan():
+    """The loss each rank reports is the context group's size times its share, so their
+    mean is the whole sequence's masked mean; a rank with no unmasked token gives 0."""
+    per_rank = run_distributed(_masked_loss, 2)
+    (loss0, grad0), (loss1, grad1) = per_rank
+    whole = torch.arange(1.0, 17.0).reshape(2, 8)[:, 2:6].mean()
+    assert loss0.item() == 0.0 and torch.isfinite(grad0).all() and not grad0.any()
+    torch.testing.assert_close((loss0 + loss1) / 2, whole)
+    # d(2 x rank 1's share)/d(each of its 8 counted tokens) = 2/8.
+    torch.testing.assert_close(grad1, torch.where(torch.arange(8) % 8 >= 2, 0.25, 0.0)
+                               * (torch.arange(8) < 6).float().expand(2, 8))

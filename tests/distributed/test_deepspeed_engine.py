@@ -152,6 +152,12 @@ def two_rank_launch(tmp_path_factory):
             "--deepspeed-activation-checkpointing": True, "--partition-activations": True,
             "--recompute-granularity": "full", "--recompute-method": "uniform"}),
         "tp2_native_dropout": argv(**dropout),
+        # DeepSpeed-Ulysses (Megatron-DeepSpeed's flag) through the engine with ZeRO: the
+        # sequence split over both ranks, ZeRO over data x sequence ranks (stage 3 is
+        # refused: DeepSpeed's own stage 3 does not reduce such gradients right).
+        **{f"ulysses2_zero{stage}": zero(stage, **{"--ds-sequence-parallel-size": 2})
+           for stage in (1, 2)},
+        "ulysses2_zero1_llama": zero(1, **LLAMA_FLAGS, **{"--ds-sequence-parallel-size": 2}),
     }
     results, log = launch(2, runs, tmp_path)
     return results, log, tmp_path
@@ -163,6 +169,8 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, llama_reference, t
     for stage in (1, 2, 3):
         assert_same(results[f"zero{stage}"], reference)
         assert_same(results[f"zero{stage}_llama"], llama_reference)  # RMSNorm, SwiGLU, GQA
+        if stage < 3:
+            assert_same(results[f"ulysses2_zero{stage}"], reference)
         # DeepSpeed's own configuration print, and our line naming the stage.
         assert re.search(rf"\[config.py:\d+:print\] +zero_optimization_stage \.+ {stage}\n",
                          log), stage
@@ -179,6 +187,7 @@ def test_zero_stages_pipeline_and_resume_two_ranks(reference, llama_reference, t
     # Untied (the Llama family): the LM head is its own last layer spec (LMHeadPipe).
     assert_same(results["pipe_pp2_llama"], results["native_pp2_llama"])
     assert_same(results["native_pp2_llama"], llama_reference)
+    assert_same(results["ulysses2_zero1_llama"], llama_reference)  # GQA heads split too
     assert llama_reference["train"] != reference["train"]
     # Resume: iterations 4 and 5 after loading iteration 3 are those of the unbroken run.
     assert (ckpt / "latest").read_text().strip() == "global_step3"

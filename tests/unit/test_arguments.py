@@ -434,8 +434,7 @@ def test_llama_flags_in_both_peers_spellings():
      "layers)"),
     ("--qk-layernorm", "--qk-layernorm: not supported yet (layer norms on queries and keys)"),
     ("--moe-router-topk 2", "--moe-router-topk: not supported yet (mixture-of-experts layers"),
-    ("--context-parallel-size 2", "--context-parallel-size: not supported yet (context "
-     "parallelism"),
+    ("--expert-interval 2", "--expert-interval: not supported yet (mixture-of-experts"),
     ("--fp8-format hybrid", "--fp8-format: not supported yet (FP8 training"),
 ])
 def test_flags_of_features_we_lack_say_so_instead_of_guessing(flags, said):
@@ -663,3 +662,31 @@ def test_a_flag_error_is_printed_by_global_rank_0_only(monkeypatch, capsys, env,
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert ("error: " in err and "--num-layers" in err) if printed else err == ""
+
+
+def test_context_parallel_sizes_resolve_and_refusals_name_the_flags():
+    """--context-parallel-size and --ds-sequence-parallel-size take ranks from the data-
+    parallel size; what they cannot do is refused naming the flag and the numbers."""
+    cfg = parse("--context-parallel-size", "2", "--attention-dropout", "0", world_size=8)
+    assert (cfg.parallel.context_degree, cfg.data_parallel_size) == (2, 4)
+    assert (cfg.model.context_parallel_size, cfg.model.context_attention) == (2, "p2p")
+    cfg = parse("--ds-sequence-parallel-size", "4", world_size=8)
+    assert (cfg.model.context_parallel_size, cfg.model.context_attention) == (4, "ulysses")
+    assert_names(error_of([*BASE, "--context-parallel-size", "2"], world_size=2),
+                 "--cp-comm-type p2p", "--attention-dropout 0 (got 0.1)")
+    no_dropout = [*BASE, "--attention-dropout", "0"]
+    assert_names(error_of([*no_dropout, "--context-parallel-size", "3"], world_size=3),
+                 "--seq-length (32) is not divisible by 6", "--context-parallel-size (3)")
+    assert_names(error_of([*no_dropout, "--context-parallel-size", "2"], world_size=3),
+                 "world size (3)", "--context-parallel-size (2)")
+    assert_names(error_of([*BASE, "--ds-sequence-parallel-size", "8"], world_size=8),
+                 "--ds-sequence-parallel-size (8)", "the 4 heads of each tensor rank")
+    assert_names(error_of([*no_dropout, "--context-parallel-size", "2",
+                           "--ds-sequence-parallel-size", "2"], world_size=4),
+                 "use one of them")
+    assert_names(error_of([*no_dropout, "--context-parallel-size", "2",
+                           "--reset-attention-mask"], world_size=2),
+                 "--context-parallel-size (2) cannot be combined with --reset-attention-mask")
+    assert_names(error_of([*BASE, "--ds-sequence-parallel-size", "2", "--deepspeed"],
+                          world_size=2),
+                 "--deepspeed without --no-pipeline-parallel")

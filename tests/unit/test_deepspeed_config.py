@@ -198,3 +198,13 @@ def test_the_cpu_comm_op_build_is_announced_only_when_it_will_happen(tmp_path, m
     with open(os.path.join(folder, "deepspeed_shm_comm.so"), "wb"):
         pass  # what torch's JIT loader leaves there once built
     assert cpu_comm_op_to_build() is None
+
+
+def test_ulysses_batch_sizes_count_data_ranks_only_and_zero3_is_refused():
+    """Megatron-DeepSpeed's --ds-sequence-parallel-size: the sequence ranks read the same
+    samples, so DeepSpeed's batch arithmetic sees the data-parallel size alone."""
+    ds = config("--no-pipeline-parallel", "--zero-stage", "2", "--ds-sequence-parallel-size",
+                "2", world_size=4)
+    assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 2  # 8/(2x2)
+    assert "--zero-stage 1 or 2" in error("--no-pipeline-parallel", "--zero-stage", "3",
+                                          "--ds-sequence-parallel-size", "2", world_size=4)

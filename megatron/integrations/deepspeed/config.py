@@ -124,6 +124,14 @@ def _resolve_zero(ds: dict, cfg: RunConfig, source: str) -> int:
         raise DeepSpeedSetupError(
             f"ZeRO stage {stage} partitions gradients (and, at 3, parameters), which "
             f"DeepSpeed's pipeline engine does not support; with {where}")
+    cp = cfg.parallel.context_degree
+    if stage == 3 and cp > 1:
+        # Measured: DeepSpeed 0.19's ZeRO-3 with a sequence-parallel group gives gradient
+        # norms and losses that part from the unsplit run's (ZeRO-1 and 2 match them).
+        raise DeepSpeedSetupError(
+            f"ZeRO stage 3 with {cfg.parallel.context_flag} {cp}: DeepSpeed's stage 3 does "
+            "not reduce the sequence-split gradients to the unsplit run's; use --zero-stage "
+            "1 or 2")
     return stage
 
 
