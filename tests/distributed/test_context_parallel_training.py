@@ -85,6 +85,11 @@ LAYOUTS = {  # name: (world size, context ranks, data ranks, flags)
     "cp2-a2a-tp2": (4, 2, 1, {**_cp(2, "a2a"), "--tensor-model-parallel-size": 2}),
     "ulysses2-pp2": (4, 2, 1, {**_cp(2, "ulysses"), **PP2}),
     "ulysses2-dp2-distopt": (4, 2, 2, {**_cp(2, "ulysses"), **DP2}),
+    # Recompute runs the ring (and its sends) again in the backward pass.
+    "cp2-p2p-full-recompute": (2, 2, 1, {**_cp(2), "--recompute-granularity": "full",
+                                         "--recompute-method": "uniform"}),
+    "cp2-a2a-selective-recompute": (2, 2, 1, {**_cp(2, "a2a"),
+                                              "--recompute-granularity": "selective"}),
 }
 CASES = [("gpt", name) for name in LAYOUTS] + [
     ("llama", name) for name in ("cp2-p2p-tp2-seqpar", "cp4-a2a", "ulysses2-dp2-distopt")]
