@@ -28,6 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)  # its ranks import this module by name where it is loaded as one
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -95,3 +95,14 @@ def test_a_rank_whose_tokens_are_all_masked_adds_zero_not_nan():
     # d(2 x rank 1's share)/d(each of its 8 counted tokens) = 2/8.
     torch.testing.assert_close(grad1, torch.where(torch.arange(8) % 8 >= 2, 0.25, 0.0)
                                * (torch.arange(8) < 6).float().expand(2, 8))
+
+
+def test_the_memory_benchmark_runs_and_halves_activations_at_cp2(capsys):
+    from tests.distributed.training_utils import load_benchmark
+
+    bench = load_benchmark("context_parallel_memory")
+    bench.main(["--seq", "512", "--cp", "2", "--kinds", "p2p"])
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("cp 2 p2p"))
+    ratio = float(row.split()[4])
+    assert 0.45 < ratio < 0.6, row  # half the tokens, plus what every rank keeps whole
