@@ -238,7 +238,8 @@ def grad_bytes(config: RunConfig) -> int:
 def _state_memory(config: RunConfig, params: int, zero_stage: int) -> tuple[int, int, int, int]:
     """(weights, gradients, optimizer, step) bytes for ``params`` parameters on one rank."""
     m, o = config.model, config.optimizer
-    dp = config.data_parallel_size
+    # Sharded state spreads over the context-parallel ranks too (they hold the same weights).
+    dp = config.data_parallel_size * config.parallel.context_degree
     param_bytes = bytes_of(m.params_dtype)
     mixed = m.fp16 or m.bf16
     grad_fp32 = gradients_in_fp32(o)
@@ -259,7 +260,7 @@ def layer_activationbytes_of(config: RunConfig) -> int:
     """One transformer layer's saved activations for one micro-batch (module docstring)."""
     m, t = config.model, config.parallel.tensor_model_parallel_size
     t_sp = t if config.parallel.sequence_parallel else 1
-    s, b, h, f, a = m.seq_length, config.training.micro_batch_size, m.hidden_size, \
+    s, b, h, f, a = m.local_seq_length, config.training.micro_batch_size, m.hidden_size, \
         m.ffn_hidden_size, m.projection_size
     attention_out = s * b * a // t
     elements = s * b * 4 * h // t_sp + s * b * (5 * a + 2 * f) // t
@@ -286,7 +287,7 @@ def _chunk_activations(config: RunConfig, layers: int) -> int:
     m, per_layer = config.model, layer_activationbytes_of(config)
     t_sp = config.parallel.tensor_model_parallel_size if config.parallel.sequence_parallel \
         else 1
-    block_input = m.seq_length * config.training.micro_batch_size * m.hidden_size // t_sp \
+    block_input = m.local_seq_length * config.training.micro_batch_size * m.hidden_size // t_sp \
         * bytes_of(m.params_dtype)
     if m.recompute_granularity != "full":
         return layers * per_layer
@@ -311,7 +312,7 @@ def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
     t = p.tensor_model_parallel_size
     t_sp = t if p.sequence_parallel else 1
     chunks, layers = _in_flight(config, pp_rank)
-    tokens = m.seq_length * config.training.micro_batch_size
+    tokens = m.local_seq_length * config.training.micro_batch_size  # this rank's share
     e = bytes_of(m.params_dtype)
     extras = 0
     if pp_rank == 0:
@@ -327,6 +328,35 @@ def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- the plan
+
+
+def context_bytes_per_layer(config: RunConfig) -> int:
+    """Bytes one rank sends per layer and micro-batch for context-parallel attention, forward
+    and backward together (megatron/core/context_parallel.py):
+
+    - p2p: its key/value block hops N - 1 times forward; backward, the block hops N - 1 times
+      and its gradients N times: ``(4(N - 1) + 2N) x s/N x b x kv/t`` elements;
+    - a2a, ulysses: four all-to-alls forward (q, k, v, out) and four backward, each sending
+      (N - 1)/N of ``s/N x b x width/t`` (k and v repeated to one per query head when the
+      key/value heads do not divide by N);
+    - allgather: keys and values gathered, ``2(N - 1) x s/N x b x kv/t`` forward, and the
+      whole gradient all-reduced backward, about twice ``2 s b kv/t``.
+    """
+    m, p = config.model, config.parallel
+    n, t = p.context_degree, p.tensor_model_parallel_size
+    local = m.local_seq_length * config.training.micro_batch_size
+    kv, q = m.kv_projection_size // t, m.projection_size // t
+    e = bytes_of(m.params_dtype)
+    kind = p.context_attention
+    if n == 1:
+        return 0
+    if kind == "p2p":
+        return (4 * (n - 1) + 2 * n) * local * kv * e
+    if kind in ("a2a", "ulysses"):
+        if (m.query_groups // t) % n:
+            kv = q
+        return 2 * (2 * q + 2 * kv) * local * (n - 1) // n * e
+    return (2 * (n - 1) * local * kv + 2 * 2 * local * n * kv) * e
 
 
 def bubble_fraction(config: RunConfig) -> float:
@@ -381,7 +411,10 @@ def format_plan(plan: Plan) -> str:
     vp = p.virtual_pipeline_model_parallel_size or 1
     lines = [
         f"layout: tensor {p.tensor_model_parallel_size} x pipeline "
-        f"{p.pipeline_model_parallel_size} x data {cfg.data_parallel_size} = {p.world_size} "
+        f"{p.pipeline_model_parallel_size}"
+        + (f" x context {p.context_degree} ({p.context_attention})" if p.context_degree > 1
+           else "")
+        + f" x data {cfg.data_parallel_size} = {p.world_size} "
         f"GPUs" + (f", {vp} virtual stages" if vp > 1 else "")
         + (", sequence parallel" if p.sequence_parallel else ""),
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
@@ -414,6 +447,10 @@ def format_plan(plan: Plan) -> str:
                  + ("" if plan.fits is None else
                     f" of {plan.gpu_memory_gb:g} GB: {'fits' if plan.fits else 'DOES NOT FIT'}"))
     lines.append(f"pipeline bubble: (p - 1) / (v m) = {plan.bubble_fraction:.4f}")
+    if p.context_degree > 1:
+        lines.append(f"context parallel: {m.local_seq_length} of {m.seq_length} tokens per "
+                     f"rank; {_gb(context_bytes_per_layer(cfg))} sent per rank per layer per "
+                     f"micro-batch (forward and backward, {p.context_attention})")
     lines.append(f"FLOPs per iteration: {plan.flops_per_iteration:.4e} "
                  f"({plan.flops_per_iteration / p.world_size:.4e} per GPU)")
     lines.append("formulas:" + __doc__.split("::", 1)[1].split("Pipeline bubble")[0].rstrip())

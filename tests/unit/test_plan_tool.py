@@ -121,3 +121,24 @@ def test_llama_sizes_count_exactly_and_their_flops_follow_the_swiglu_gqa_formula
                    if p.dim() == 2 and "word_embeddings" not in name)
     forward = 2 * matrices + m.num_layers * 4 * m.seq_length * m.projection_size
     assert flops_per_token(m) == 3 * forward
+
+
+def test_context_parallelism_divides_the_activations_and_states_its_traffic(capsys):
+    """At sequence 32K a Llama-style 6B shape on 64 GPUs: context parallelism 4 (taken from
+    the data-parallel ranks) keeps a quarter of the tokens, so a quarter of the layers'
+    activations, and the plan states the ring's bytes."""
+    tool = load_tool("plan")
+    flags = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+             "--seq-length", "32768", "--max-position-embeddings", "32768",
+             "--micro-batch-size", "1", "--global-batch-size", "64",
+             "--tensor-model-parallel-size", "8", "--sequence-parallel", "--bf16",
+             "--use-distributed-optimizer", "--attention-dropout", "0",
+             "--group-query-attention", "--num-query-groups", "8", "--world-size", "64"]
+    alone = tool.main(flags).stages[0].memory
+    split = tool.main([*flags, "--context-parallel-size", "4"]).stages[0].memory
+    out = capsys.readouterr().out
+    assert split.activations * 4 == pytest.approx(alone.activations, rel=1e-6)
+    assert (split.weights, split.optimizer) == (alone.weights, alone.optimizer)  # dp x cp = 8
+    assert "tensor 8 x pipeline 1 x context 4 (p2p) x data 2 = 64 GPUs" in out
+    # p2p: (4 (N-1) + 2N) x s/N x b x kv/t x 2 bytes = 20 x 8192 x 128 x 2 = 40 MiB.
+    assert "8192 of 32768 tokens per rank; 40.00 MB sent per rank per layer" in out
