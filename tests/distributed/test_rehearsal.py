@@ -198,6 +198,8 @@ def _no_process_group_left():
     (["--pipeline-model-parallel-size", "2", "--deepspeed"], 4, {},
      "error: --rehearse runs the built-in engine; DeepSpeed's engine"),
     (TP2_PP2, 4, {"RANK": "0"}, "error: --rehearse runs every rank in this one process"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0"], 4, {},
+     "error: --rehearse does not model --context-parallel-size (2) yet"),
 ])
 def test_what_the_rehearsal_cannot_run_is_one_line_and_status_2(extra, world, env, expected,
                                                                  monkeypatch, capsys):
