@@ -30,6 +30,7 @@ read -r -a DATA_BLEND <<< "$DATA_PATH"
 if [ "$CPU_SMOKE" = 1 ]; then
     # Toy size, same flags: only the sizes below change, and --use-cpu is added.
     GPUS_PER_NODE=${GPUS_PER_NODE:-4}; NUM_NODES=${NUM_NODES:-1}; TP=${TP:-2}; PP=${PP:-2}
+    CP=${CP:-1}
     if [ "$QUERY_GROUPS" = "$HEADS" ]; then QUERY_GROUPS=4; else QUERY_GROUPS=2; fi
     NUM_LAYERS=4; HIDDEN=64; HEADS=4; FFN=128; SEQ=64; GLOBAL_BATCH=4
     TRAIN_SAMPLES=8; WARMUP_SAMPLES=4; DECAY_SAMPLES=8; LOG_INTERVAL=1; EVAL_INTERVAL=2
@@ -41,6 +42,8 @@ else
     # The planner's layout for the model (python tools/plan.py ... --gpu-memory-gb 80): the
     # recipe sets TP_8/TP_64; other GPU counts take the 64-GPU one.
     if [ "$WORLD" -le 8 ]; then TP=${TP:-$TP_8}; else TP=${TP:-$TP_64}; fi
+    # Context parallelism (the long-context recipe sets CP_8/CP_64; 1 otherwise).
+    if [ "$WORLD" -le 8 ]; then CP=${CP:-${CP_8:-1}}; else CP=${CP:-${CP_64:-1}}; fi
     PP=${PP:-1}
     if [ "$WORLD" -le 8 ]; then GLOBAL_BATCH=$GLOBAL_BATCH_8; else GLOBAL_BATCH=$GLOBAL_BATCH_64; fi
     LOG_INTERVAL=10; EVAL_INTERVAL=1000; EVAL_ITERS=10; SAVE_INTERVAL=1000
@@ -64,6 +67,10 @@ if [ "$SAVE_CHECKPOINTS" = 1 ]; then
 fi
 PARALLEL_EXTRA=()
 if [ "$TP" -gt 1 ]; then PARALLEL_EXTRA+=(--sequence-parallel); fi
+if [ "$CP" -gt 1 ]; then
+    PARALLEL_EXTRA+=(--context-parallel-size "$CP" --cp-comm-type "${CP_COMM_TYPE:-p2p}")
+fi
+read -r -a RECOMPUTE_ARGS <<< "${RECOMPUTE:-}"
 GQA_ARGS=()
 if [ "$QUERY_GROUPS" != "$HEADS" ]; then
     GQA_ARGS=(--group-query-attention --num-query-groups "$QUERY_GROUPS")
@@ -87,7 +94,7 @@ TRAINING_ARGS=(
     --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH" "${LENGTH_ARGS[@]}"
     --lr 3.0e-4 --min-lr 3.0e-5 --lr-decay-style cosine
     --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5
-    $PRECISION_FLAG "${DEVICE_ARGS[@]}"
+    $PRECISION_FLAG "${DEVICE_ARGS[@]}" "${RECOMPUTE_ARGS[@]}"
 )
 MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"

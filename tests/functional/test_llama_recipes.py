@@ -22,6 +22,7 @@ from tests.unit.tokenizer.test_llama_tokenizers import _text, _train_byte_bpe, m
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 LLAMA2 = os.path.join(REPO, "examples", "llama", "train_llama2_7b_distributed.sh")
 LLAMA3 = os.path.join(REPO, "examples", "llama", "train_llama3_8b_distributed.sh")
+LONG = os.path.join(REPO, "examples", "llama", "train_llama3_8b_long_context.sh")
 SHRINK = ["--rehearse-hidden-size", "64", "--rehearse-seq-length", "8"]
 
 
@@ -70,6 +71,28 @@ def test_the_llama3_8b_recipe_trains_at_toy_size(llama3_data, tmp_path):
         "position_embedding_type": "rope", "tokenizer_type": "Llama3Tokenizer",
         "rotary_base": "500000"}
     assert read_tracker(str(tmp_path / "ckpt")).iteration == 2
+
+
+@pytest.mark.slow
+def test_the_long_context_recipe_splits_each_sequence_at_toy_size(llama3_data, tmp_path):
+    """train_llama3_8b_long_context.sh at toy size: pipeline 2 x context 2 on 4 CPU
+    processes, the raised RoPE base, the ring; a length it has no layout for is refused."""
+    folder, model = llama3_data
+    env = dict(CPU_SMOKE="1", DATA_PATH=str(folder / "llama3_text_document"),
+               DATASETCACHE=str(tmp_path / "cache"))
+    done = _script(LONG, tmp_path, model, **env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [line["iteration"] for line in parse_log_lines(done.stdout)] == [1, 2]
+    printed = {name: _printed_argument(done.stdout, name) for name in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+        "cp_comm_type", "data_parallel_size", "rotary_base", "recompute_granularity")}
+    assert printed == {
+        "tensor_model_parallel_size": "1", "pipeline_model_parallel_size": "2",
+        "context_parallel_size": "2", "cp_comm_type": "p2p", "data_parallel_size": "1",
+        "rotary_base": "8000000", "recompute_granularity": "selective"}
+    assert read_tracker(str(tmp_path / "ckpt")).iteration == 2
+    bad = _script(LONG, tmp_path, model, **env, CONTEXT="4096")
+    assert bad.returncode == 2 and "error: CONTEXT='4096'" in bad.stderr
 
 
 def _rehearse(script: str, tmp_path, model: str, **env) -> str:
