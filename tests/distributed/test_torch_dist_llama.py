@@ -7,8 +7,9 @@ RoPE with base 500000, untied, no biases) is saved as Megatron-LM saves it at te
 sizes 1 and 2. Ours reads each with --use-checkpoint-args (no model flags) at tp 1 x dp 2, tp 2
 and pp 2 and gives megatron-core's logits within 1e-5 (fp32); megatron-core reads our
 checkpoint of the same options (trained 2 iterations at tp 2, saved with --ckpt-format
-torch_dist) at tp 2 and gives our logits; the converter's ``core`` loader turns megatron-core's
-checkpoint into a Hugging Face Llama folder with megatron-core's logits.
+torch_dist) at tp 2 and gives our logits, as it does from that checkpoint written again by the
+converter's ``core`` saver; the converter's ``core`` loader turns megatron-core's checkpoints
+into Hugging Face Llama folders with megatron-core's logits.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ from megatron.training import pretrain
 from tests.dist_utils import run_distributed
 from tests.distributed.mcore_utils import NEEDS_MCORE, run_mcore_driver
 from tests.distributed.training_utils import LLAMA_FLAGS, captured_stdout, flags_to_argv
+from tools.checkpoint import convert
 
-pytestmark = [NEEDS_MCORE]
+# About 30 s: one training, one megatron-core run, nine loads; the only proof that a
+# Llama-spec checkpoint of Megatron-LM's own code reads and is read.
+pytestmark = [pytest.mark.slow, NEEDS_MCORE]
 SAVED_AT = 2
 TRUE_VOCAB = 127  # the driver's: --vocab-size 126 and the end-of-document token; padded to 128
 # The driver's model (tests/mcore_driver.py llama_args) in our flags.
@@ -95,7 +99,12 @@ def checkpoints(tmp_path_factory):
     ours = str(tmp_path_factory.mktemp("ours") / "ckpt")
     run_distributed(_train_and_save, 2, ours, timeout=600)
     out = str(tmp_path_factory.mktemp("mcore"))
-    run_mcore_driver(out, "--llama", out, os.path.join(ours, f"iter_{SAVED_AT:07d}"))
+    # Ours again through the converter's torch_dist saver (tp 1): megatron-core reads both.
+    converted = os.path.join(out, "converted")
+    assert convert.main(["--model-type", "GPT", "--loader", "megatron", "--saver", "core",
+                         "--load-dir", ours, "--save-dir", converted]) == 0
+    run_mcore_driver(out, "--llama", out, *(os.path.join(d, f"iter_{SAVED_AT:07d}")
+                                            for d in (ours, converted)))
     reference = torch.load(os.path.join(out, "reference.pt"), weights_only=False)
     folders = {"ours": ours, **{f"mcore_tp{tp}": os.path.join(out, f"mcore_llama_tp{tp}")
                                 for tp in (1, 2)}}
@@ -128,3 +137,28 @@ def test_our_llama_checkpoint_loads_into_megatron_core(checkpoints, loaded):
         print(f"megatron-core vs ours at {layout}: max |difference|",
               (got - ours).abs().max().item())
         torch.testing.assert_close(got, ours, rtol=0, atol=1e-5)
+
+
+def test_the_converters_torch_dist_saver_writes_a_llama_megatron_core_reads(checkpoints):
+    original, converted = checkpoints[1]["ours"]  # megatron-core's logits from each
+    print("megatron-core: converted vs original, max |difference|",
+          (converted - original).abs().max().item())
+    torch.testing.assert_close(converted, original, rtol=0, atol=1e-6)
+
+
+def test_converter_reads_megatron_core_llama_into_hugging_face_llama(checkpoints, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    folders, reference = checkpoints
+    for tp in (1, 2):
+        out = str(tmp_path / f"hf_tp{tp}")
+        assert convert.main(["--model-type", "GPT", "--loader", "core", "--saver", "hf",
+                             "--load-dir", folders[f"mcore_tp{tp}"], "--save-dir", out]) == 0
+        model = LlamaForCausalLM.from_pretrained(out).eval()
+        assert (model.config.num_key_value_heads, model.config.rms_norm_eps) == (2, 1e-6)
+        with torch.no_grad():
+            got = model(reference["tokens"]).logits[..., :TRUE_VOCAB]
+        want = reference[f"logits_tp{tp}"][..., :TRUE_VOCAB]
+        print(f"HF Llama <- megatron-core tp {tp}: max |difference|",
+              (got - want).abs().max().item())
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
