@@ -27,6 +27,15 @@ and the Adam state of step 1. Then, on four ranks (data-parallel size 2), it
    2 x 1 and 1 x 2, takes one step on set gradients and saves as Megatron-LM does by default
    (the optimizer state in its ``dp_reshardable`` buckets) to ``OUT/mcore_distopt_*``, with
    the state by checkpoint name in ``OUT/distopt_reference.pt``.
+
+``python -I tests/mcore_driver.py --llama OUT [OUR_ITER_DIR ...]`` does steps 1-3 alone for a
+Llama-spec model instead (Megatron-LM's Llama flags: ``--normalization RMSNorm --swiglu
+--group-query-attention --num-query-groups 2 --position-embedding-type rope
+--untie-embeddings-and-output-weights --disable-bias-linear``; ``get_gpt_layer_local_spec``
+with RMSNorm; norm epsilon 1e-6, RoPE base 500000 and norm weights other than one, so that
+each is seen), model only at tensor-parallel sizes 1 and 2 (``OUT/mcore_llama_tp{1,2}``),
+and loads ours into it at tensor-parallel size 2; its ``OUT/reference.pt`` has the same
+entries less ``adam_tp1``.
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ from megatron.core.optimizer.optimizer import FP32Optimizer  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 4, 32, 4, 16, 128  # VOCAB: padded for tp 1 and tp 2
 TRUE_VOCAB = 127  # NullTokenizer's --vocab-size 126 plus its end-of-document token
+LLAMA_FFN, LLAMA_GROUPS = 64, 2  # SwiGLU width (8/3 x 32 rounded down to 64); kv heads
 TOKENS = torch.randint(0, TRUE_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
 
 
@@ -139,7 +149,8 @@ def _stand_in_for_cuda() -> None:
                  "megatron.core.distributed.distributed_data_parallel",
                  "megatron.core.optimizer", "megatron.core.optimizer.optimizer",
                  "megatron.core.optimizer.distrib_optimizer",
-                 "megatron.core.optimizer.clip_grads"):
+                 "megatron.core.optimizer.clip_grads",
+                 "megatron.core.models.common.embeddings.rotary_pos_embedding"):
         importlib.import_module(name).torch = _TorchForMcoreOnCpu("torch")
 
 
@@ -177,24 +188,58 @@ def megatron_args(tp: int, tied: bool, fused_gelu: bool, iteration: int) -> argp
         data_parallel_random_init=False)
 
 
+def llama_args(tp: int, iteration: int) -> argparse.Namespace:
+    """Megatron-LM's args for its Llama flags (see the module docstring), model only."""
+    args = megatron_args(tp, tied=False, fused_gelu=False, iteration=iteration)
+    vars(args).update(
+        ffn_hidden_size=LLAMA_FFN, group_query_attention=True, num_query_groups=LLAMA_GROUPS,
+        norm_epsilon=1e-6, normalization="RMSNorm", swiglu=True, bias_swiglu_fusion=False,
+        position_embedding_type="rope", add_position_embedding=False, rotary_percent=1.0,
+        rotary_base=500000, rotary_interleaved=False, use_rope_scaling=False,
+        add_bias_linear=False, add_qkv_bias=False)
+    return args
+
+
 def build_model(args: argparse.Namespace, pre_process: bool = True,
                 post_process: bool = True) -> GPTModel:
+    """megatron-core's GPTModel from Megatron-LM's args, as its ``pretrain_gpt.py`` builds it
+    with ``--transformer-impl local`` (``core_transformer_config_from_args``: SwiGLU is
+    ``gated_linear_unit`` with SiLU; query groups only with ``--group-query-attention``)."""
+    swiglu = getattr(args, "swiglu", False)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
         kv_channels=args.kv_channels, layernorm_epsilon=args.norm_epsilon,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=args.init_method_std,
-        add_bias_linear=args.add_bias_linear, bias_activation_fusion=args.bias_gelu_fusion,
-        activation_func=F.gelu, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        add_bias_linear=args.add_bias_linear, add_qkv_bias=getattr(args, "add_qkv_bias", False),
+        bias_activation_fusion=args.bias_gelu_fusion and not swiglu,
+        activation_func=F.silu if swiglu else F.gelu, gated_linear_unit=swiglu,
+        normalization=getattr(args, "normalization", "LayerNorm"),
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        rotary_interleaved=getattr(args, "rotary_interleaved", False), apply_rope_fusion=False,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
         use_cpu_initialization=True, masked_softmax_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         apply_query_key_layer_scaling=False, pipeline_dtype=torch.float32,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    return GPTModel(config, spec, vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    position_embedding_type=args.position_embedding_type)
+                    position_embedding_type=args.position_embedding_type,
+                    rotary_percent=getattr(args, "rotary_percent", 1.0),
+                    rotary_base=getattr(args, "rotary_base", 10000),
+                    rope_scaling=getattr(args, "use_rope_scaling", False))
+
+
+def scale_norm_weights(model: GPTModel) -> None:
+    """Norm weights other than megatron-core's initial ones, the same on every tensor rank
+    (they are replicated), so that a reader mixing up the norms is seen."""
+    for name, param in model.named_parameters():
+        if "layernorm" in name:
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            param.data.uniform_(0.5, 1.5, generator=g)
 
 
 def logits(model: GPTModel) -> torch.Tensor:
@@ -319,7 +364,16 @@ def load_ours(iter_dir: str) -> torch.Tensor:
     return logits(model)
 
 
-def _run(rank: int, world: int, port: int, out: str, ours: list[str]) -> None:
+def _saves(llama: bool) -> list[tuple[str, argparse.Namespace]]:
+    """(folder, args) of the checkpoints megatron-core saves: GPT's at tp 1 (tied, fused
+    bias-GeLU; with Adam's state) and tp 2 (untied, erf GeLU), or the Llama spec's at both."""
+    if llama:
+        return [(f"mcore_llama_tp{tp}", llama_args(tp, iteration=10 * tp)) for tp in (1, 2)]
+    return [("mcore_tp1", megatron_args(1, tied=True, fused_gelu=True, iteration=10)),
+            ("mcore_tp2", megatron_args(2, tied=False, fused_gelu=False, iteration=20))]
+
+
+def _run(rank: int, world: int, port: int, out: str, ours: list[str], llama: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     _stand_in_for_cuda()
@@ -328,13 +382,15 @@ def _run(rank: int, world: int, port: int, out: str, ours: list[str]) -> None:
     # CUDA generator.
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
     result = {"tokens": TOKENS}
-    for tp, tied, fused, with_optimizer in ((1, True, True, True), (2, False, False, False)):
+    for folder, args in _saves(llama):
+        tp = args.tensor_model_parallel_size
         ps.initialize_model_parallel(tp, 1)
         torch.manual_seed(100 + tp)
-        args = megatron_args(tp, tied, fused, iteration=10 * tp)
         model = build_model(args)
-        optimizer = adam_step(model) if with_optimizer else None
-        save_like_megatron_lm(os.path.join(out, f"mcore_tp{tp}"), model, args, optimizer)
+        if llama:
+            scale_norm_weights(model)
+        optimizer = adam_step(model) if folder == "mcore_tp1" else None
+        save_like_megatron_lm(os.path.join(out, folder), model, args, optimizer)
         result[f"logits_tp{tp}"] = logits(model)
         if optimizer is not None:
             result["adam_tp1"] = adam_by_checkpoint_name(optimizer, model)
@@ -445,9 +501,12 @@ def _free_port() -> int:
 
 
 def main() -> None:
-    out, ours = sys.argv[1], sys.argv[2:]
-    torch.multiprocessing.spawn(_run, args=(2, _free_port(), out, ours), nprocs=2)
-    torch.multiprocessing.spawn(_distributed_optimizer_run, args=(4, _free_port(), out), nprocs=4)
+    llama = sys.argv[1:2] == ["--llama"]
+    out, ours = sys.argv[1 + llama], sys.argv[2 + llama:]
+    torch.multiprocessing.spawn(_run, args=(2, _free_port(), out, ours, llama), nprocs=2)
+    if not llama:
+        torch.multiprocessing.spawn(_distributed_optimizer_run, args=(4, _free_port(), out),
+                                    nprocs=4)
 
 
 if __name__ == "__main__":

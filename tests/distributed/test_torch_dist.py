@@ -18,7 +18,6 @@ The converter reads both kinds into HF (megatron-core's logits) and into ours.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -44,20 +43,10 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.inference.text_generation.forward import forward_logits
 from megatron.training import pretrain
 from tests.dist_utils import run_distributed
+from tests.distributed.mcore_utils import NEEDS_MCORE, REPO, run_mcore_driver
 from tests.distributed.training_utils import captured_stdout
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# megatron-core lives in a folder of its own, which only tests/mcore_driver.py puts on its
-# path (its package is also named "megatron"; see the driver's docstring).
-MCORE_DIR = os.environ.get("MEGATRON_CORE_DIR") or os.path.join(REPO, ".test-deps",
-                                                                  "megatron-core")
-HAVE_MCORE = any(importlib.metadata.distributions(name="megatron-core", path=[MCORE_DIR]))
-
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not HAVE_MCORE, reason=f"megatron-core is not in {MCORE_DIR} "
-                                 "(README's test command installs it there: pip install "
-                                 f"--no-deps --upgrade --target {MCORE_DIR} "
-                                 "megatron-core==0.16.1)")]
+pytestmark = [pytest.mark.slow, NEEDS_MCORE]
 SAVED_AT, ITERS = 3, 6
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--max-position-embeddings", "16"]
@@ -130,12 +119,7 @@ def mcore(trained, tmp_path_factory):
                            "--load-dir", trained[0], "--save-dir", converted],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-I", os.path.join(REPO, "tests", "mcore_driver.py"),
-                           out, ours, os.path.join(converted, f"iter_{SAVED_AT:07d}")], cwd=out,
-                          env={**env, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_mcore_driver(out, out, ours, os.path.join(converted, f"iter_{SAVED_AT:07d}"))
     reference = torch.load(os.path.join(out, "reference.pt"), weights_only=False)
     return out, reference
 

@@ -107,6 +107,30 @@ def test_megatron_llama_settings_map_to_our_fields(args):
     assert "num_query_groups" not in plain
 
 
+def test_our_llama_args_read_back_as_the_same_model():
+    """common.pt's args are what Megatron-LM's --use-checkpoint-args builds its model from:
+    a Llama-option model of ours reads back with every option it was trained with."""
+    from megatron.checkpointing.ranks import RankLayout
+    from megatron.config import parse_args
+
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "1", "--lr",
+            "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "126",
+            "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
+            "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type",
+            "rope", "--rotary-base", "500000", "--rotary-interleaved", "--use-rope-scaling",
+            "--rope-scaling-factor", "4", "--add-qkv-bias", "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights"]
+    cfg = parse_args(argv, world_size=1)
+    args = torch_dist.megatron_args(cfg, RankLayout(), 3, (6, 0))
+    fields = model_fields_from_args(vars(args))
+    names = ("normalization", "layernorm_epsilon", "swiglu", "group_query_attention",
+             "num_query_groups", "ffn_hidden_size", "position_embedding_type", "rotary_base",
+             "rotary_interleaved", "use_rope_scaling", "rope_scaling_factor", "add_qkv_bias",
+             "add_bias_linear", "untie_embeddings_and_output_weights")
+    assert {k: fields.get(k) for k in names} == {k: getattr(cfg.model, k) for k in names}
+
+
 class _TheirEnum(enum.Enum):  # stands for a megatron-core enum in Megatron-LM's args
     auto = 5
 
