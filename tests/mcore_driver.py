@@ -35,7 +35,8 @@ Llama-spec model instead (Megatron-LM's Llama flags: ``--normalization RMSNorm -
 with RMSNorm; norm epsilon 1e-6, RoPE base 500000 and norm weights other than one, so that
 each is seen), model only at tensor-parallel sizes 1 and 2 (``OUT/mcore_llama_tp{1,2}``),
 and loads ours into it at tensor-parallel size 2; its ``OUT/reference.pt`` has the same
-entries less ``adam_tp1``.
+entries less ``adam_tp1``. Step 4 then runs the Llama spec at tensor x pipeline 2 x 1
+(``OUT/mcore_llama_distopt_tp2``, the state in ``OUT/llama_distopt_reference.pt``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ if not hasattr(megatron.core, "dist_checkpointing"):
              "megatron-core==0.16.1)")
 
 from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
 from megatron.core.dist_checkpointing.optimizer import (  # noqa: E402
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
@@ -407,6 +412,9 @@ def _run(rank: int, world: int, port: int, out: str, ours: list[str], llama: boo
 # (tensor, pipeline) sizes on 4 ranks (data-parallel size 2), tied embeddings. Small buckets,
 # so that a rank holds several and parameters straddle the data-parallel shards.
 DISTOPT_LAYOUTS = {"mcore_distopt_tp2": (2, 1), "mcore_distopt_pp2": (1, 2)}
+# With --llama: the Llama spec at tensor-parallel size 2, whose buckets hold each rank's
+# SwiGLU [gate_r; up_r] rows (two boxes of the global fc1).
+LLAMA_DISTOPT_LAYOUTS = {"mcore_llama_distopt_tp2": (2, 1)}
 DISTOPT_ITERATION = 7
 BUCKET_SIZE = 3000
 
@@ -415,6 +423,18 @@ def _sharded_tensors(model: GPTModel) -> dict:
     """Each parameter's ShardedTensor (its checkpoint name and global place)."""
     return {sh.data: sh for sh in nested_values(model.sharded_state_dict())
             if isinstance(sh, ShardedTensor)}
+
+
+def _sharded_pieces(model: GPTModel) -> dict:
+    """Each parameter's ShardedTensors: one, or for SwiGLU's fc1 (a ShardedTensorFactory at
+    tensor-parallel size > 1) the gate rows and the up rows, in the local tensor's order."""
+    pieces = {}
+    for sh in nested_values(model.sharded_state_dict()):
+        if isinstance(sh, ShardedTensor):
+            pieces[sh.data] = [sh]
+        elif isinstance(sh, ShardedTensorFactory):
+            pieces[sh.data] = list(nested_values(sh.build()))
+    return pieces
 
 
 def _fill_gradients(model: GPTModel) -> None:
@@ -432,7 +452,7 @@ def distopt_state_by_checkpoint_name(optimizer, model: GPTModel) -> dict:
     Adam moments under the checkpoint's tensor names, assembled on rank 0 from every rank's
     shards (what a model-space reader must produce)."""
     pieces = []
-    for param, sh in _sharded_tensors(model).items():
+    for param, shs in _sharded_pieces(model).items():
         # The optimizer knows only the parameters of which this rank steps a part.
         owners = [o for o in optimizer.chained_optimizers if param in o.model_param_gbuf_map]
         if not owners:
@@ -441,24 +461,34 @@ def distopt_state_by_checkpoint_name(optimizer, model: GPTModel) -> dict:
         gbuf, dtype, bucket = inner.model_param_gbuf_map[param]
         rng = inner.gbuf_ranges[gbuf][dtype][bucket]["param_map"][param]["param"]
         state = inner._get_main_param_and_optimizer_states(param)
-        pieces.append((sh.key, tuple(sh.global_shape), tuple(sh.global_offset),
-                       (1,) * sh.prepend_axis_num + tuple(sh.local_shape), rng.start, rng.end,
+        boxes = [(sh.key, tuple(sh.global_shape), tuple(sh.global_offset),
+                  (1,) * sh.prepend_axis_num + tuple(sh.local_shape)) for sh in shs]
+        pieces.append((boxes, rng.start, rng.end,
                        {k: state[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq")}))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, pieces)
     out = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
-    for key, global_shape, offset, sizes, lo, hi, state in chain.from_iterable(gathered):
-        box = tuple(slice(o, o + n) for o, n in zip(offset, sizes))
+    for boxes, lo, hi, state in chain.from_iterable(gathered):
         for kind, value in state.items():
-            full = out[kind].setdefault(key, torch.zeros(global_shape))
-            local = full[box].reshape(-1).clone()
+            # The local tensor is the pieces' boxes one after another (flattened).
+            views = []
+            for key, global_shape, offset, sizes in boxes:
+                full = out[kind].setdefault(key, torch.zeros(global_shape))
+                views.append((full, tuple(slice(o, o + n) for o, n in zip(offset, sizes)),
+                              sizes))
+            local = torch.cat([full[box].reshape(-1) for full, box, _ in views])
             local[lo:hi] = value
-            full[box] = local.view(sizes)
+            start = 0
+            for full, box, sizes in views:
+                n = int(np.prod(sizes))
+                full[box] = local[start:start + n].view(sizes)
+                start += n
     return out
 
 
-def _distributed_optimizer_run(rank: int, world: int, port: int, out: str) -> None:
-    """Per DISTOPT_LAYOUTS: megatron-core's DDP and distributed optimizer (its Adam falls
+def _distributed_optimizer_run(rank: int, world: int, port: int, out: str,
+                               llama: bool = False) -> None:
+    """Per DISTOPT_LAYOUTS (LLAMA_DISTOPT_LAYOUTS): megatron-core's DDP and distributed optimizer (its Adam falls
     back to torch's AdamW without Transformer Engine or Apex), one step on set gradients,
     Megatron-LM's save; the state by checkpoint name into ``OUT/distopt_reference.pt``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -471,10 +501,11 @@ def _distributed_optimizer_run(rank: int, world: int, port: int, out: str) -> No
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
     reference = {}
-    for name, (tp, pp) in DISTOPT_LAYOUTS.items():
+    for name, (tp, pp) in (LLAMA_DISTOPT_LAYOUTS if llama else DISTOPT_LAYOUTS).items():
         ps.initialize_model_parallel(tp, pp)
         torch.manual_seed(300 + tp)
-        args = megatron_args(tp, tied=True, fused_gelu=True, iteration=DISTOPT_ITERATION)
+        args = (llama_args(tp, iteration=DISTOPT_ITERATION) if llama else
+                megatron_args(tp, tied=True, fused_gelu=True, iteration=DISTOPT_ITERATION))
         args.pipeline_model_parallel_size, args.use_distributed_optimizer = pp, True
         model = build_model(args, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
@@ -489,7 +520,8 @@ def _distributed_optimizer_run(rank: int, world: int, port: int, out: str) -> No
         reference[name] = distopt_state_by_checkpoint_name(optimizer, model)
         ps.destroy_model_parallel()
     if rank == 0:
-        torch.save(reference, os.path.join(out, "distopt_reference.pt"))
+        torch.save(reference, os.path.join(out, "llama_distopt_reference.pt" if llama
+                                           else "distopt_reference.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -504,9 +536,8 @@ def main() -> None:
     llama = sys.argv[1:2] == ["--llama"]
     out, ours = sys.argv[1 + llama], sys.argv[2 + llama:]
     torch.multiprocessing.spawn(_run, args=(2, _free_port(), out, ours, llama), nprocs=2)
-    if not llama:
-        torch.multiprocessing.spawn(_distributed_optimizer_run, args=(4, _free_port(), out),
-                                    nprocs=4)
+    torch.multiprocessing.spawn(_distributed_optimizer_run, args=(4, _free_port(), out, llama),
+                                nprocs=4)
 
 
 if __name__ == "__main__":

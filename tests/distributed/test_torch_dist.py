@@ -161,9 +161,13 @@ def _adam_differences(cfg, chunks, optimizer, adam: dict) -> float:
     worst = 0.0
     for (name, lo, hi), main in zip(slots, optimizer.get_main_params()):
         param, place = places[name]
-        offset, sizes = place.box((0,) * param.dim(), tuple(param.shape))
         for kind in adam:
-            full = adam[kind][place.key][tuple(slice(o, o + s) for o, s in zip(offset, sizes))]
+            # The local tensor's boxes of the global one (two for SwiGLU's [gate_r; up_r]).
+            full = torch.cat([
+                adam[kind][place.key][tuple(slice(o, o + s) for o, s in zip(offset, sizes))]
+                .reshape(local_sizes)
+                for offset, sizes, _, local_sizes in place.boxes((0,) * param.dim(),
+                                                                 tuple(param.shape))])
             want = full.reshape(-1)[lo:hi] if lo is not None else full.reshape(param.shape)
             got = main if kind == "param" else optimizer.optimizer.state[main][kind]
             worst = max(worst, (got - want).abs().max().item())

@@ -62,13 +62,12 @@ def _train_and_save(rank, world_size, save):
                  pretrain_gpt.forward_step, argv=argv)
 
 
-def _logits_after_load(world, load: str, tp: int, pp: int, tokens) -> torch.Tensor | None:
-    """``--use-checkpoint-args --load`` at (tp, pp) (weights only: megatron-core saved no
-    optimizer), then the logits ``[b, s, V]`` of ``tokens`` on the rank that has them."""
+def _load(world, load: str, tp: int, pp: int, **flags):
+    """``--use-checkpoint-args --load`` at (tp, pp) with ``flags``: (config, chunks,
+    optimizer)."""
     argv = flags_to_argv({**RUN, "--use-checkpoint-args": True, "--load": load,
-                          "--no-load-optim": True, "--no-load-rng": True,
                           "--tensor-model-parallel-size": tp,
-                          "--pipeline-model-parallel-size": pp})
+                          "--pipeline-model-parallel-size": pp, **flags})
     cfg = parse_args(argv, world_size=world, checkpoint_settings=checkpoint_model_settings)
     cfg = cfg.with_vocab_size(build_run_tokenizer(cfg).vocab_size)
     device = initialize_megatron(cfg)
@@ -76,6 +75,30 @@ def _logits_after_load(world, load: str, tp: int, pp: int, tokens) -> torch.Tens
         pretrain_gpt.model_provider, RunContext(cfg, device=device))
     with captured_stdout():
         load_checkpoint(chunks, optimizer, scheduler, cfg)
+    return cfg, chunks, optimizer
+
+
+def _adam_difference_after_load(rank, world, load: str, reference: dict) -> dict:
+    """Megatron-LM's default distributed-optimizer state of the Llama spec (saved at tp 2)
+    read into our plain optimizer at tp 2 and our distributed one at tp 1 x dp 2: the
+    largest difference from megatron-core's main weights and Adam moments, per layout."""
+    from tests.distributed.test_torch_dist import _adam_differences
+
+    out = {}
+    for layout, tp, flags in (("tp2", 2, {}),
+                              ("tp1dp2-distopt", 1, {"--use-distributed-optimizer": True})):
+        cfg, chunks, optimizer = _load(world, load, tp, 1, **flags,
+                                       **{"--use-checkpoint-opt_param-scheduler": True})
+        out[layout] = _adam_differences(cfg, chunks, optimizer, reference)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def _logits_after_load(world, load: str, tp: int, pp: int, tokens) -> torch.Tensor | None:
+    """``--use-checkpoint-args --load`` at (tp, pp) (weights only: megatron-core saved no
+    optimizer), then the logits ``[b, s, V]`` of ``tokens`` on the rank that has them."""
+    _, chunks, _ = _load(world, load, tp, pp, **{"--no-load-optim": True,
+                                                 "--no-load-rng": True})
     model = unwrap_model(chunks[0]).eval()
     assert (model.config.normalization, model.config.swiglu, model.config.query_groups,
             model.config.layernorm_epsilon, model.config.rotary_base) == \
@@ -162,3 +185,44 @@ def test_converter_reads_megatron_core_llama_into_hugging_face_llama(checkpoints
         print(f"HF Llama <- megatron-core tp {tp}: max |difference|",
               (got - want).abs().max().item())
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_megatron_lms_default_distributed_optimizer_state_of_a_llama_reads_exactly(
+        checkpoints):
+    """Its dp_reshardable buckets at tensor-parallel size 2, where each rank's fc1 state is
+    its [gate_r; up_r] rows (two boxes of the global tensor), read by the converter into
+    megatron-core's main weights and Adam moments exactly."""
+    from megatron.checkpointing.formats.torch_dist.mcore_layout import full_places
+    from megatron.conversion import load_full_checkpoint
+
+    out = os.path.dirname(checkpoints[0]["mcore_tp1"])
+    reference = torch.load(os.path.join(out, "llama_distopt_reference.pt"),
+                           weights_only=False)["mcore_llama_distopt_tp2"]
+    loaded = load_full_checkpoint(os.path.join(out, "mcore_llama_distopt_tp2"))
+    assert loaded.optimizer["step"] == 1.0 and loaded.config["model"]["swiglu"]
+    places = full_places({n: t.shape for n, t in loaded.model.items()},
+                         loaded.config["model"]["num_layers"])
+    fc1 = [n for n in loaded.optimizer["param_state"] if "dense_h_to_4h.weight" in n]
+    assert fc1, sorted(loaded.optimizer["param_state"])
+    for name, state in loaded.optimizer["param_state"].items():
+        place = places[name]
+        assert set(state) == {"param", "exp_avg", "exp_avg_sq"}
+        for kind, tensor in state.items():
+            offset, sizes = place.box((0,) * tensor.dim(), tuple(tensor.shape))
+            box = tuple(slice(o, o + n) for o, n in zip(offset, sizes))
+            want = reference[kind][place.key][box].reshape(tensor.shape)
+            assert torch.equal(tensor, want), (name, kind)
+
+
+def test_the_same_state_loads_into_our_optimizers_at_other_layouts(checkpoints):
+    out = os.path.dirname(checkpoints[0]["mcore_tp1"])
+    reference = torch.load(os.path.join(out, "llama_distopt_reference.pt"),
+                           weights_only=False)["mcore_llama_distopt_tp2"]
+    per_rank = run_distributed(_adam_difference_after_load, 2,
+                               os.path.join(out, "mcore_llama_distopt_tp2"), reference,
+                               timeout=600)
+    for layout in ("tp2", "tp1dp2-distopt"):
+        worst = max(r[layout] for r in per_rank)
+        print(f"{layout} <- megatron-core's Llama distributed optimizer: max |difference|",
+              worst)
+        assert worst == 0.0

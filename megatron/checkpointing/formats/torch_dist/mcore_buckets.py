@@ -26,6 +26,7 @@ row-parallel biases) and the last stage's copy of tied embeddings are read from 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any, NamedTuple, Optional
@@ -35,7 +36,14 @@ import torch
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.torch_dist import dcp
 from megatron.checkpointing.formats.torch_dist.mcore_layout import Place, place, whole_model_shapes
-from megatron.model.names import OUTPUT_LAYER, TIED_COPY, WORD_EMBEDDINGS, layer_key, tp_split_dim
+from megatron.model.names import (
+    OUTPUT_LAYER,
+    TIED_COPY,
+    WORD_EMBEDDINGS,
+    layer_key,
+    tp_parts,
+    tp_split_dim,
+)
 from megatron.model.placement import pipeline_chunks
 
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.*)"
@@ -263,10 +271,6 @@ def bucket_layout(metadata: Any, common: dict, model_config: Any,
     if not stored:
         return None
     run = _run_settings(common, where)
-    if getattr(model_config, "swiglu", False) and run.tp > 1:
-        raise BucketLayoutError(where, "its run used --swiglu at tensor-parallel size "
-                                f"{run.tp}, whose buckets (each rank's gate and up rows) are "
-                                "not laid out here")
     if sorted(stored) != list(range(run.tp * run.pp)):
         raise BucketLayoutError(where, f"its buckets belong to model-parallel ranks "
                                 f"{sorted(stored)}, not the {run.tp * run.pp} of tensor x "
@@ -285,13 +289,31 @@ def bucket_layout(metadata: Any, common: dict, model_config: Any,
                  for n, layer in order]
         starts = _lay_out([(n, math.prod(s)) for n, s, _ in local], buckets, domain, where)
         entries = [Entry(bucket, start, shape,
-                         place(n, shape, layer, model_config.num_layers, tp_rank, run.tp))
+                         place(n, shape, layer, model_config.num_layers, tp_rank, run.tp,
+                               tp_parts(n, model_config)))
                    for (n, shape, layer), (bucket, start) in zip(local, starts)]
         _check_chunks(metadata, entries, kinds[0], where)
-        for e in entries:
+        for e in (part for entry in entries for part in _by_part(entry)):
             if e.place.writer:
                 owned.setdefault(_index(e.place), []).append(e)
     return BucketLayout(owned, kinds, sizes)
+
+
+def _by_part(entry: Entry) -> list[Entry]:
+    """``entry`` as one entry per part of its place: a rank's SwiGLU ``[gate_r; up_r]`` rows
+    are two boxes of the global tensor, each stored contiguously in the bucket."""
+    parts = entry.place.parts
+    if parts is None:
+        return [entry]
+    half, rest = parts[0], entry.shape[1:]
+    first, _ = entry.place.box((0,) * len(entry.shape), entry.shape)
+    second, _ = entry.place.box((half,) + (0,) * len(rest), entry.shape)
+
+    def at(offset: tuple) -> Place:
+        return dataclasses.replace(entry.place, offset=offset, parts=None)
+    return [Entry(entry.bucket, entry.start, (half, *rest), at(first)),
+            Entry(entry.bucket, entry.start + half * math.prod(rest),
+                  (entry.shape[0] - half, *rest), at(second))]
 
 
 def _index(where: Place) -> tuple[str, Optional[int]]:
