@@ -16,9 +16,9 @@
 #   128K, 8 GPUs: tensor 4 x context 2 with full recompute (selective: 91 GB, does not fit),
 #                 global batch 8 (1M tokens), 37.0 GB;
 #   128K, 64 GPUs: tensor 4 x context 8 x data 2, global batch 32 (4M tokens), 29.8 GB.
-# CPU_SMOKE=1 runs the same flags at toy size on 4 CPU processes: pipeline 2 x context 2.
-# The environment variables are otherwise train_llama2_7b_distributed.sh's. (REHEARSE=1 is
-# refused for now: the rehearsal does not model context parallelism yet.)
+# CPU_SMOKE=1 runs the same flags at toy size on 4 CPU processes: pipeline 2 x context 2;
+# REHEARSE=1 rehearses the launch over a fake process group (the ring's sends matched). The
+# environment variables are otherwise train_llama2_7b_distributed.sh's.
 set -euo pipefail
 CONTEXT=${CONTEXT:-32768}
 NUM_LAYERS=32; HIDDEN=4096; HEADS=32; QUERY_GROUPS=8; FFN=14336; SEQ=$CONTEXT

@@ -35,6 +35,11 @@ FLAGS = [
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
            "--sequence-parallel"]
 PP2_DP2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+# Context parallelism: the ring's sends (with pipeline 2) and the all-to-alls (with tensor 2).
+CP2_PP2 = ["--context-parallel-size", "2", "--attention-dropout", "0",
+           "--pipeline-model-parallel-size", "2"]
+CP2_A2A_TP2 = ["--context-parallel-size", "2", "--cp-comm-type", "a2a",
+               "--tensor-model-parallel-size", "2"]
 
 
 def _start():
@@ -75,22 +80,25 @@ def _record_over_gloo(rank: int, world: int, layouts: list[list[str]]):
 
 @pytest.mark.slow
 def test_the_fake_backend_records_what_a_gloo_run_of_the_same_command_issues():
-    layouts = [TP2_PP2, PP2_DP2]
+    layouts = [TP2_PP2, PP2_DP2, CP2_PP2, CP2_A2A_TP2]
     # Forked: this process has imported everything the ranks need, and holds no process group.
     real = run_distributed(_record_over_gloo, 4, layouts, start_method="fork")
     for i, layout in enumerate(layouts):
         cfg, rehearsed = _rehearsed(4, layout)
         p = cfg.parallel
         grid = RankGrid(p.tensor_model_parallel_size, cfg.data_parallel_size,
-                        p.pipeline_model_parallel_size)
+                        p.pipeline_model_parallel_size, p.context_degree)
         fake = {r.rank: r.ops for r in run_planned_ranks(
             rehearsed, _tokenizer(cfg), _start(), plan_ranks(grid, "all"))}
         for rank in range(4):
             assert len(fake[rank]) > 25
             assert fake[rank] == real[rank][i], (layout, rank)
         kinds = {o.op for ops in fake.values() for o in ops if o.phase == "iteration"}
-        assert {"send", "recv", "all_reduce"} <= kinds
-        assert ("all_gather_into_tensor" in kinds) and ("reduce_scatter_tensor" in kinds)
+        assert {"send", "recv", "all_reduce"} <= kinds or layout is CP2_A2A_TP2
+        if layout is PP2_DP2:
+            assert ("all_gather_into_tensor" in kinds) and ("reduce_scatter_tensor" in kinds)
+        if layout is CP2_A2A_TP2:
+            assert "all_to_all_single" in kinds
 
 
 def _rehearse_with(world: int, layout: list[str], around_rank, capsys) -> tuple[int, str]:
@@ -198,8 +206,6 @@ def _no_process_group_left():
     (["--pipeline-model-parallel-size", "2", "--deepspeed"], 4, {},
      "error: --rehearse runs the built-in engine; DeepSpeed's engine"),
     (TP2_PP2, 4, {"RANK": "0"}, "error: --rehearse runs every rank in this one process"),
-    (["--context-parallel-size", "2", "--attention-dropout", "0"], 4, {},
-     "error: --rehearse does not model --context-parallel-size (2) yet"),
 ])
 def test_what_the_rehearsal_cannot_run_is_one_line_and_status_2(extra, world, env, expected,
                                                                  monkeypatch, capsys):
@@ -235,3 +241,13 @@ def test_a_rank_whose_own_code_fails_is_named(capsys):
     err = capsys.readouterr().err
     assert ("error: rank 3 (stage 1, tensor 1, data 0) failed in its iteration: "
             "ZeroDivisionError: division by zero (at ") in err
+
+
+def test_context_parallel_launches_rehearse_in_classes_mode(capsys):
+    """Context 2 x data 2 x pipeline 2 (8 ranks): the ring's sends and receives match, and
+    the classes mode's claim holds for the context ranks (the last rank of a stage, context 1
+    and data 1, issues the first rank's operations moved)."""
+    layout = [*CP2_PP2, "--use-distributed-optimizer"]
+    status, text = _rehearse_with(8, layout, None, capsys)
+    assert status == 0, text
+    assert "tensor 1 x pipeline 2 x context 2 (p2p) x data 2 = 8 ranks" in text

@@ -66,12 +66,16 @@ LAYOUTS = {
     "dp2-distopt": (2, {"--use-distributed-optimizer": True}),
     "tp2-seqpar": (2, {"--tensor-model-parallel-size": 2, "--sequence-parallel": True}),
     "dp2-overlap-accum": (2, {"--overlap-grad-reduce": True, "--micro-batch-size": 1}),
+    # Recomputation replays RMSNorm, SwiGLU and grouped attention (one process).
+    "full-recompute": (1, {"--recompute-granularity": "full", "--recompute-method": "uniform"}),
+    "selective-recompute": (1, {"--recompute-granularity": "selective"}),
 }
 # The Llama family runs the layouts that cut its parameters differently: heads and query
 # groups and SwiGLU's [gate; up] over tensor ranks, RMSNorm under sequence parallelism, the
 # distributed optimizer's shards of them.
-CASES = [("gpt", name) for name in LAYOUTS] + [
-    ("llama", name) for name in ("tp2", "tp2-seqpar", "dp2-distopt")]
+CASES = [("gpt", name) for name in LAYOUTS if "recompute" not in name] + [
+    ("llama", name) for name in ("tp2", "tp2-seqpar", "dp2-distopt", "full-recompute",
+                                 "selective-recompute")]
 
 
 @pytest.mark.parametrize("family,layout", CASES, ids=[f"{f}-{n}" if f != "gpt" else n

@@ -95,8 +95,8 @@ def test_the_long_context_recipe_splits_each_sequence_at_toy_size(llama3_data, t
     assert bad.returncode == 2 and "error: CONTEXT='4096'" in bad.stderr
 
 
-def _rehearse(script: str, tmp_path, model: str, **env) -> str:
-    done = _script(script, tmp_path, model, *SHRINK, REHEARSE="1", **env)
+def _rehearse(script: str, tmp_path, model: str, *shrink: str, **env) -> str:
+    done = _script(script, tmp_path, model, *(shrink or SHRINK), REHEARSE="1", **env)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "rehearsal passed:" in out
@@ -111,6 +111,9 @@ def _rehearse(script: str, tmp_path, model: str, **env) -> str:
     (LLAMA2, "1", "tensor 1 x pipeline 1 x data 8 = 8 ranks, distributed optimizer", "6.48 G"),
     (LLAMA3, "8", "tensor 2 x pipeline 1 x data 32 = 64 ranks, sequence parallel, "
                   "distributed optimizer", "3.49 G"),
+    # 128K tokens over context 8 x tensor 4 (shrunk to 64 tokens: 2 x 8 chunks of 4).
+    (LONG, "8", "tensor 4 x pipeline 1 x context 8 (p2p) x data 2 = 64 ranks, sequence "
+                "parallel, distributed optimizer", "1.75 G"),
 ])
 def test_the_recipes_rehearse_at_their_layouts(llama3_data, tmp_path, script, nodes, layout,
                                                parameters):
@@ -119,7 +122,10 @@ def test_the_recipes_rehearse_at_their_layouts(llama3_data, tmp_path, script, no
         pytest.importorskip("sentencepiece")
         (tmp_path / "sp").mkdir()
         model = make_sp_model(tmp_path / "sp")
-    out = _rehearse(script, tmp_path, model, NUM_NODES=nodes)
+    long = script == LONG
+    out = _rehearse(script, tmp_path, model,
+                    *(("--rehearse-hidden-size", "64", "--rehearse-seq-length", "64") if long
+                      else ()), NUM_NODES=nodes, **({"CONTEXT": "131072"} if long else {}))
     assert layout in out
     assert "32 layers, 32 heads, hidden 64 (run: 4096)" in out
     line = next(line for line in out.splitlines() if line.startswith("parameters "))

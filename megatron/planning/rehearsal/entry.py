@@ -86,7 +86,9 @@ def _header(cfg: RunConfig, rehearsed: RunConfig, plan: RankPlan) -> str:
     p, m, r = cfg.parallel, cfg.model, rehearsed.model
     grid = plan.grid
     vp = p.virtual_pipeline_model_parallel_size
-    layout = (f"tensor {grid.tp} x pipeline {grid.pp} x data {grid.dp} = {grid.world} ranks"
+    layout = (f"tensor {grid.tp} x pipeline {grid.pp}"
+              + (f" x context {grid.cp} ({p.context_attention})" if grid.cp > 1 else "")
+              + f" x data {grid.dp} = {grid.world} ranks"
               + (f", {vp} virtual stages" if vp else "")
               + (", sequence parallel" if p.sequence_parallel else "")
               + (", distributed optimizer" if cfg.optimizer.use_distributed_optimizer else ""))
@@ -113,7 +115,7 @@ def rehearse(cfg: RunConfig, start: StartRank, around_rank: Optional[AroundRank]
     _check_memory(rehearsed, small_plan)
     p = cfg.parallel
     grid = RankGrid(p.tensor_model_parallel_size, cfg.data_parallel_size,
-                    p.pipeline_model_parallel_size)
+                    p.pipeline_model_parallel_size, p.context_degree)
     mode = cfg.training.rehearse_ranks if p.dp_mode == "allreduce" else "all"
     plan = plan_ranks(grid, mode)
     print(_header(real, rehearsed, plan), flush=True)

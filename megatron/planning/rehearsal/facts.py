@@ -78,7 +78,9 @@ def volume_kind(op: CommOp, kinds: frozenset[str]) -> Optional[str]:
             return "tp reduce-scatter"
     if "pipeline" in kinds and op.is_p2p:
         return "pp send" if op.op == "send" else "pp recv"
-    if "data" in kinds and not small:
+    # Gradients and optimizer shards go over data x context ranks under context parallelism;
+    # the ring's sends and the all-to-alls of context-parallel attention count as "other".
+    if ("data" in kinds or "data_context" in kinds) and not small:
         if op.op == "all_reduce" or op.op.startswith("reduce_scatter"):
             return "dp reduce"
         if op.op.startswith("all_gather"):
@@ -287,7 +289,7 @@ def format_facts(facts: LaunchFacts) -> str:
 
 def _totals(facts: LaunchFacts) -> list[str]:
     grid = facts.grid
-    per_stage_ranks = grid.tp * grid.dp
+    per_stage_ranks = grid.tp * grid.replicas
     memory = sum(f.peak for f in facts.per_stage) * per_stage_ranks
     volume = {k: sum(f.volume[k] for f in facts.per_stage) * per_stage_ranks
               for k in VOLUME_KINDS}

@@ -1,12 +1,13 @@
-"""The ranks of a launch, in Megatron's order (tensor fastest, then data, then pipeline), and
-which of them the rehearsal runs.
+"""The ranks of a launch, in Megatron's order (tensor fastest, then context, then data, then
+pipeline), and which of them the rehearsal runs.
 
-Ranks of one pipeline stage are alike: their tensor and data-parallel indices choose which
-group each operation goes to and which values it carries, not which code runs. So a rank
-``(stage, data d, tensor t)`` issues the operations of ``(stage, 0, 0)`` with every rank they
-name moved by the same offsets (``RankGrid.mover``: data index + d, tensor index + t, modulo
-the sizes; a translation of the grid that maps each tensor, data, pipeline, model and
-embedding group onto another group of the same kind). In ``classes`` mode the rehearsal runs
+Ranks of one pipeline stage are alike: their tensor, context and data-parallel indices choose
+which group each operation goes to and which values it carries, not which code runs. So a
+rank ``(stage, replica r, tensor t)`` (``r = data index x context size + context index``)
+issues the operations of ``(stage, 0, 0)`` with every rank they name moved by the same offsets
+(``RankGrid.mover``: data index + d, context index + c, tensor index + t, modulo the sizes; a
+translation of the grid that maps each tensor, context, data, pipeline, model and embedding
+group onto another group of the same kind). In ``classes`` mode the rehearsal runs
 the first rank of each stage and, to check that claim, the last rank (data d-1, tensor t-1)
 of the first stage, of the last stage and of one middle stage (the middle stages run the same
 code, a longer or shorter warm-up apart): the checker compares its operations with the first
@@ -26,37 +27,46 @@ class RankGrid:
     tp: int
     dp: int
     pp: int
+    cp: int = 1  # context-parallel ranks of each replica
+
+    @property
+    def replicas(self) -> int:
+        """Ranks of a stage per tensor index: data x context."""
+        return self.dp * self.cp
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.replicas * self.pp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pipeline stage, data-parallel index, tensor-parallel index)."""
-        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+        """(pipeline stage, replica index = data index x cp + context index, tensor index)."""
+        per_stage = self.replicas * self.tp
+        return rank // per_stage, (rank // self.tp) % self.replicas, rank % self.tp
 
-    def rank(self, stage: int, d: int, t: int) -> int:
-        return stage * self.dp * self.tp + d * self.tp + t
+    def rank(self, stage: int, r: int, t: int) -> int:
+        return stage * self.replicas * self.tp + r * self.tp + t
 
     def describe(self, rank: int) -> str:
-        stage, d, t = self.coords(rank)
-        return f"rank {rank} (stage {stage}, tensor {t}, data {d})"
+        stage, r, t = self.coords(rank)
+        context = f", context {r % self.cp}" if self.cp > 1 else ""
+        return f"rank {rank} (stage {stage}, tensor {t}{context}, data {r // self.cp})"
 
     def mover(self, source: int, target: int) -> Callable[[int], int]:
         """The grid translation that sends ``source`` to ``target`` (same stage)."""
-        s_stage, s_d, s_t = self.coords(source)
-        t_stage, t_d, t_t = self.coords(target)
+        s_stage, s_r, s_t = self.coords(source)
+        t_stage, t_r, t_t = self.coords(target)
         if s_stage != t_stage:
             raise ValueError(f"ranks {source} and {target} hold different pipeline stages")
-        dd, dt = t_d - s_d, t_t - s_t
+        dd, dc, dt = t_r // self.cp - s_r // self.cp, t_r % self.cp - s_r % self.cp, t_t - s_t
 
         def move(rank: int) -> int:
-            stage, d, t = self.coords(rank)
-            return self.rank(stage, (d + dd) % self.dp, (t + dt) % self.tp)
+            stage, r, t = self.coords(rank)
+            d, c = (r // self.cp + dd) % self.dp, (r % self.cp + dc) % self.cp
+            return self.rank(stage, d * self.cp + c, (t + dt) % self.tp)
         return move
 
     def groups(self) -> RankGroups:
-        return build_rank_groups(self.world, self.tp, self.pp)
+        return build_rank_groups(self.world, self.tp, self.pp, self.cp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,28 +91,30 @@ def plan_ranks(grid: RankGrid, mode: str) -> RankPlan:
     source = list(range(grid.world))
     checked_stages = {0, min(1, grid.pp - 1), grid.pp - 1}
     for stage in reversed(range(grid.pp)):
-        first, last = grid.rank(stage, 0, 0), grid.rank(stage, grid.dp - 1, grid.tp - 1)
+        first, last = grid.rank(stage, 0, 0), grid.rank(stage, grid.replicas - 1, grid.tp - 1)
         if mode == "all":
-            run.extend(grid.rank(stage, d, t) for d in range(grid.dp) for t in range(grid.tp))
+            run.extend(grid.rank(stage, r, t) for r in range(grid.replicas)
+                       for t in range(grid.tp))
             continue
         run.append(first)
         checked = last != first and stage in checked_stages
         if checked:
             run.append(last)
             checks.append((first, last))
-        for d in range(grid.dp):
+        for replica in range(grid.replicas):
             for t in range(grid.tp):
-                r = grid.rank(stage, d, t)
+                r = grid.rank(stage, replica, t)
                 source[r] = last if checked and r == last else first
     return RankPlan(grid, tuple(run), tuple(source), tuple(checks))
 
 
-GROUP_KINDS = ("tensor", "data", "pipeline", "embedding", "model")
+GROUP_KINDS = ("tensor", "context", "data", "data_context", "pipeline", "embedding", "model")
 
 
 def group_kinds(grid: RankGrid, groups: RankGroups, ranks: tuple[int, ...]) -> frozenset[str]:
     """Every kind of group ``ranks`` is (with two stages the embedding group is also the
-    pipeline group): tensor, data, pipeline, embedding, model, world."""
+    pipeline group): tensor, context, data, data x context, pipeline, embedding, model,
+    world."""
     members = list(ranks)
     kinds = {kind for kind in GROUP_KINDS if members in getattr(groups, kind)}
     if len(members) == grid.world and grid.world > 1:

@@ -475,7 +475,24 @@ def _new_group(orig: Callable, rec: Recorder) -> Callable:
 
 
 # name -> (wrapper factory)
+def _all_to_all_single(orig: Callable, rec: Recorder) -> Callable:
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        args = (output, input, output_split_sizes, input_split_sizes, group, async_op)
+        if not rec.outermost():
+            return orig(*args)
+        record = rec.add("all_to_all_single", group, input)
+        with rec.nested():
+            work = orig(*args)
+        if rec.fake:  # every rank's pieces as this rank's own (equal splits)
+            with torch.no_grad():
+                output.view(-1).copy_(input.reshape(-1)[:output.numel()])
+        return rec.track(work, record, async_op)
+    return all_to_all_single
+
+
 _WRAPPERS = {
+    "all_to_all_single": _all_to_all_single,
     "all_reduce": _all_reduce,
     "all_gather": _all_gather_list,
     "all_gather_into_tensor": _all_gather_flat("all_gather_into_tensor"),

@@ -84,10 +84,4 @@ def check_rehearsable(cfg: RunConfig) -> None:
     if cfg.deepspeed.deepspeed:
         raise ConfigError("--rehearse runs the built-in engine; DeepSpeed's engine (--deepspeed) "
                           "is not rehearsed: drop --deepspeed to rehearse the same layout")
-    p = cfg.parallel
-    if p.context_degree > 1:
-        # The rank grid (ranks.py) has no context axis and the recorder does not wrap the
-        # all-to-all the context-parallel attention uses.
-        raise ConfigError(f"--rehearse does not model {p.context_flag} ({p.context_degree}) "
-                          "yet: rehearse the same launch without it (the other groups and the "
-                          "pipeline are the same), and check the split with a short real run")
+
