@@ -69,11 +69,12 @@ class ParallelConfig(Slice):
         "other ranks' tokens: p2p (ring attention: keys and values travel round the ring, "
         "partial results merged by their log-sum-exp), a2a (all-to-all from sequence shards "
         "to head shards and back, Ulysses-style) or allgather (every rank gathers all keys and "
-        "values).")
+        "values).", feeds=("context_attention",))
     ds_sequence_parallel_size: int = option(
         default=1, help="DeepSpeed-Ulysses (Megatron-DeepSpeed's flag): ranks that split each "
         "sequence into contiguous shards, exchanged for head shards by all-to-all around "
-        "attention. Combines with tensor, pipeline and data parallelism here.")
+        "attention. Combines with tensor, pipeline and data parallelism here.",
+        feeds=("context_degree", "context_attention"))
     dp_mode: str = option(
         default="allreduce", choices=DP_MODES, help="How data-parallel replicas agree: "
         "allreduce (average the gradients every step) or decentralized (each replica steps on "

@@ -132,3 +132,15 @@ def test_resume_is_bit_for_bit_and_loads_without_context_parallelism(corpus, ref
     for got, want in zip(alone, straight[5:]):
         for value, ref in zip(got, want):
             assert math.isclose(value, ref, rel_tol=1e-5), (got, want)
+
+
+def test_bf16_ring_stays_close_to_one_bf16_process(corpus, tmp_path):
+    """bf16 (tiny: half precision is slow on a CPU): the ring merges its blocks in fp32, so
+    the split run's losses stay within bf16's reach of the unsplit one's."""
+    flags = {"--bf16": True, "--train-iters": 3}
+    cache = str(tmp_path / "cache")
+    expected = train(1, base_argv(corpus, cache, **flags))
+    got = train(2, base_argv(corpus, cache, **flags, **_cp(2)), 2)
+    assert len(got) == len(expected) == 3
+    for (loss, *_), (ref, *_) in zip(got, expected):
+        assert math.isfinite(loss) and math.isclose(loss, ref, rel_tol=1e-2), (loss, ref)

@@ -58,6 +58,9 @@ NEW_FLAGS = {
     "--partition-activations", "--contigious-checkpointing", "--checkpoint-in-cpu",
     "--synchronize-each-layer",
     "--compile",  # torch.compile of the transformer layers (issue 10)
+    # Long sequences (issue 33): Megatron-LM's context parallelism, Megatron-DeepSpeed's
+    # Ulysses (refused as missing features before).
+    "--context-parallel-size", "--cp-comm-type", "--ds-sequence-parallel-size",
     "--async-save",  # Megatron-LM's background checkpoint writes (issue 23)
     "--universal-checkpoint",  # Megatron-DeepSpeed's, DeepSpeed's universal checkpoints (issue 30)
     # The rehearsal over a fake process group (issue 25).
