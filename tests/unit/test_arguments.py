@@ -245,7 +245,8 @@ def test_run_management_and_compatibility_flags():
     d = parse()
     assert (d.training.manual_gc, d.training.manual_gc_eval, d.training.empty_unused_memory_level,
             d.logging.log_loss_scale_to_tensorboard) == (False, True, 0, True)
-    assert_names(error_of([*BASE, "--num-experts", "8"]), "--num-experts 8", "not supported")
+    assert_names(error_of([*BASE, "--num-experts", "8", "--moe-router-topk", "9"]),
+                 "--moe-router-topk (9)", "--num-experts (8)")
     assert parse("--ckpt-format", "torch_dist").checkpoint.ckpt_format == "torch_dist"
     assert_names(error_of([*BASE, "--ckpt-format", "zarr"]), "--ckpt-format")
     assert_names(error_of([*BASE, "--empty-unused-memory-level", "3"]),
@@ -433,8 +434,10 @@ def test_llama_flags_in_both_peers_spellings():
     ("--squared-relu", "--squared-relu: not supported yet (squared-ReLU feed-forward "
      "layers)"),
     ("--qk-layernorm", "--qk-layernorm: not supported yet (layer norms on queries and keys)"),
-    ("--moe-router-topk 2", "--moe-router-topk: not supported yet (mixture-of-experts layers"),
-    ("--expert-interval 2", "--expert-interval: not supported yet (mixture-of-experts"),
+    ("--moe-loss-coeff 0.1", "--moe-loss-coeff: not supported yet (this mixture-of-experts "
+     "option"),
+    ("--disable-moe-token-dropping", "--disable-moe-token-dropping: not supported yet "
+     "(Megatron-DeepSpeed's token dropping"),
     ("--fp8-format hybrid", "--fp8-format: not supported yet (FP8 training"),
 ])
 def test_flags_of_features_we_lack_say_so_instead_of_guessing(flags, said):
