@@ -176,8 +176,7 @@ class Router(nn.Module):
         cfg = self.config
         logits = F.linear(tokens.float(), self.weight.float())  # [T, E]
         training = self.training and torch.is_grad_enabled()
-        if self.training:
-            self.reported = {}
+        self.reported = {}  # this pass's only: evaluation reports none
         if cfg.moe_z_loss_coeff is not None and self.training:
             loss = z_loss(logits, cfg.moe_z_loss_coeff)
             self.reported[Z_LOSS] = loss.detach() / max(cfg.moe_z_loss_coeff, 1e-30)
