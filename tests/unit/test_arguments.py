@@ -693,3 +693,51 @@ def test_context_parallel_sizes_resolve_and_refusals_name_the_flags():
     assert_names(error_of([*BASE, "--ds-sequence-parallel-size", "2", "--deepspeed"],
                           world_size=2),
                  "--deepspeed without --no-pipeline-parallel")
+
+
+def test_mixture_of_experts_flags():
+    m = parse(*"--num-experts 4 --moe-router-topk 1 --moe-aux-loss-coeff 0.01 "
+              "--moe-z-loss-coeff 0.001 --moe-expert-capacity-factor 1.5 "
+              "--moe-token-drop-policy position --moe-pad-expert-input-to-capacity "
+              "--moe-router-score-function sigmoid --moe-shared-expert-intermediate-size 32 "
+              "--moe-router-load-balancing-type seq_aux_loss".split()).model
+    assert (m.num_experts, m.moe_router_topk, m.moe_aux_loss_coeff, m.moe_z_loss_coeff,
+            m.moe_expert_capacity_factor, m.moe_token_drop_policy,
+            m.moe_pad_expert_input_to_capacity, m.moe_router_score_function,
+            m.moe_shared_expert_intermediate_size, m.moe_router_load_balancing_type) == (
+        4, 1, 0.01, 0.001, 1.5, "position", True, "sigmoid", 32, "seq_aux_loss")
+    assert m.moe_ffn_hidden_size == m.ffn_hidden_size == 64 and m.moe_layers == (True,) * 4
+    # Megatron-LM's layer rules: every Nth from the first, or a list; Megatron-DeepSpeed's
+    # --expert-interval N (layers N, 2N, ... counted from 1) and --topk.
+    assert parse("--num-experts", "2", "--moe-layer-freq", "2").model.moe_layers == (
+        True, False, True, False)
+    assert parse("--num-experts", "2", "--moe-layer-freq", "([1]*1+[0])*2").model.moe_layers \
+        == (True, False, True, False)
+    ds = parse(*"--num-experts 2 --expert-interval 2 --topk 1".split()).model
+    assert ds.moe_layers == (False, True, False, True) and ds.moe_router_topk == 1
+    dense = parse("--num-experts", "1", "--expert-interval", "2").model  # Megatron-DS dense
+    assert dense.num_experts is None and dense.moe_layers == (False,) * 4
+
+
+@pytest.mark.parametrize("flags, said", [
+    ("--num-experts 4 --moe-router-topk 5", ("--moe-router-topk (5)", "--num-experts (4)")),
+    ("--moe-aux-loss-coeff 0.1", ("--moe-aux-loss-coeff (0.1)", "needs --num-experts")),
+    ("--num-experts 4 --moe-layer-freq [1,0]", ("--moe-layer-freq", "2 layers",
+                                                 "--num-layers is 4")),
+    ("--num-experts 4 --moe-layer-freq 1+", ("--moe-layer-freq", "neither a number")),
+    ("--num-experts 4 --moe-pad-expert-input-to-capacity",
+     ("--moe-pad-expert-input-to-capacity", "needs --moe-expert-capacity-factor")),
+    ("--num-experts 4 --moe-expert-capacity-factor 0", ("--moe-expert-capacity-factor",)),
+    ("--num-experts 4 --moe-ffn-hidden-size 33 --tensor-model-parallel-size 2",
+     ("--moe-ffn-hidden-size (33)", "--tensor-model-parallel-size (2)")),
+    ("--moe-expert-parallel-size 2", ("--expert-model-parallel-size 2", "only 1",
+                                      "expert parallelism is planned")),
+    ("--num-experts 4 --pipeline-model-parallel-size 2",
+     ("--num-experts (4)", "--pipeline-model-parallel-size 2")),
+    ("--num-experts 4 --ckpt-format torch_dist", ("--num-experts (4)", "torch_dist")),
+    ("--num-experts 4 --deepspeed", ("--num-experts (4)", "--deepspeed")),
+    ("--num-experts 4 --context-parallel-size 2 --attention-dropout 0", ("--num-experts (4)",
+                                                   "--context-parallel-size 2")),
+])
+def test_mixture_of_experts_refusals_name_the_flags(flags, said):
+    assert_names(error_of([*BASE, *flags.split()], world_size=2), *said)
