@@ -228,6 +228,8 @@ class RunConfig:
                 (self.training.compile, "--compile is not wired into DeepSpeed's engine (its "
                  "ZeRO hooks and pipeline module are not traced); drop it or train without "
                  "--deepspeed"),
+                (self.training.dry_run or self.training.rehearse, "--dry-run / --rehearse: "
+                 "the planner's memory formulas count dense MLPs (planned)"),
                 (self.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist: "
                  "DeepSpeed's engine saves its own checkpoint layout"),
                 (self.checkpoint.async_save, "--async-save: DeepSpeed's engine writes its own "

@@ -158,3 +158,24 @@ def test_router_losses_reach_the_router_through_the_backward_scale():
     moe.set_loss_scale([layer], 0.5)
     layer(x).sum().mul(0).backward()
     assert once.abs().sum() > 0 and torch.allclose(layer.router.weight.grad, 0.5 * once)
+
+
+def test_flops_count_each_token_through_its_k_experts():
+    """With top-k = E every token goes through every expert: the FLOPs are then 2 x every
+    weight matrix (router included) per token, as for a dense model."""
+    from megatron.core import parallel_state
+    from megatron.model.gpt_model import GPTModel
+    from megatron.planning.flops import flops_per_token
+
+    m = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, num_experts=3,
+                    moe_router_topk=3, moe_layer_freq="[1,0]", ffn_hidden_size=32,
+                    moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=16, swiglu=True,
+                    vocab_size=100, seq_length=8)
+    parallel_state.destroy_model_parallel()
+    built = GPTModel(m, device="meta")
+    matrices = sum(p.numel() for name, p in built.named_parameters()
+                   if p.dim() == 2 and "embeddings" not in name)
+    forward = 2 * matrices + m.num_layers * 4 * m.seq_length * m.projection_size \
+        + 2 * m.hidden_size * m.padded_vocab_size
+    assert flops_per_token(m) == 3 * forward
+    assert flops_per_token(m.replace(moe_router_topk=1)) < flops_per_token(m)
