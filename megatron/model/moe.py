@@ -28,6 +28,7 @@ each layer for the forward step to report (``reported_losses``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -200,33 +201,32 @@ class Router(nn.Module):
         return probs, routing_map
 
 
-def build_expert_mlp(config: ModelConfig, init: InitRNG, width: int, *, device=None):
-    """One expert: the dense MLP's column/row-parallel pair, ``width`` wide, on whole
-    sequences (the MoE layer has gathered them under sequence parallelism)."""
-    from megatron.model.transformer import ParallelMLP  # the layer module imports this one
-    return ParallelMLP(config, init, device=device, ffn_hidden_size=width,
-                       sequence_parallel=False)
-
-
 class MoELayer(nn.Module):
     """Router, ``E`` experts (``local_experts``) and an optional shared expert, in place of
     a layer's MLP: ``[s, b, h] -> [s, b, h]`` (``[s/tp, b, h]`` under sequence
-    parallelism)."""
+    parallelism).
 
-    def __init__(self, config: ModelConfig, layer_number: int, *, device=None) -> None:
+    ``mlp``: the dense MLP class (``transformer.ParallelMLP``), built for each expert with its
+    width and ``sequence_parallel=False`` (the layer has gathered the sequence already).
+    """
+
+    def __init__(self, config: ModelConfig, layer_number: int, mlp: Callable[..., nn.Module],
+                 *, device=None) -> None:
         super().__init__()
         self.config = config
         self.router = Router(config, InitRNG(config, f"layer{layer_number}.router"),
                              device=device)
-        self.local_experts = nn.ModuleList(
-            build_expert_mlp(config, InitRNG(config, f"layer{layer_number}.expert{j}"),
-                             config.moe_ffn_hidden_size, device=device)
-            for j in range(config.num_experts))
+
+        def expert(key: str, width: int) -> nn.Module:
+            return mlp(config, InitRNG(config, f"layer{layer_number}.{key}"), device=device,
+                       ffn_hidden_size=width, sequence_parallel=False)
+
+        self.local_experts = nn.ModuleList(expert(f"expert{j}", config.moe_ffn_hidden_size)
+                                           for j in range(config.num_experts))
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
-            self.shared_experts = build_expert_mlp(
-                config, InitRNG(config, f"layer{layer_number}.shared_expert"),
-                config.moe_shared_expert_intermediate_size, device=device)
+            self.shared_experts = expert("shared_expert",
+                                         config.moe_shared_expert_intermediate_size)
         self.sequence_parallel = (config.sequence_parallel
                                   and config.tensor_model_parallel_size > 1)
 

@@ -232,7 +232,7 @@ class ParallelTransformerLayer(nn.Module):
                                                 layer_number=layer_number)
         self.post_attention_layernorm = build_layer_norm(config, device=device)
         if config.moe_layers[layer_number - 1]:
-            self.mlp = MoELayer(config, layer_number, device=device)
+            self.mlp = MoELayer(config, layer_number, ParallelMLP, device=device)
         else:
             self.mlp = ParallelMLP(config, init, device=device)
         self.hidden_dropout = config.hidden_dropout

@@ -9,7 +9,7 @@ import torch
 
 from megatron.config import ModelConfig
 from megatron.model import moe
-from megatron.model.transformer import ParallelTransformerLayer
+from megatron.model.transformer import ParallelMLP, ParallelTransformerLayer
 
 
 def test_softmax_routing_is_softmax_over_the_chosen_logits():
@@ -121,7 +121,7 @@ def _config(**extra):
 
 def test_layer_output_is_the_probability_weighted_sum_of_its_experts():
     cfg = _config(moe_shared_expert_intermediate_size=16)
-    layer = moe.MoELayer(cfg, layer_number=1)
+    layer = moe.MoELayer(cfg, 1, ParallelMLP)
     x = torch.randn(6, 2, 16)
     tokens = x.reshape(12, 16)
     probs, _ = layer.router(tokens, 6)
@@ -150,7 +150,7 @@ def test_layer_reports_its_losses_in_training_only():
 
 def test_router_losses_reach_the_router_through_the_backward_scale():
     cfg = _config(moe_aux_loss_coeff=0.5)
-    layer = moe.MoELayer(cfg, layer_number=1)
+    layer = moe.MoELayer(cfg, 1, ParallelMLP)
     x = torch.randn(4, 1, 16)
     layer(x).sum().mul(0).backward()  # only the attached loss has a gradient
     once = layer.router.weight.grad.clone()
