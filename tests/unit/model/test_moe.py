@@ -3,6 +3,10 @@ and z losses (megatron-core's definitions), capacity dropping under both policie
 backward scale of the attached losses, and the layer's dispatch against a dense reference."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,9 @@ import torch
 from megatron.config import ModelConfig
 from megatron.model import moe
 from megatron.model.transformer import ParallelMLP, ParallelTransformerLayer
+from tests.distributed.mcore_utils import NEEDS_MCORE
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_softmax_routing_is_softmax_over_the_chosen_logits():
@@ -179,3 +186,38 @@ def test_flops_count_each_token_through_its_k_experts():
         + 2 * m.hidden_size * m.padded_vocab_size
     assert flops_per_token(m) == 3 * forward
     assert flops_per_token(m.replace(moe_router_topk=1)) < flops_per_token(m)
+
+
+@NEEDS_MCORE
+def test_routing_losses_and_dropping_equal_megatron_cores(tmp_path):
+    """megatron-core 0.16.1's own moe_utils on the same logits (tests/mcore_moe_driver.py):
+    routing (softmax, pre-softmax, sigmoid; k = 1, 2), the load-balancing loss per
+    micro-batch and per sequence, the z-loss, and dropping by probability at three capacity
+    factors. Its "position" dropping takes a top-k over the 0/1 map, whose ties CPU top-k
+    breaks in no set order; ours keeps each expert's first tokens, its documented rule
+    ("tokens at the end of each batch will be dropped"), checked above by hand."""
+    torch.manual_seed(0)
+    logits, s, k = torch.randn(24, 4), 6, 2
+    torch.save({"logits": logits, "seq_length": s, "topk": k}, tmp_path / "in.pt")
+    env = {key: v for key, v in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-I", str(REPO / "tests" / "mcore_moe_driver.py"),
+                           str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = torch.load(tmp_path / "out.pt")
+    ours = {}
+    for fn in ("softmax", "sigmoid"):
+        for pre in (False, True) if fn == "softmax" else (False,):
+            for kk in (1, k):
+                ours[f"route/{fn}/{pre}/{kk}"] = moe.route(logits, kk, fn, pre)
+        ours[f"aux/{fn}"] = moe.load_balancing_loss(logits, k, 0.01, fn)
+        ours[f"seq_aux/{fn}"] = moe.sequence_load_balancing_loss(logits, s, k, 0.01, fn)
+    ours["z"] = moe.z_loss(logits, 1e-3)
+    probs, routing_map = moe.route(logits, k)
+    for factor in (0.5, 1.0, 1.5):
+        ours[f"drop/probs/{factor}"] = moe.drop_tokens(probs, routing_map, k, factor)
+    assert set(ours) <= set(theirs)
+    for key, value in ours.items():
+        pairs = zip(value, theirs[key]) if isinstance(value, tuple) else [(value, theirs[key])]
+        for a, b in pairs:
+            assert torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-7), key
