@@ -57,7 +57,11 @@ def reference(corpus, cache):
     (2, {"--tensor-model-parallel-size": 2}),
     (2, {"--use-distributed-optimizer": True}),
     (2, {"--tensor-model-parallel-size": 2, "--sequence-parallel": True}),
-], ids=["tp2", "dp2-distopt", "tp2-seqpar"])
+    # Buckets reduced while the backward runs (2 micro-batches a rank; the same micro-batch
+    # size, since the router losses are each micro-batch's).
+    (2, {"--overlap-grad-reduce": True}),
+    (1, {"--recompute-granularity": "full", "--recompute-method": "uniform"}),
+], ids=["tp2", "dp2-distopt", "tp2-seqpar", "dp2-overlap", "full-recompute"])
 def test_moe_layout_matches_single_process(corpus, cache, reference, world, layout):
     assert_same_run(train(world, argv(corpus, cache, **layout)), reference)
 

@@ -221,3 +221,17 @@ def test_routing_losses_and_dropping_equal_megatron_cores(tmp_path):
         pairs = zip(value, theirs[key]) if isinstance(value, tuple) else [(value, theirs[key])]
         for a, b in pairs:
             assert torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-7), key
+
+
+def test_an_expert_without_tokens_still_gets_a_zero_gradient():
+    """Data-parallel buckets wait for every parameter's gradient: an expert no token chose
+    runs on no tokens and so reports zeros."""
+    layer = moe.MoELayer(_config(), 1, ParallelMLP)
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.tensor([1.0, 1.0, 1.0, -10.0]).unsqueeze(1)
+                                  .expand(4, 16))
+    x = torch.rand(5, 2, 16) + 0.1  # positive: expert 3's logit is always the lowest
+    layer(x).sum().backward()
+    unused = list(layer.local_experts[3].parameters())
+    assert all(p.grad is not None and not p.grad.any() for p in unused)
+    assert layer.local_experts[0].dense_h_to_4h.weight.grad.any()
