@@ -228,7 +228,7 @@ def test_an_expert_without_tokens_still_gets_a_zero_gradient():
     runs on no tokens and so reports zeros."""
     layer = moe.MoELayer(_config(), 1, ParallelMLP)
     with torch.no_grad():
-        layer.router.weight.copy_(torch.tensor([1.0, 1.0, 1.0, -10.0]).unsqueeze(1)
+        layer.router.weight.copy_(torch.tensor([3.0, 2.0, 1.0, -10.0]).unsqueeze(1)
                                   .expand(4, 16))
     x = torch.rand(5, 2, 16) + 0.1  # positive: expert 3's logit is always the lowest
     layer(x).sum().backward()
