@@ -235,3 +235,25 @@ def test_an_expert_without_tokens_still_gets_a_zero_gradient():
     unused = list(layer.local_experts[3].parameters())
     assert all(p.grad is not None and not p.grad.any() for p in unused)
     assert layer.local_experts[0].dense_h_to_4h.weight.grad.any()
+
+
+def test_router_losses_keep_megatron_lms_names_in_the_log_and_tensorboard():
+    from types import SimpleNamespace
+
+    from megatron.training.log import format_log_line, parse_log_lines, training_series
+
+    losses = {"lm loss": 4.5, "load_balancing_loss": 1.0025, "z_loss": 1.93}
+    line = format_log_line(iteration=3, train_iters=9, consumed_samples=24, elapsed_ms=1.0,
+                           lr=1e-3, global_batch_size=8, losses=losses, loss_scale=None,
+                           grad_norm=1.0, skipped=0, nan=0, tgs=1.0, tflops=1.0)
+    parsed = parse_log_lines(line)[0]
+    assert {k: parsed[k] for k in losses} == losses
+    switches = SimpleNamespace(log_batch_size_to_tensorboard=False,
+                               log_loss_scale_to_tensorboard=False,
+                               log_world_size_to_tensorboard=False,
+                               log_timers_to_tensorboard=False)
+    series = training_series(losses, learning_rate=1e-3, batch_size=8, loss_scale=None,
+                             grad_norm=1.0, num_zeros=None, world_size=1,
+                             iteration_seconds=1.0, logging=switches)
+    assert series["lm-loss-training/lm loss"] == 4.5
+    assert series["load_balancing_loss"] == 1.0025 and series["z_loss"] == 1.93
