@@ -179,8 +179,9 @@ class Router(nn.Module):
         training = self.training and torch.is_grad_enabled()
         self.reported = {}  # this pass's only: evaluation reports none
         if cfg.moe_z_loss_coeff is not None and self.training:
-            loss = z_loss(logits, cfg.moe_z_loss_coeff)
-            self.reported[Z_LOSS] = loss.detach() / max(cfg.moe_z_loss_coeff, 1e-30)
+            unweighted = z_loss(logits, 1.0)  # reported so, even at coefficient 0
+            self.reported[Z_LOSS] = unweighted.detach()
+            loss = unweighted * cfg.moe_z_loss_coeff
             if training:
                 logits = attach_loss(logits, loss, self.loss_scale)
         probs, routing_map = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
