@@ -78,23 +78,22 @@ NO_OP_FLAGS = {
 # refused by name, saying what they are, instead of guessing a neighbouring flag. An entry
 # leaves this table when its feature lands (and becomes a field or a translated flag).
 _LLAMA = "planned with the Llama-family models"
-_MOE = "mixture-of-experts layers, planned"
+_MOE = "this part of mixture-of-experts training is planned"
+_EP = "expert parallelism is planned; experts are split over the tensor-parallel ranks today"
 MISSING_FEATURES = {
     "--qk-layernorm": "layer norms on queries and keys",
     "--apply-layernorm-1p": "zero-centred layer-norm weights",
     "--squared-relu": "squared-ReLU feed-forward layers",
-    "--expert-model-parallel-size": f"expert parallelism; {_MOE}",
-    "--expert-tensor-parallel-size": f"expert parallelism; {_MOE}",
-    "--moe-expert-parallel-size": f"expert parallelism; {_MOE}",
-    "--topk": f"top-k expert routing; {_MOE}",
-    "--mlp-type": f"residual MoE MLPs; {_MOE}",
-    "--expert-interval": f"{_MOE}",
-    "--create-moe-param-group": f"{_MOE}",
-    "--disable-moe-token-dropping": f"{_MOE}",
+    "--expert-tensor-parallel-size": f"a separate tensor-parallel size for experts; {_EP}",
+    "--mlp-type": f"Megatron-DeepSpeed's residual MoE MLPs; {_MOE}",
+    "--create-moe-param-group": f"Megatron-DeepSpeed's expert parameter groups; {_MOE}",
+    "--disable-moe-token-dropping": "Megatron-DeepSpeed's token dropping (its capacity and "
+    "random token selection differ from Megatron-LM's --moe-expert-capacity-factor); "
+    f"{_MOE}",
     "--cpu-optimizer": "ZeRO-Offload's CPU optimizer",
 }
 MISSING_PREFIXES = {  # families of flags: the first that matches names the feature
-    "--moe-": _MOE,
+    "--moe-": f"this mixture-of-experts option; {_MOE}",
     "--fp8": "FP8 training (Transformer Engine)",
     "--fp4": "FP4 training (Transformer Engine)",
 }
@@ -109,7 +108,8 @@ def missing_feature(spelling: str) -> Optional[str]:
 
 # Old spellings resolved into fields by ``translate``.
 TRANSLATED_FLAGS = ("checkpoint_activations", "recompute_activations",
-                    "distribute_checkpointed_activations", "num_experts",
+                    "distribute_checkpointed_activations", "expert_interval",
+                    "expert_model_parallel_size",
                     "use_rotary_position_embeddings", "use_dist_ckpt", "no_position_embedding")
 
 
@@ -124,9 +124,12 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
                    action="store_true", dest="distribute_checkpointed_activations",
                    help="Accepted with full recomputation; saved activations are not "
                    "distributed here (off).")
-    g.add_argument("--num-experts", type=int, nargs="+", default=None,
-                   help="Only 1 (a dense MLP), as Megatron-DeepSpeed's dense GPT scripts pass "
-                   "(default: unset).")
+    g.add_argument("--expert-interval", type=int, default=None,
+                   help="Megatron-DeepSpeed's: layers N, 2N, ... (1-based) are mixtures of "
+                   "experts; becomes the list form of --moe-layer-freq (default: unset).")
+    g.add_argument("--expert-model-parallel-size", "--moe-expert-parallel-size", type=int,
+                   default=1, dest="expert_model_parallel_size",
+                   help=f"Only 1: {_EP} (default: 1).")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron-DeepSpeed's spelling of --position-embedding-type rope.")
     g.add_argument("--use-dist-ckpt", action="store_true",
@@ -152,9 +155,11 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
 
 def translate(ns: argparse.Namespace) -> None:
     """Resolve the old spellings into fields; refuse what cannot be honoured."""
-    if ns.num_experts is not None and any(n != 1 for n in ns.num_experts):
-        raise ConfigError(f"--num-experts {' '.join(map(str, ns.num_experts))}: mixture-of-"
-                          "experts layers are not supported; only 1 (a dense MLP)")
+    if ns.expert_model_parallel_size != 1:
+        raise ConfigError(f"--expert-model-parallel-size {ns.expert_model_parallel_size}: "
+                          f"only 1; {_EP}")
+    if ns.expert_interval is not None and ns.num_experts not in (None, 1):
+        _translate_expert_interval(ns)  # with one expert Megatron-DeepSpeed ignores it too
     if ns.no_position_embedding and ns.position_embedding_type == "learned_absolute":
         ns.position_embedding_type = "none"
     if ns.use_rotary_position_embeddings:
@@ -172,6 +177,22 @@ def translate(ns: argparse.Namespace) -> None:
     if ns.distribute_checkpointed_activations and ns.recompute_granularity != "full":
         raise ConfigError("--distribute-checkpointed-activations needs full recomputation "
                           "(--checkpoint-activations or --recompute-granularity full)")
+
+
+def _translate_expert_interval(ns: argparse.Namespace) -> None:
+    """Megatron-DeepSpeed's --expert-interval N (layer numbers N, 2N, ... counted from 1 are
+    mixtures of experts) as Megatron-LM's per-layer list."""
+    n, layers = ns.expert_interval, ns.num_layers
+    if n < 1:
+        raise ConfigError(f"--expert-interval must be positive, got {n}")
+    if ns.moe_layer_freq != "1":
+        raise ConfigError(f"--expert-interval ({n}) and --moe-layer-freq ({ns.moe_layer_freq}) "
+                          "both say which layers have experts: give one")
+    if layers is None or layers < n:
+        raise ConfigError(f"--expert-interval ({n}) leaves no mixture-of-experts layer among "
+                          f"--num-layers ({layers})")
+    ns.moe_layer_freq = "[" + ",".join("1" if (i + 1) % n == 0 else "0"
+                                       for i in range(layers)) + "]"
 
 
 def announce_no_ops(ns: argparse.Namespace) -> list[str]:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 from megatron.config.base import (
     Slice,
+    flag,
     internal,
+    non_negative,
     one_of,
     option,
+    optional_positive,
     positive,
     precision_dtype,
     probability,
@@ -18,6 +22,48 @@ from megatron.config.base import (
     require,
     set_field,
 )
+
+_MOE_FIELDS = ("moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+               "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+               "moe_expert_capacity_factor", "moe_token_drop_policy",
+               "moe_pad_expert_input_to_capacity", "moe_layer_freq", "moe_ffn_hidden_size",
+               "moe_shared_expert_intermediate_size")
+_LIST_TERM = re.compile(r"\[([01](?:\s*,\s*[01])*)\](?:\s*\*\s*(\d+))?")
+
+
+def moe_layer_pattern(freq: str, num_layers: int) -> tuple[bool, ...]:
+    """``--moe-layer-freq`` as one flag per layer: ``"N"`` makes layers 0, N, 2N, ... (0-based)
+    mixtures of experts (Megatron-LM's rule); a list such as ``"([1]*3+[0])*2"`` or
+    ``"[1,0,1,0]"`` names each layer and must have ``num_layers`` entries."""
+    text = freq.replace(" ", "")
+    if text.isdigit():
+        n = int(text)
+        require(n > 0, f"--moe-layer-freq must be positive, got {freq}")
+        return tuple(i % n == 0 for i in range(num_layers))
+    pattern = _expand_freq_list(text)
+    require(pattern is not None, f"--moe-layer-freq {freq!r} is neither a number nor a list "
+            "such as \"([1]*3+[0])*2\"")
+    require(len(pattern) == num_layers, f"--moe-layer-freq {freq!r} names {len(pattern)} "
+            f"layers; --num-layers is {num_layers}")
+    require(any(pattern), f"--moe-layer-freq {freq!r} makes no layer a mixture of experts")
+    return tuple(bool(x) for x in pattern)
+
+
+def _expand_freq_list(text: str) -> Optional[list[int]]:
+    """``[1,0]*2+[1]`` -> [1, 0, 1, 0, 1]; one level of ``(...)*n`` around it; None if
+    malformed."""
+    outer = re.fullmatch(r"\((.*)\)(?:\*(\d+))?", text)
+    if outer:
+        inner = _expand_freq_list(outer.group(1))
+        return None if inner is None else inner * int(outer.group(2) or 1)
+    out = []
+    for term in text.split("+"):
+        m = _LIST_TERM.fullmatch(term)
+        if m is None:
+            return None
+        out += [int(x) for x in m.group(1).split(",")] * int(m.group(2) or 1)
+    return out
+
 
 _EXACT = "GeLU with the tanh approximation (OpenAI's GPT-2 code); exact erf GeLU otherwise."
 
@@ -113,6 +159,45 @@ class ModelConfig(Slice):
         "--recompute-num-layers", "--checkpoint-num-layers", "--activations-checkpoint-num-layers",
         default=1, help="Layers per recomputed block (full recomputation only).")
 
+    num_experts: Optional[int] = option(
+        default=None, help="Experts of each mixture-of-experts layer (unset or 1: dense MLPs "
+        "everywhere, as Megatron-DeepSpeed's dense scripts pass).")
+    moe_router_topk: int = option("--moe-router-topk", "--topk", default=2,
+                                  help="Experts each token is routed to (--topk: "
+                                  "Megatron-DeepSpeed's spelling).")
+    moe_router_score_function: str = option(
+        default="softmax", choices=("softmax", "sigmoid"), help="The router's score: softmax "
+        "over the chosen experts' logits, or sigmoid scores renormalised over the chosen.")
+    moe_router_pre_softmax: bool = option(
+        default=False, help="Softmax over all experts before the top-k (the chosen "
+        "probabilities then do not sum to 1).")
+    moe_router_load_balancing_type: str = option(
+        default="aux_loss", choices=("aux_loss", "seq_aux_loss", "none"),
+        help="Load balancing: the Switch auxiliary loss over each micro-batch (aux_loss), "
+        "per sequence (seq_aux_loss), or none.")
+    moe_aux_loss_coeff: float = option(default=0.0, help="Weight of the load-balancing loss "
+                                       "(0: not computed).")
+    moe_z_loss_coeff: Optional[float] = option(
+        default=None, help="Weight of the router z-loss, mean(logsumexp(logits)^2) (unset: "
+        "none).")
+    moe_expert_capacity_factor: Optional[float] = option(
+        default=None, help="Each expert takes at most ceil(tokens x top-k / experts x this) "
+        "tokens of a micro-batch, the rest are dropped (unset: dropless).")
+    moe_token_drop_policy: str = option(
+        default="probs", choices=("probs", "position"), help="Over capacity, an expert keeps "
+        "its highest-probability tokens (probs) or its first ones (position).")
+    moe_pad_expert_input_to_capacity: bool = option(
+        default=False, help="Every expert computes exactly its capacity of tokens (padding "
+        "with zero-weight tokens); needs --moe-expert-capacity-factor.")
+    moe_layer_freq: str = option(
+        default="1", feeds=("moe_layers",), help="Which layers are mixtures of experts: every Nth from the first "
+        "(N), or Megatron's per-layer list such as \"([1]*3+[0])*2\" (1: experts).")
+    moe_ffn_hidden_size: Optional[int] = option(
+        default=None, help="Width of each expert's MLP (--ffn-hidden-size when unset).")
+    moe_shared_expert_intermediate_size: Optional[int] = option(
+        default=None, help="Width of a shared expert every token also goes through (unset: "
+        "none).")
+
     vocab_size: int = internal("the tokenizer's vocabulary size (before padding)", 50257)
     apex_layernorm: bool = internal("programmatic: apex's fused LayerNorm; a run sets whether "
                                     "it is used (on CUDA with apex installed)", True)
@@ -163,6 +248,7 @@ class ModelConfig(Slice):
                 f"--max-position-embeddings ({self.max_position_embeddings}) is smaller than "
                 f"--seq-length ({self.seq_length})")
         self._check_context_split()
+        self._check_moe()
         require(not self.sequence_parallel or self.local_seq_length % tp == 0,
                 f"--sequence-parallel needs --seq-length ({self.seq_length}) divisible by "
                 f"--tensor-model-parallel-size ({tp})"
@@ -195,6 +281,48 @@ class ModelConfig(Slice):
                     "attention results across ranks and has no attention dropout: give "
                     f"--attention-dropout 0 (got {self.attention_dropout}), or --cp-comm-type "
                     "a2a")
+
+    def _check_moe(self) -> None:
+        """The mixture-of-experts options: checked, and resolved (expert width, layer list)."""
+        if self.num_experts == 1:  # Megatron-DeepSpeed's dense scripts pass --num-experts 1
+            set_field(self, "num_experts", None)
+        if self.num_experts is None:
+            for name in _MOE_FIELDS:
+                value = getattr(self, name)
+                require(value == ModelConfig.__dataclass_fields__[name].default,
+                        f"{flag(name)} ({value}) needs --num-experts above 1 (mixture-of-"
+                        "experts layers); without it every layer has a dense MLP")
+            return
+        e, k, tp = self.num_experts, self.moe_router_topk, self.tensor_model_parallel_size
+        require(e > 1, f"--num-experts must be positive, got {e}")
+        require(1 <= k <= e, f"--moe-router-topk ({k}) must be between 1 and --num-experts "
+                f"({e})")
+        one_of(self, "moe_router_score_function", ("softmax", "sigmoid"))
+        one_of(self, "moe_router_load_balancing_type", ("aux_loss", "seq_aux_loss", "none"))
+        one_of(self, "moe_token_drop_policy", ("probs", "position"))
+        non_negative(self, "moe_aux_loss_coeff")
+        require(self.moe_z_loss_coeff is None or self.moe_z_loss_coeff >= 0,
+                f"--moe-z-loss-coeff must be non-negative, got {self.moe_z_loss_coeff}")
+        optional_positive(self, "moe_expert_capacity_factor")
+        require(not self.moe_pad_expert_input_to_capacity
+                or self.moe_expert_capacity_factor is not None,
+                "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        moe_layer_pattern(self.moe_layer_freq, self.num_layers)  # raises with the flag's name
+        if self.moe_ffn_hidden_size is None:
+            set_field(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        optional_positive(self, "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            width = getattr(self, name)
+            require(width is None or width % tp == 0,
+                    f"{flag(name)} ({width}) is not divisible by --tensor-model-parallel-size "
+                    f"({tp})")
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """For each layer (0-based), whether it is a mixture of experts."""
+        if self.num_experts is None:
+            return (False,) * self.num_layers
+        return moe_layer_pattern(self.moe_layer_freq, self.num_layers)
 
     @property
     def local_seq_length(self) -> int:

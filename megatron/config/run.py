@@ -68,6 +68,7 @@ class RunConfig:
         self._check_decentralized()
         self._check_deepspeed()
         self._check_context_parallel()
+        self._check_experts()
 
     def _set(self, slice_name: str, **changes: Any) -> None:
         current = getattr(self, slice_name)
@@ -227,6 +228,8 @@ class RunConfig:
                 (self.training.compile, "--compile is not wired into DeepSpeed's engine (its "
                  "ZeRO hooks and pipeline module are not traced); drop it or train without "
                  "--deepspeed"),
+                (self.training.dry_run or self.training.rehearse, "--dry-run / --rehearse: "
+                 "the planner's memory formulas count dense MLPs (planned)"),
                 (self.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist: "
                  "DeepSpeed's engine saves its own checkpoint layout"),
                 (self.checkpoint.async_save, "--async-save: DeepSpeed's engine writes its own "
@@ -240,6 +243,28 @@ class RunConfig:
                     "--deepspeed-activation-checkpointing recomputes whole layers: add "
                     "--recompute-granularity full --recompute-method uniform (or "
                     "--checkpoint-activations)")
+
+    def _check_experts(self) -> None:
+        """What mixture-of-experts layers do not combine with yet (each named; the plan is in
+        README's Experts paragraph)."""
+        e = self.model.num_experts
+        if e is None:
+            return
+        p = self.parallel
+        for given, why in (
+                (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size "
+                 f"{p.pipeline_model_parallel_size}: the router losses are reported from one "
+                 "stage only (pipeline parallelism with experts is planned)"),
+                (p.context_degree > 1, f"{p.context_flag} {p.context_degree}: the load-"
+                 "balancing loss is not summed over the ranks of a sequence yet"),
+                (self.deepspeed.deepspeed, "--deepspeed: DeepSpeed's engine does not scale "
+                 "the router losses' gradients (DeepSpeed-MoE is planned)"),
+                (self.training.distributed_backend == "xla", "--distributed-backend xla: the "
+                 "XLA step has no data-dependent expert routing"),
+                (self.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist: "
+                 "expert weights are not in the megatron-core layout yet; use --ckpt-format "
+                 "torch")):
+            require(not given, f"--num-experts ({e}) cannot be combined with {why}")
 
     def _check_context_parallel(self) -> None:
         """What splitting each sequence over ranks cannot combine with (the model's own rules,

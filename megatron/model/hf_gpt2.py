@@ -19,6 +19,7 @@ from megatron.model.names import (
     POSITION_EMBEDDINGS,
     WORD_EMBEDDINGS,
     layer_key,
+    refuse_experts,
 )
 
 
@@ -126,9 +127,11 @@ class HfGpt2Adapter:
     name = "hf_gpt2"
 
     def to_ours(self, state: dict, config: ModelConfig) -> dict:
+        refuse_experts(config, "Hugging Face GPT-2")
         return hf_to_megatron_state_dict(state, config)
 
     def from_ours(self, state: dict, config: ModelConfig) -> dict:
+        refuse_experts(config, "Hugging Face GPT-2")
         return megatron_to_hf_state_dict(state, config)
 
 

@@ -21,6 +21,7 @@ from megatron.model.names import (
     OUTPUT_LAYER,
     WORD_EMBEDDINGS,
     layer_key,
+    refuse_experts,
 )
 from megatron.model.rotary import (
     HIGH_FREQ_FACTOR,
@@ -183,9 +184,11 @@ class HfLlamaAdapter:
     name = "hf_llama"
 
     def to_ours(self, state: dict, config: ModelConfig) -> dict:
+        refuse_experts(config, "Hugging Face Llama")
         return hf_llama_to_megatron_state_dict(state, config)
 
     def from_ours(self, state: dict, config: ModelConfig) -> dict:
+        refuse_experts(config, "Hugging Face Llama")
         return megatron_to_hf_llama_state_dict(state, config)
 
 

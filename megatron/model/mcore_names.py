@@ -18,6 +18,7 @@ from megatron.model.names import (
     WORD_EMBEDDINGS,
     layer_key,
     parse_layer_key,
+    refuse_experts,
 )
 
 LAYERS = "decoder.layers."
@@ -65,6 +66,7 @@ class McoreAdapter:
     name = "mcore"
 
     def to_ours(self, state: dict, config: Any) -> dict:
+        refuse_experts(config, "megatron-core's torch_dist names")
         out = {}
         for key, tensor in state.items():
             if key.startswith(LAYERS):
@@ -77,6 +79,7 @@ class McoreAdapter:
         return out
 
     def from_ours(self, state: dict, config: Any) -> dict:
+        refuse_experts(config, "megatron-core's torch_dist names")
         out, layers = {}, {}
         for name, tensor in state.items():
             key, stacked = mcore_name(name)

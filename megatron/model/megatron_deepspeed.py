@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron.model.names import LAYER_PREFIX
+from megatron.model.names import LAYER_PREFIX, refuse_experts
 
 _PREFIXES = (
     ("language_model.embedding.", "embedding."),
@@ -98,9 +98,11 @@ class MegatronDeepSpeedAdapter:
     name = "megatron_deepspeed"
 
     def to_ours(self, state: dict, config: Any) -> dict:
+        refuse_experts(config, "Megatron-DeepSpeed's layout")
         return our_names(state)
 
     def from_ours(self, state: dict, config: Any) -> dict:
+        refuse_experts(config, "Megatron-DeepSpeed's layout")
         return their_names(state)
 
 

@@ -68,9 +68,41 @@ LAYER_PARAMS = (
     LayerParam("mlp.dense_4h_to_h.bias", None, "linear"),
 )
 SWIGLU_PARTS = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")  # [gate; up]
+ROUTER = "mlp.router.weight"  # [E, h], replicated
+_EXPERT_KEY = re.compile(r"mlp\.(?:local_experts\.(\d+)|shared_experts)\.(dense_\w+\.\w+)")
 _TP_DIMS = {p.name: p.tp_dim for p in LAYER_PARAMS}
 _LAYER_ORDER = {p.name: i for i, p in enumerate(LAYER_PARAMS)}
 _LAYER_KEY = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)")
+
+
+def as_dense_mlp_name(name: str) -> str:
+    """A mixture-of-experts layer's expert tensor under the dense MLP's name (each expert is
+    cut over tensor ranks as the MLP is): ``mlp.local_experts.3.dense_4h_to_h.weight`` ->
+    ``mlp.dense_4h_to_h.weight``; other names unchanged."""
+    m = _EXPERT_KEY.fullmatch(name)
+    return f"mlp.{m.group(2)}" if m else name
+
+
+def expert_params(config: ModelConfig) -> tuple[str, ...]:
+    """A mixture-of-experts layer's MLP tensors, in model order: the router, each expert's
+    (as the dense MLP's), then the shared expert's."""
+    dense = [p.name for p in layer_params(config) if p.name.startswith("mlp.")]
+    names = [ROUTER]
+    for j in range(config.num_experts):
+        names += [n.replace("mlp.", f"mlp.local_experts.{j}.", 1) for n in dense]
+    if config.moe_shared_expert_intermediate_size is not None:
+        names += [n.replace("mlp.", "mlp.shared_experts.", 1) for n in dense]
+    return tuple(names)
+
+
+def refuse_experts(config, layout: str) -> None:
+    """Refuse, by name, a mixture-of-experts model in an outside layout that has no names for
+    its experts here yet (``config`` may be any object with ``num_experts``, or None)."""
+    experts = getattr(config, "num_experts", None)
+    if experts is not None:
+        raise ValueError(f"--num-experts ({experts}): mixture-of-experts weights cannot be "
+                         f"converted to or from {layout} yet (--ckpt-format torch saves and "
+                         "loads them)")
 
 
 def _has(config: ModelConfig, bias_of: Optional[str]) -> bool:
@@ -100,7 +132,8 @@ def tp_parts(name: str, config: Optional[ModelConfig]) -> int:
     (a rank holds its share of each, one after another): 2 for SwiGLU's first projection."""
     parsed = parse_layer_key(name)
     swiglu = config is not None and config.swiglu
-    return 2 if swiglu and parsed is not None and parsed[1] in SWIGLU_PARTS else 1
+    return 2 if swiglu and parsed is not None and as_dense_mlp_name(parsed[1]) in SWIGLU_PARTS \
+        else 1
 
 
 def layer_key(layer: int, name: str) -> str:
@@ -126,7 +159,7 @@ def tp_split_dim(name: str) -> Optional[int]:
     if name in VOCAB_TENSORS:
         return 0
     parsed = parse_layer_key(name)
-    return _TP_DIMS.get(parsed[1]) if parsed is not None else None
+    return _TP_DIMS.get(as_dense_mlp_name(parsed[1])) if parsed is not None else None
 
 
 def chunk_names(config: ModelConfig, num_layers: int, pre_process: bool,
@@ -138,8 +171,13 @@ def chunk_names(config: ModelConfig, num_layers: int, pre_process: bool,
         names.append(WORD_EMBEDDINGS)
         if config.position_embedding_type == "learned_absolute":
             names.append(POSITION_EMBEDDINGS)
+    moe = config.moe_layers
     for layer in range(num_layers):
-        names += [layer_key(layer, p.name) for p in layer_params(config)]
+        params = [p.name for p in layer_params(config)]
+        if moe[layer]:  # layer numbers of a whole model (the first chunk's are the model's)
+            params = [n for n in params if not n.startswith("mlp.")] + list(
+                expert_params(config))
+        names += [layer_key(layer, n) for n in params]
     if post_process:
         names += list(final_norm_names(config))
         if config.untie_embeddings_and_output_weights:
@@ -157,5 +195,17 @@ def model_order_key(name: str) -> tuple:
         return (0, 1, name)
     parsed = parse_layer_key(name)
     if parsed is not None:
-        return (1, parsed[0], _LAYER_ORDER[parsed[1]])
+        return (1, parsed[0], *_order_in_layer(parsed[1]))
     return (2, (*FINAL_NORM, OUTPUT_LAYER, TIED_COPY).index(name), 0)
+
+
+def _order_in_layer(name: str) -> tuple[int, int, int]:
+    """Where a layer's tensor comes in the layer: its dense slot, then (in a mixture of
+    experts: the router, each expert in turn, the shared expert) its place there."""
+    if name == ROUTER:
+        return (_LAYER_ORDER["mlp.dense_h_to_4h.weight"], 0, 0)
+    m = _EXPERT_KEY.fullmatch(name)
+    if m is None:
+        return (_LAYER_ORDER[name], 0, 0)
+    expert = int(m.group(1)) + 1 if m.group(1) is not None else 1 << 30  # shared: last
+    return (_LAYER_ORDER["mlp.dense_h_to_4h.weight"], expert, _LAYER_ORDER[f"mlp.{m.group(2)}"])

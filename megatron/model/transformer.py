@@ -22,6 +22,7 @@ from megatron.core.utils import divide
 from megatron.model.init import InitRNG
 from megatron.model.kv_cache import KVCache
 from megatron.model.layer_norm import build_layer_norm
+from megatron.model.moe import MoELayer
 from megatron.model.rotary import apply_rotary_emb
 
 
@@ -190,17 +191,22 @@ class ParallelMLP(nn.Module):
     projection is 2 x ffn wide, each rank's part its gate rows then its up rows
     (``[gate_r; up_r]``, Megatron's), and silu(gate) * up goes on."""
 
-    def __init__(self, config: ModelConfig, init: InitRNG, *, device=None) -> None:
+    def __init__(self, config: ModelConfig, init: InitRNG, *, device=None,
+                 ffn_hidden_size: Optional[int] = None,
+                 sequence_parallel: Optional[bool] = None) -> None:
+        """``ffn_hidden_size``/``sequence_parallel``: other than the config's (experts)."""
         super().__init__()
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
         common = dict(params_dtype=config.params_dtype, device=device,
-                      sequence_parallel=config.sequence_parallel, bias=config.add_bias_linear)
+                      sequence_parallel=sp, bias=config.add_bias_linear)
         self.swiglu = config.swiglu
-        width = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+        width = 2 * ffn if config.swiglu else ffn
         self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, width, init_method=init.normal(),
             parts=2 if config.swiglu else 1, **common)
         self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, init_method=init.scaled_normal(),
+            ffn, config.hidden_size, init_method=init.scaled_normal(),
             input_is_parallel=True, **common)
         self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
 
@@ -225,7 +231,10 @@ class ParallelTransformerLayer(nn.Module):
         self.self_attention = ParallelAttention(config, init, device=device,
                                                 layer_number=layer_number)
         self.post_attention_layernorm = build_layer_norm(config, device=device)
-        self.mlp = ParallelMLP(config, init, device=device)
+        if config.moe_layers[layer_number - 1]:
+            self.mlp = MoELayer(config, layer_number, ParallelMLP, device=device)
+        else:
+            self.mlp = ParallelMLP(config, init, device=device)
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel
 

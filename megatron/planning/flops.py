@@ -8,6 +8,8 @@ padded vocabulary V::
                               qkv              proj      MLP              scores, weighted sum
     training:            3 x forward (backward costs twice the forward)
 
+A mixture-of-experts layer's MLP term is its router's 2*h*E plus the MLP term of the k
+experts each token is routed to (width k x --moe-ffn-hidden-size) and the shared expert.
 With f = 4h and a = h this is Megatron's ``72 B s L h^2 (1 + s/(6h) + V/(12 h L))``. We report
 *model* FLOPs: recomputed activations are not counted, so TFLOP/s is comparable across
 recompute settings (MFU, not HFU).
@@ -25,6 +27,18 @@ def flops_per_token(config: ModelConfig, seq_length: Optional[int] = None) -> fl
     s = seq_length or config.seq_length
     h, f, a = config.hidden_size, config.ffn_hidden_size, config.projection_size
     k, into = config.kv_projection_size, 2 if config.swiglu else 1
-    per_layer = 2 * h * (a + 2 * k) + 2 * a * h + 2 * (into + 1) * h * f + 4 * s * a
-    forward = config.num_layers * per_layer + 2 * h * config.padded_vocab_size
+    attention = 2 * h * (a + 2 * k) + 2 * a * h + 4 * s * a
+    moe_layers = sum(config.moe_layers)
+    dense = (config.num_layers - moe_layers) * 2 * (into + 1) * h * f
+    moe = moe_layers * _moe_mlp_flops(config) if moe_layers else 0
+    forward = config.num_layers * attention + dense + moe + 2 * h * config.padded_vocab_size
     return 3.0 * forward
+
+
+def _moe_mlp_flops(config: ModelConfig) -> float:
+    """Forward FLOPs per token of one mixture-of-experts layer: the router (h x E), the top-k
+    experts each token goes through, and the shared expert."""
+    h, into = config.hidden_size, 2 if config.swiglu else 1
+    width = config.moe_router_topk * config.moe_ffn_hidden_size + (
+        config.moe_shared_expert_intermediate_size or 0)
+    return 2 * h * config.num_experts + 2 * (into + 1) * h * width

@@ -34,6 +34,7 @@ from megatron.core.nonfinite import (
     locate_nonfinite_loss,
 )
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.model.moe import set_loss_scale as set_moe_loss_scale
 from megatron.platform import xla
 from megatron.platform.output import print_rank_0
 from megatron.training import xla_step
@@ -145,6 +146,8 @@ class NativeEngine:
         optimizer.zero_grad()
         optimizer.start_exchange()  # --dp-overlap: the neighbour average runs meanwhile
         timers("forward-backward", log_level=1).start()
+        # The router losses' gradients are scaled as each micro-batch's loss is.
+        set_moe_loss_scale(self.chunks, float(optimizer.scale_loss(1.0)) / num_microbatches)
         schedule = get_forward_backward_func()
         losses = schedule(forward_step_func=self.forward_step, data_iterator=data_iterator,
                           model=self.chunks, num_microbatches=num_microbatches,

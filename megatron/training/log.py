@@ -71,7 +71,7 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
     return " | ".join(parts) + " |"
 
 
-_FIELD = re.compile(r"([A-Za-z][A-Za-z /()]*?): +([-+0-9.eE]+|nan|inf)")
+_FIELD = re.compile(r"([A-Za-z][A-Za-z_ /()]*?): +([-+0-9.eE]+|nan|inf)")
 
 
 def parse_log_lines(text: str) -> list[dict]:
@@ -161,14 +161,19 @@ def format_run_summary(*, iterations: int, tokens: int, wall_seconds: float,
     return " | ".join(parts) + " |"
 
 
+ROUTER_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+
+
 def training_series(losses: Mapping[str, float], *, learning_rate: float, batch_size: int,
                     loss_scale: Optional[float], grad_norm: Optional[float],
                     num_zeros: Optional[float], world_size: int, iteration_seconds: float,
                     logging: Any) -> dict[str, Optional[float]]:
     """Megatron-DeepSpeed's TensorBoard tags for a logged iteration (``logging``: the
     LoggingConfig whose switches choose some of them); see TensorBoard.series."""
+    # The router losses of mixture-of-experts layers keep Megatron-LM's plain tags.
     series: dict[str, Optional[float]] = {
-        f"lm-loss-training/{name}": value for name, value in losses.items()}
+        name if name in ROUTER_LOSSES else f"lm-loss-training/{name}": value
+        for name, value in losses.items()}
     series["learning-rate/learning-rate"] = learning_rate
     if logging.log_batch_size_to_tensorboard:
         series["batch-size/batch-size"] = batch_size

@@ -245,7 +245,8 @@ def test_run_management_and_compatibility_flags():
     d = parse()
     assert (d.training.manual_gc, d.training.manual_gc_eval, d.training.empty_unused_memory_level,
             d.logging.log_loss_scale_to_tensorboard) == (False, True, 0, True)
-    assert_names(error_of([*BASE, "--num-experts", "8"]), "--num-experts 8", "not supported")
+    assert_names(error_of([*BASE, "--num-experts", "8", "--moe-router-topk", "9"]),
+                 "--moe-router-topk (9)", "--num-experts (8)")
     assert parse("--ckpt-format", "torch_dist").checkpoint.ckpt_format == "torch_dist"
     assert_names(error_of([*BASE, "--ckpt-format", "zarr"]), "--ckpt-format")
     assert_names(error_of([*BASE, "--empty-unused-memory-level", "3"]),
@@ -433,8 +434,10 @@ def test_llama_flags_in_both_peers_spellings():
     ("--squared-relu", "--squared-relu: not supported yet (squared-ReLU feed-forward "
      "layers)"),
     ("--qk-layernorm", "--qk-layernorm: not supported yet (layer norms on queries and keys)"),
-    ("--moe-router-topk 2", "--moe-router-topk: not supported yet (mixture-of-experts layers"),
-    ("--expert-interval 2", "--expert-interval: not supported yet (mixture-of-experts"),
+    ("--moe-loss-coeff 0.1", "--moe-loss-coeff: not supported yet (this mixture-of-experts "
+     "option"),
+    ("--disable-moe-token-dropping", "--disable-moe-token-dropping: not supported yet "
+     "(Megatron-DeepSpeed's token dropping"),
     ("--fp8-format hybrid", "--fp8-format: not supported yet (FP8 training"),
 ])
 def test_flags_of_features_we_lack_say_so_instead_of_guessing(flags, said):
@@ -690,3 +693,51 @@ def test_context_parallel_sizes_resolve_and_refusals_name_the_flags():
     assert_names(error_of([*BASE, "--ds-sequence-parallel-size", "2", "--deepspeed"],
                           world_size=2),
                  "--deepspeed without --no-pipeline-parallel")
+
+
+def test_mixture_of_experts_flags():
+    m = parse(*"--num-experts 4 --moe-router-topk 1 --moe-aux-loss-coeff 0.01 "
+              "--moe-z-loss-coeff 0.001 --moe-expert-capacity-factor 1.5 "
+              "--moe-token-drop-policy position --moe-pad-expert-input-to-capacity "
+              "--moe-router-score-function sigmoid --moe-shared-expert-intermediate-size 32 "
+              "--moe-router-load-balancing-type seq_aux_loss".split()).model
+    assert (m.num_experts, m.moe_router_topk, m.moe_aux_loss_coeff, m.moe_z_loss_coeff,
+            m.moe_expert_capacity_factor, m.moe_token_drop_policy,
+            m.moe_pad_expert_input_to_capacity, m.moe_router_score_function,
+            m.moe_shared_expert_intermediate_size, m.moe_router_load_balancing_type) == (
+        4, 1, 0.01, 0.001, 1.5, "position", True, "sigmoid", 32, "seq_aux_loss")
+    assert m.moe_ffn_hidden_size == m.ffn_hidden_size == 64 and m.moe_layers == (True,) * 4
+    # Megatron-LM's layer rules: every Nth from the first, or a list; Megatron-DeepSpeed's
+    # --expert-interval N (layers N, 2N, ... counted from 1) and --topk.
+    assert parse("--num-experts", "2", "--moe-layer-freq", "2").model.moe_layers == (
+        True, False, True, False)
+    assert parse("--num-experts", "2", "--moe-layer-freq", "([1]*1+[0])*2").model.moe_layers \
+        == (True, False, True, False)
+    ds = parse(*"--num-experts 2 --expert-interval 2 --topk 1".split()).model
+    assert ds.moe_layers == (False, True, False, True) and ds.moe_router_topk == 1
+    dense = parse("--num-experts", "1", "--expert-interval", "2").model  # Megatron-DS dense
+    assert dense.num_experts is None and dense.moe_layers == (False,) * 4
+
+
+@pytest.mark.parametrize("flags, said", [
+    ("--num-experts 4 --moe-router-topk 5", ("--moe-router-topk (5)", "--num-experts (4)")),
+    ("--moe-aux-loss-coeff 0.1", ("--moe-aux-loss-coeff (0.1)", "needs --num-experts")),
+    ("--num-experts 4 --moe-layer-freq [1,0]", ("--moe-layer-freq", "2 layers",
+                                                 "--num-layers is 4")),
+    ("--num-experts 4 --moe-layer-freq 1+", ("--moe-layer-freq", "neither a number")),
+    ("--num-experts 4 --moe-pad-expert-input-to-capacity",
+     ("--moe-pad-expert-input-to-capacity", "needs --moe-expert-capacity-factor")),
+    ("--num-experts 4 --moe-expert-capacity-factor 0", ("--moe-expert-capacity-factor",)),
+    ("--num-experts 4 --moe-ffn-hidden-size 33 --tensor-model-parallel-size 2",
+     ("--moe-ffn-hidden-size (33)", "--tensor-model-parallel-size (2)")),
+    ("--moe-expert-parallel-size 2", ("--expert-model-parallel-size 2", "only 1",
+                                      "expert parallelism is planned")),
+    ("--num-experts 4 --pipeline-model-parallel-size 2",
+     ("--num-experts (4)", "--pipeline-model-parallel-size 2")),
+    ("--num-experts 4 --ckpt-format torch_dist", ("--num-experts (4)", "torch_dist")),
+    ("--num-experts 4 --deepspeed", ("--num-experts (4)", "--deepspeed")),
+    ("--num-experts 4 --context-parallel-size 2 --attention-dropout 0", ("--num-experts (4)",
+                                                   "--context-parallel-size 2")),
+])
+def test_mixture_of_experts_refusals_name_the_flags(flags, said):
+    assert_names(error_of([*BASE, *flags.split()], world_size=2), *said)

@@ -83,6 +83,13 @@ NEW_FLAGS = {
     "--swiglu", "--group-query-attention", "--num-query-groups",
     "--num-key-value-heads", "--add-qkv-bias", "--rotary-interleaved", "--use-rope-scaling",
     "--rope-scaling-factor", "--no-position-embedding",
+    # Issue 34: mixture-of-experts layers, Megatron-LM's spellings and Megatron-DeepSpeed's.
+    "--moe-router-topk", "--topk", "--moe-router-score-function", "--moe-router-pre-softmax",
+    "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
+    "--moe-expert-capacity-factor", "--moe-token-drop-policy",
+    "--moe-pad-expert-input-to-capacity", "--moe-layer-freq", "--moe-ffn-hidden-size",
+    "--moe-shared-expert-intermediate-size", "--expert-interval",
+    "--expert-model-parallel-size", "--moe-expert-parallel-size",
 }
 
 

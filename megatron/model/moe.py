@@ -1,0 +1,280 @@
+"""Mixture-of-experts layers (Megatron-LM's MoE, without expert parallelism yet).
+
+A router scores each token against ``E`` experts, sends it to its top ``k``, and the layer's
+output is the routed experts' outputs weighted by the routing probabilities (plus a shared
+expert's, if any). The definitions follow megatron-core's ``transformer/moe/router.py`` and
+``moe_utils.py``:
+
+- routing (``route``): softmax over the top-k logits (``--moe-router-pre-softmax``: softmax
+  over all experts, then the top k), or sigmoid scores of the top k renormalised to sum to 1;
+- the load-balancing loss (``load_balancing_loss``, the Switch Transformer's):
+  ``coeff * E * sum_i f_i P_i``, ``f_i`` the share of the ``T * k`` routing slots given to
+  expert ``i`` and ``P_i`` the mean over tokens of its probability under the full softmax;
+- the z-loss (``z_loss``): ``coeff * mean_t logsumexp(logits_t)^2``;
+- capacity (``drop_tokens``): each expert keeps at most ``ceil(T * k / E * factor)`` tokens.
+
+Every tensor rank holds all experts, each cut over the tensor ranks like the dense MLP
+(``ParallelMLP``: column- then row-parallel), and routes the whole sequence the same way, so
+any tensor/data layout computes what one process does. Under sequence parallelism the layer
+gathers the sequence first and hands back each rank's part.
+
+The router losses join training the way Megatron-LM adds them: an autograd function that is
+the identity on the routing probabilities and, in the backward pass, adds the loss's gradient
+scaled as the language-model loss is (``set_loss_scale``: 1 / micro-batches, times the fp16
+loss scale). Their values (divided by their coefficients, as Megatron-LM reports them) stay on
+each layer for the forward step to report (``reported_losses``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core.tensor_parallel import mappings
+from megatron.model.init import InitRNG
+
+LOAD_BALANCING = "load_balancing_loss"  # Megatron-LM's names in the log and TensorBoard
+SEQ_LOAD_BALANCING = "seq_load_balancing_loss"
+Z_LOSS = "z_loss"
+
+
+# ----------------------------------------------------------------------------- routing maths
+
+
+def route(logits: torch.Tensor, topk: int, score_function: str = "softmax",
+          pre_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, routing_map)``, both ``[T, E]``: each token's weight for each expert (0 where
+    not routed) and whether it is routed there (``k`` per token). ``logits`` ``[T, E]``."""
+    if score_function == "softmax":
+        if pre_softmax:
+            scores, top = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(topk, dim=1)
+        else:
+            top_logits, top = logits.topk(topk, dim=1)
+            scores = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+    elif score_function == "sigmoid":
+        scores, top = torch.sigmoid(logits.float()).topk(topk, dim=1)
+        if topk > 1:
+            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"unknown router score function {score_function!r}")
+    probs = torch.zeros_like(logits, dtype=scores.dtype).scatter(1, top, scores)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+    return probs, routing_map
+
+
+def expert_capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
+    """Tokens one expert takes: ``ceil(T * k / E * factor)`` (megatron-core's
+    ``get_capacity``)."""
+    return math.ceil(num_tokens * topk / num_experts * factor)
+
+
+def drop_tokens(probs: torch.Tensor, routing_map: torch.Tensor, topk: int, factor: float,
+                policy: str = "probs", pad_to_capacity: bool = False,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, routing_map)`` with each expert's tokens beyond its capacity dropped: it keeps
+    those of highest probability (``probs``) or the first in token order (``position``).
+    ``pad_to_capacity``: each expert's map holds exactly its capacity of tokens (the extra
+    ones with weight 0)."""
+    num_tokens, num_experts = probs.shape
+    capacity = expert_capacity(num_tokens, num_experts, topk, factor)
+    if capacity >= num_tokens:
+        keep = torch.ones_like(routing_map)
+    elif policy == "probs":
+        chosen = probs.topk(capacity, dim=0, sorted=False).indices  # [capacity, E]
+        keep = torch.zeros_like(routing_map).scatter(0, chosen, True)
+    elif policy == "position":
+        # The first ``capacity`` routed tokens of each expert, then (for padding) the first
+        # unrouted ones: megatron-core's top-k over the 0/1 map, with its ties in token order.
+        order = routing_map.long() * (num_tokens + 1) - torch.arange(
+            num_tokens, device=probs.device).unsqueeze(1)  # routed first, then earliest
+        chosen = order.topk(capacity, dim=0).indices
+        keep = torch.zeros_like(routing_map).scatter(0, chosen, True)
+    else:
+        raise ValueError(f"unknown token drop policy {policy!r}")
+    final_map = keep if pad_to_capacity else routing_map & keep
+    return probs * final_map, final_map
+
+
+def load_balancing_loss(logits: torch.Tensor, topk: int, coeff: float,
+                        score_function: str = "softmax") -> torch.Tensor:
+    """The Switch Transformer's auxiliary loss over the tokens of ``logits`` ``[T, E]``:
+    ``coeff * E * sum_i f_i P_i`` with ``f_i`` = routing slots to expert ``i`` / ``(T k)``
+    and ``P_i`` = mean over tokens of its full-softmax (or normalised sigmoid) score. Equal
+    to ``coeff`` when routing and scores are uniform. Routing is the top-k of those scores,
+    before any token is dropped (megatron-core's)."""
+    num_tokens, num_experts = logits.shape
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits.float())
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    top = scores.topk(topk, dim=1).indices
+    tokens_per_expert = torch.zeros_like(scores).scatter(1, top, 1.0).sum(dim=0)  # [E]
+    return (scores.sum(dim=0) * tokens_per_expert).sum() * (
+        num_experts * coeff / (topk * num_tokens * num_tokens))
+
+
+def sequence_load_balancing_loss(logits: torch.Tensor, seq_length: int, topk: int,
+                                 coeff: float, score_function: str = "softmax") -> torch.Tensor:
+    """``load_balancing_loss`` of each sequence on its own, averaged over the sequences;
+    ``logits`` ``[s * b, E]`` sequence-major (Megatron's ``[s, b]`` token order)."""
+    num_experts = logits.size(1)
+    per_sequence = logits.view(seq_length, -1, num_experts).transpose(0, 1)  # [b, s, E]
+    return torch.stack([load_balancing_loss(seq, topk, coeff, score_function)
+                        for seq in per_sequence]).mean()
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """ST-MoE's router z-loss: ``coeff * mean_t logsumexp(logits_t)^2``."""
+    return torch.logsumexp(logits, dim=-1).square().mean() * coeff
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on ``x``; the backward pass also gives ``loss`` the gradient ``scale`` (as if
+    ``scale * loss`` had been added to the scalar being differentiated)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+def attach_loss(x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x``, carrying ``scale * loss`` into the backward pass."""
+    return _AttachLoss.apply(x, loss, scale)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class Router(nn.Module):
+    """Linear ``h -> E`` without bias, computed in fp32, then routing and its losses."""
+
+    def __init__(self, config: ModelConfig, init: InitRNG, *, device=None) -> None:
+        super().__init__()
+        self.config = config
+        weight = torch.empty(config.num_experts, config.hidden_size)
+        if init.normal() is not None:
+            init.normal()(weight)
+        self.weight = nn.Parameter(weight.to(device=device, dtype=config.params_dtype))
+        self.loss_scale = 1.0  # set_loss_scale: the backward scale of the router losses
+        self.reported: dict[str, torch.Tensor] = {}
+
+    def forward(self, tokens: torch.Tensor, seq_length: int,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs, routing_map)`` ``[T, E]`` for ``tokens`` ``[T, h]`` (sequence-major)."""
+        cfg = self.config
+        logits = F.linear(tokens.float(), self.weight.float())  # [T, E]
+        training = self.training and torch.is_grad_enabled()
+        self.reported = {}  # this pass's only: evaluation reports none
+        if cfg.moe_z_loss_coeff is not None and self.training:
+            unweighted = z_loss(logits, 1.0)  # reported so, even at coefficient 0
+            self.reported[Z_LOSS] = unweighted.detach()
+            loss = unweighted * cfg.moe_z_loss_coeff
+            if training:
+                logits = attach_loss(logits, loss, self.loss_scale)
+        probs, routing_map = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
+                                   cfg.moe_router_pre_softmax)
+        if cfg.moe_expert_capacity_factor is not None:
+            probs, routing_map = drop_tokens(
+                probs, routing_map, cfg.moe_router_topk, cfg.moe_expert_capacity_factor,
+                cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity)
+        kind, coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
+        if kind != "none" and coeff > 0 and self.training:
+            args = (cfg.moe_router_topk, coeff, cfg.moe_router_score_function)
+            loss = (load_balancing_loss(logits, *args) if kind == "aux_loss"
+                    else sequence_load_balancing_loss(logits, seq_length, *args))
+            name = LOAD_BALANCING if kind == "aux_loss" else SEQ_LOAD_BALANCING
+            self.reported[name] = loss.detach() / coeff
+            if training:
+                probs = attach_loss(probs, loss, self.loss_scale)
+        return probs, routing_map
+
+
+class MoELayer(nn.Module):
+    """Router, ``E`` experts (``local_experts``) and an optional shared expert, in place of
+    a layer's MLP: ``[s, b, h] -> [s, b, h]`` (``[s/tp, b, h]`` under sequence
+    parallelism).
+
+    ``mlp``: the dense MLP class (``transformer.ParallelMLP``), built for each expert with its
+    width and ``sequence_parallel=False`` (the layer has gathered the sequence already).
+    """
+
+    def __init__(self, config: ModelConfig, layer_number: int, mlp: Callable[..., nn.Module],
+                 *, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.router = Router(config, InitRNG(config, f"layer{layer_number}.router"),
+                             device=device)
+
+        def expert(key: str, width: int) -> nn.Module:
+            return mlp(config, InitRNG(config, f"layer{layer_number}.{key}"), device=device,
+                       ffn_hidden_size=width, sequence_parallel=False)
+
+        self.local_experts = nn.ModuleList(expert(f"expert{j}", config.moe_ffn_hidden_size)
+                                           for j in range(config.num_experts))
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = expert("shared_expert",
+                                         config.moe_shared_expert_intermediate_size)
+        self.sequence_parallel = (config.sequence_parallel
+                                  and config.tensor_model_parallel_size > 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            # Every tensor rank routes the whole sequence; the gradient of the gathered input
+            # is already whole on each rank (router replicated, experts all-reduced), so the
+            # backward hands each rank its own part rather than summing.
+            x = mappings.gather_from_sequence_parallel_region(
+                x, tensor_parallel_output_grad=False)
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)  # [T, h], sequence-major
+        probs, routing_map = self.router(tokens, s)  # [T, E]
+        out = torch.zeros_like(tokens)
+        for j, expert in enumerate(self.local_experts):
+            # Every expert runs, even on no tokens, so each parameter gets its gradient
+            # (the data-parallel buckets wait for all of them).
+            idx = routing_map[:, j].nonzero().squeeze(1)  # [n_j]
+            y = expert(tokens[idx].unsqueeze(1)).squeeze(1)  # [n_j, h]
+            out = out.index_add(0, idx, y * probs[idx, j].unsqueeze(1).to(y.dtype))
+        out = out.view(s, b, h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if self.sequence_parallel:
+            out = mappings.scatter_to_sequence_parallel_region(out)
+        return out
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """The mixture-of-experts layers inside ``model`` (any wrapper), in model order."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def set_loss_scale(models: list[nn.Module], scale: float) -> None:
+    """Make the router losses' gradients ``scale`` times theirs, as the language-model loss's
+    are (1 / micro-batches of the step, times the fp16 loss scale)."""
+    for model in models:
+        for layer in moe_layers(model):
+            layer.router.loss_scale = scale
+
+
+def reported_losses(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The router losses of ``model``'s last training forward pass, each averaged over its
+    mixture-of-experts layers (Megatron-LM's ``load_balancing_loss`` and ``z_loss``, without
+    their coefficients); empty for a dense model or outside training."""
+    per_name: dict[str, list[torch.Tensor]] = {}
+    for layer in moe_layers(model):
+        for name, value in layer.router.reported.items():
+            per_name.setdefault(name, []).append(value)
+    return {name: torch.stack(values).mean() for name, values in per_name.items()}

@@ -1,0 +1,88 @@
+"""A mixture-of-experts GPT (4 experts, top-2, dropless, load-balancing and z losses) trains
+through the real pretrain() entry, and every (tensor, data) layout equals the one-process run
+within 1e-5 relative: losses, both router losses and grad norms. A --ckpt-format torch
+checkpoint of it resumes into the same run."""
+
+import math
+
+import pytest
+
+import pretrain_gpt
+from tests.dist_utils import run_distributed
+from tests.distributed import training_utils
+from tools.checkpoint import convert
+
+ITERS = 3
+MOE = {"--num-experts": 4, "--moe-router-topk": 2, "--moe-aux-loss-coeff": 0.01,
+       "--moe-z-loss-coeff": 1e-3, "--moe-ffn-hidden-size": 64}
+NAMES = ("lm loss", "load_balancing_loss", "z_loss")
+
+
+def argv(corpus, cache, **overrides):
+    return training_utils.base_argv(corpus, cache, **{
+        "--global-batch-size": 8, "--train-iters": ITERS, "--lr": 1e-3, "--min-lr": 1e-4,
+        "--lr-warmup-iters": 1, "--lr-decay-iters": ITERS, **MOE, **overrides})
+
+
+def _train(rank, world_size, argv):
+    state = pretrain_gpt.main(argv)
+    return [[h["losses"][n] for n in NAMES] + [h["grad_norm"]] for h in state.history]
+
+
+def train(world_size, argv):
+    histories = run_distributed(_train, world_size, argv, start_method="fork")
+    for other in histories[1:]:
+        assert other == histories[0]
+    return histories[0]
+
+
+def assert_same_run(got, expected, rel=1e-5):
+    assert len(got) == len(expected)
+    for i, (step, ref) in enumerate(zip(got, expected)):
+        for name, value, want in zip((*NAMES, "grad norm"), step, ref):
+            assert math.isclose(value, want, rel_tol=rel), (i, name, value, want)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, cache):
+    run = train(1, argv(corpus, cache))
+    losses = [step[0] for step in run]
+    assert losses[-1] < losses[0], "the MoE model does not learn"
+    for step in run:  # the load-balancing loss is about 1 (its value at balance) here
+        assert 0.9 < step[1] < 1.5 and step[2] > 0
+    return run
+
+
+@pytest.mark.parametrize("world, layout", [
+    (2, {"--tensor-model-parallel-size": 2}),
+    (2, {"--use-distributed-optimizer": True}),
+    (2, {"--tensor-model-parallel-size": 2, "--sequence-parallel": True}),
+    # Buckets reduced while the backward runs (2 micro-batches a rank; the same micro-batch
+    # size, since the router losses are each micro-batch's).
+    (2, {"--overlap-grad-reduce": True}),
+    (1, {"--recompute-granularity": "full", "--recompute-method": "uniform"}),
+], ids=["tp2", "dp2-distopt", "tp2-seqpar", "dp2-overlap", "full-recompute"])
+def test_moe_layout_matches_single_process(corpus, cache, reference, world, layout):
+    assert_same_run(train(world, argv(corpus, cache, **layout)), reference)
+
+
+@pytest.mark.parametrize("saved_tp, loaded_tp", [(1, 1), (2, 1)], ids=["same", "tp2-to-tp1"])
+def test_moe_checkpoint_resumes_the_same_run(corpus, cache, reference, tmp_path, saved_tp,
+                                             loaded_tp):
+    """Expert weights are cut over tensor ranks like the MLP's: a tp 2 checkpoint resumes at
+    tp 1 too."""
+    save = str(tmp_path / "ckpt")
+    first = train(saved_tp, argv(corpus, cache, **{
+        "--train-iters": 2, "--save": save, "--save-interval": 2, "--ckpt-format": "torch",
+        "--tensor-model-parallel-size": saved_tp}))
+    assert_same_run(first, reference[:2])
+    if loaded_tp != saved_tp:  # Megatron-LM's converter interface reshards it
+        resharded = str(tmp_path / f"ckpt_tp{loaded_tp}")
+        assert convert.main(["--model-type", "GPT", "--loader", "megatron", "--saver",
+                             "megatron", "--load-dir", save, "--save-dir", resharded,
+                             "--target-tensor-parallel-size", str(loaded_tp),
+                             "--target-pipeline-parallel-size", "1"]) == 0
+        save = resharded
+    resumed = train(loaded_tp, argv(corpus, cache, **{
+        "--load": save, "--tensor-model-parallel-size": loaded_tp}))
+    assert_same_run(resumed, reference[2:])
