@@ -111,8 +111,8 @@ def _rehearse(script: str, tmp_path, model: str, *shrink: str, **env) -> str:
     (LLAMA2, "1", "tensor 1 x pipeline 1 x data 8 = 8 ranks, distributed optimizer", "6.48 G"),
     (LLAMA3, "8", "tensor 2 x pipeline 1 x data 32 = 64 ranks, sequence parallel, "
                   "distributed optimizer", "3.49 G"),
-    # 128K tokens over context 8 x tensor 4 (shrunk to 64 tokens: 2 x 8 chunks of 4).
-    (LONG, "8", "tensor 4 x pipeline 1 x context 8 (p2p) x data 2 = 64 ranks, sequence "
+    # 32K tokens over context 2 x tensor 4 (shrunk to 64 tokens: 2 x 2 chunks of 16).
+    (LONG, "8", "tensor 4 x pipeline 1 x context 2 (p2p) x data 8 = 64 ranks, sequence "
                 "parallel, distributed optimizer", "1.75 G"),
 ])
 def test_the_recipes_rehearse_at_their_layouts(llama3_data, tmp_path, script, nodes, layout,
@@ -125,7 +125,7 @@ def test_the_recipes_rehearse_at_their_layouts(llama3_data, tmp_path, script, no
     long = script == LONG
     out = _rehearse(script, tmp_path, model,
                     *(("--rehearse-hidden-size", "64", "--rehearse-seq-length", "64") if long
-                      else ()), NUM_NODES=nodes, **({"CONTEXT": "131072"} if long else {}))
+                      else ()), NUM_NODES=nodes)
     assert layout in out
     assert "32 layers, 32 heads, hidden 64 (run: 4096)" in out
     line = next(line for line in out.splitlines() if line.startswith("parameters "))
