@@ -228,8 +228,6 @@ class RunConfig:
                 (self.training.compile, "--compile is not wired into DeepSpeed's engine (its "
                  "ZeRO hooks and pipeline module are not traced); drop it or train without "
                  "--deepspeed"),
-                (self.training.dry_run or self.training.rehearse, "--dry-run / --rehearse: "
-                 "the planner's memory formulas count dense MLPs (planned)"),
                 (self.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist: "
                  "DeepSpeed's engine saves its own checkpoint layout"),
                 (self.checkpoint.async_save, "--async-save: DeepSpeed's engine writes its own "
@@ -263,7 +261,9 @@ class RunConfig:
                  "XLA step has no data-dependent expert routing"),
                 (self.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist: "
                  "expert weights are not in the megatron-core layout yet; use --ckpt-format "
-                 "torch")):
+                 "torch"),
+                (self.training.dry_run or self.training.rehearse, "--dry-run / --rehearse: "
+                 "the planner's memory formulas count dense MLPs (planned)")):
             require(not given, f"--num-experts ({e}) cannot be combined with {why}")
 
     def _check_context_parallel(self) -> None:

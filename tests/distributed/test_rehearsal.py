@@ -228,7 +228,7 @@ def test_a_rank_whose_own_code_fails_is_named(capsys):
         import pretrain_gpt
 
         original = pretrain_gpt.loss_func
-        pretrain_gpt.loss_func = lambda *args: 1 / 0
+        pretrain_gpt.loss_func = lambda *args, **kwargs: 1 / 0
         try:
             yield
         finally:
