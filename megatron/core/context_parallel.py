@@ -216,13 +216,14 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < size:
                 ring.start(block)
             owner = (rank - step) % size
-            for (x, qx), y, (ky, vy) in _pairs(q_ids, q_parts, chunk_ids(size, owner, "p2p"),
-                                               block):
-                if y > x:
-                    continue
-                out, lse = _block_forward(qx, ky, vy, scale, causal=(y == x))
-                outs[q_ids.index(x)], lses[q_ids.index(x)] = _merge(
-                    outs[q_ids.index(x)], lses[q_ids.index(x)], out, lse)
+            k_parts, v_parts = block[0].chunk(2, dim=2), block[1].chunk(2, dim=2)
+            for i, x in enumerate(q_ids):
+                for j, y in enumerate(chunk_ids(size, owner, "p2p")):
+                    if y > x:
+                        continue
+                    out, lse = _block_forward(q_parts[i], k_parts[j], v_parts[j], scale,
+                                              causal=(y == x))
+                    outs[i], lses[i] = _merge(outs[i], lses[i], out, lse)
             if step + 1 < size:
                 block = ring.finish()
         out = torch.cat(outs, dim=2)
@@ -269,14 +270,6 @@ class RingAttention(torch.autograd.Function):
         dk, dv = block  # this rank's own block's gradients, home from the last hop
         dq = torch.cat(dq_parts, dim=2)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
-def _pairs(q_ids, q_parts, kv_ids, block):
-    """(query chunk id and part, key chunk id, its (key, value) parts) for every pair."""
-    k_parts, v_parts = block[0].chunk(2, dim=2), block[1].chunk(2, dim=2)
-    for x, qx in zip(q_ids, q_parts):
-        for y, ky, vy in zip(kv_ids, k_parts, v_parts):
-            yield (x, qx), y, (ky, vy)
 
 
 def _grouped(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
