@@ -22,6 +22,7 @@ from megatron.config.base import (
     require,
     set_field,
 )
+from megatron.config.parallel import context_flag
 
 _MOE_FIELDS = ("moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
                "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
@@ -260,7 +261,7 @@ class ModelConfig(Slice):
         cp, kind = self.context_parallel_size, self.context_attention
         if cp == 1:
             return
-        flag = "--ds-sequence-parallel-size" if kind == "ulysses" else "--context-parallel-size"
+        flag = context_flag(kind)
         chunks = cp if kind == "ulysses" else 2 * cp
         require(self.seq_length % chunks == 0,
                 f"--seq-length ({self.seq_length}) is not divisible by {chunks}: {flag} ({cp}) "

@@ -28,6 +28,12 @@ CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 DP_TOPOLOGIES = ("complete", "ring", "exp", "alternating-exp-ring")
 
 
+def context_flag(attention: str) -> str:
+    """The flag that splits sequences for ``attention`` (``ParallelConfig.context_attention``):
+    Ulysses' own, else --context-parallel-size."""
+    return "--ds-sequence-parallel-size" if attention == "ulysses" else "--context-parallel-size"
+
+
 @dataclass(frozen=True)
 class ParallelConfig(Slice):
     """Parallel degrees. The data-parallel size is what the world size leaves (times the
@@ -143,8 +149,7 @@ class ParallelConfig(Slice):
     @property
     def context_flag(self) -> str:
         """The flag that set ``context_degree``, for messages."""
-        return ("--ds-sequence-parallel-size" if self.ds_sequence_parallel_size > 1
-                else "--context-parallel-size")
+        return context_flag(self.context_attention)
 
     @property
     def context_attention(self) -> str:
