@@ -25,8 +25,7 @@ def _train(rank, world_size, argv):
     state = pretrain_gpt.main(argv)
     split = (parallel_state.get_context_parallel_world_size(),
              parallel_state.get_data_parallel_world_size())
-    return split, [(h["losses"]["lm loss"], h["grad_norm"], h["params_norm"])
-                   for h in state.history]
+    return split, training_utils.run_norms(state.history)
 
 
 def train(world_size, argv, context=1, data=None):
@@ -40,10 +39,7 @@ def train(world_size, argv, context=1, data=None):
 
 
 def assert_same_run(got, expected, rel=1e-5):
-    assert len(got) == len(expected) == ITERS
-    for i, (step, ref_step) in enumerate(zip(got, expected)):
-        for name, value, ref in zip(("loss", "grad norm", "params norm"), step, ref_step):
-            assert math.isclose(value, ref, rel_tol=rel), (i, name, value, ref)
+    training_utils.assert_same_run(got, expected, ITERS, rel)
 
 
 @pytest.fixture(scope="module")

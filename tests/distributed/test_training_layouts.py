@@ -3,7 +3,6 @@
 relative (fp32), for GPT and for the Llama family's options (RMSNorm, SwiGLU, grouped-query
 attention, RoPE, untied, no biases) on the layouts that cut them."""
 
-import math
 
 import pytest
 
@@ -21,8 +20,7 @@ def base_argv(corpus, cache_dir, **overrides):
 
 
 def _train(rank, world_size, argv):
-    state = pretrain_gpt.main(argv)
-    return [(h["losses"]["lm loss"], h["grad_norm"], h["params_norm"]) for h in state.history]
+    return training_utils.run_norms(pretrain_gpt.main(argv).history)
 
 
 def train(world_size, argv):
@@ -33,10 +31,7 @@ def train(world_size, argv):
 
 
 def assert_same_run(got, expected, rel=1e-5):
-    assert len(got) == len(expected) == ITERS
-    for i, (step, ref_step) in enumerate(zip(got, expected)):
-        for name, value, ref in zip(("loss", "grad norm", "params norm"), step, ref_step):
-            assert math.isclose(value, ref, rel_tol=rel), (i, name, value, ref)
+    training_utils.assert_same_run(got, expected, ITERS, rel)
 
 
 @pytest.fixture(scope="module")

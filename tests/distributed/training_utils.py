@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import importlib.util
 import io
+import math
 import os
 import sys
 from pathlib import Path
@@ -139,3 +140,16 @@ class RecordingIterator:
         text = sample["text"].numpy().tobytes()
         self.log.append(hashlib.sha1(text).hexdigest()[:12])
         return sample
+
+
+def run_norms(history) -> list[tuple]:
+    """(lm loss, grad norm, params norm) of each iteration of a run's history."""
+    return [(h["losses"]["lm loss"], h["grad_norm"], h["params_norm"]) for h in history]
+
+
+def assert_same_run(got, expected, iters: int, rel: float = 1e-5) -> None:
+    """Two runs' ``run_norms`` agree, iteration by iteration, within ``rel``."""
+    assert len(got) == len(expected) == iters
+    for i, (step, ref_step) in enumerate(zip(got, expected)):
+        for name, value, ref in zip(("loss", "grad norm", "params norm"), step, ref_step):
+            assert math.isclose(value, ref, rel_tol=rel), (i, name, value, ref)
