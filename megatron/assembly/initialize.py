@@ -155,6 +155,7 @@ def initialize_megatron(config: RunConfig) -> torch.device:
         parallel_state.initialize_model_parallel(
             p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
             p.virtual_pipeline_model_parallel_size, context_parallel_size=p.context_degree,
+            expert_model_parallel_size=p.expert_model_parallel_size,
             distributed_timeout_minutes=t.distributed_timeout_minutes)
     set_random_seeds(t.seed)
     if device.type == "xla":  # dropout there draws from the device's own generator

@@ -79,7 +79,7 @@ NO_OP_FLAGS = {
 # leaves this table when its feature lands (and becomes a field or a translated flag).
 _LLAMA = "planned with the Llama-family models"
 _MOE = "this part of mixture-of-experts training is planned"
-_EP = "expert parallelism is planned; experts are split over the tensor-parallel ranks today"
+_EP = "experts are cut over the --tensor-model-parallel-size ranks here"
 MISSING_FEATURES = {
     "--qk-layernorm": "layer norms on queries and keys",
     "--apply-layernorm-1p": "zero-centred layer-norm weights",
@@ -109,7 +109,7 @@ def missing_feature(spelling: str) -> Optional[str]:
 # Old spellings resolved into fields by ``translate``.
 TRANSLATED_FLAGS = ("checkpoint_activations", "recompute_activations",
                     "distribute_checkpointed_activations", "expert_interval",
-                    "expert_model_parallel_size",
+                    "moe_expert_parallel_size",
                     "use_rotary_position_embeddings", "use_dist_ckpt", "no_position_embedding")
 
 
@@ -127,9 +127,10 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-interval", type=int, default=None,
                    help="Megatron-DeepSpeed's: layers N, 2N, ... (1-based) are mixtures of "
                    "experts; becomes the list form of --moe-layer-freq (default: unset).")
-    g.add_argument("--expert-model-parallel-size", "--moe-expert-parallel-size", type=int,
-                   default=1, dest="expert_model_parallel_size",
-                   help=f"Only 1: {_EP} (default: 1).")
+    g.add_argument("--moe-expert-parallel-size", type=int, default=None,
+                   dest="moe_expert_parallel_size",
+                   help="Megatron-DeepSpeed's spelling of --expert-model-parallel-size "
+                   "(default: unset).")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron-DeepSpeed's spelling of --position-embedding-type rope.")
     g.add_argument("--use-dist-ckpt", action="store_true",
@@ -155,9 +156,12 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
 
 def translate(ns: argparse.Namespace) -> None:
     """Resolve the old spellings into fields; refuse what cannot be honoured."""
-    if ns.expert_model_parallel_size != 1:
-        raise ConfigError(f"--expert-model-parallel-size {ns.expert_model_parallel_size}: "
-                          f"only 1; {_EP}")
+    if ns.moe_expert_parallel_size is not None:
+        ep, given = ns.expert_model_parallel_size, ns.moe_expert_parallel_size
+        if ep not in (1, given):
+            raise ConfigError(f"--expert-model-parallel-size ({ep}) and "
+                              f"--moe-expert-parallel-size ({given}) disagree: give one")
+        ns.expert_model_parallel_size = given
     if ns.expert_interval is not None and ns.num_experts not in (None, 1):
         _translate_expert_interval(ns)  # with one expert Megatron-DeepSpeed ignores it too
     if ns.no_position_embedding and ns.position_embedding_type == "learned_absolute":

@@ -28,7 +28,7 @@ _MOE_FIELDS = ("moe_router_topk", "moe_router_score_function", "moe_router_pre_s
                "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                "moe_expert_capacity_factor", "moe_token_drop_policy",
                "moe_pad_expert_input_to_capacity", "moe_layer_freq", "moe_ffn_hidden_size",
-               "moe_shared_expert_intermediate_size")
+               "moe_shared_expert_intermediate_size", "moe_token_dispatcher_type")
 _LIST_TERM = re.compile(r"\[([01](?:\s*,\s*[01])*)\](?:\s*\*\s*(\d+))?")
 
 
@@ -193,6 +193,11 @@ class ModelConfig(Slice):
     moe_layer_freq: str = option(
         default="1", feeds=("moe_layers",), help="Which layers are mixtures of experts: every Nth from the first "
         "(N), or Megatron's per-layer list such as \"([1]*3+[0])*2\" (1: experts).")
+    moe_token_dispatcher_type: str = option(
+        default="allgather", choices=("allgather", "alltoall"), help="How tokens reach experts "
+        "on other --expert-model-parallel-size ranks: allgather (every rank gathers all "
+        "tokens, computes its experts' share, and the shares are summed back) or alltoall "
+        "(each token travels only to the ranks of its experts and back). Same results.")
     moe_ffn_hidden_size: Optional[int] = option(
         default=None, help="Width of each expert's MLP (--ffn-hidden-size when unset).")
     moe_shared_expert_intermediate_size: Optional[int] = option(
@@ -210,6 +215,7 @@ class ModelConfig(Slice):
     # --ds-sequence-parallel-size's ulysses).
     context_parallel_size: int = received("parallel.context_degree", 1)
     context_attention: str = received("parallel.context_attention", "p2p")
+    expert_model_parallel_size: int = received("parallel.expert_model_parallel_size", 1)
     seed: int = received("training.seed", 1234)
 
     def __post_init__(self) -> None:
@@ -287,7 +293,9 @@ class ModelConfig(Slice):
         """The mixture-of-experts options: checked, and resolved (expert width, layer list)."""
         if self.num_experts == 1:  # Megatron-DeepSpeed's dense scripts pass --num-experts 1
             set_field(self, "num_experts", None)
+        ep = self.expert_model_parallel_size
         if self.num_experts is None:
+            require(ep == 1, f"--expert-model-parallel-size ({ep}) needs --num-experts above 1")
             for name in _MOE_FIELDS:
                 value = getattr(self, name)
                 require(value == ModelConfig.__dataclass_fields__[name].default,
@@ -298,6 +306,9 @@ class ModelConfig(Slice):
         require(e > 1, f"--num-experts must be positive, got {e}")
         require(1 <= k <= e, f"--moe-router-topk ({k}) must be between 1 and --num-experts "
                 f"({e})")
+        require(e % ep == 0, f"--num-experts ({e}) is not divisible by "
+                f"--expert-model-parallel-size ({ep})")
+        one_of(self, "moe_token_dispatcher_type", ("allgather", "alltoall"))
         one_of(self, "moe_router_score_function", ("softmax", "sigmoid"))
         one_of(self, "moe_router_load_balancing_type", ("aux_loss", "seq_aux_loss", "none"))
         one_of(self, "moe_token_drop_policy", ("probs", "position"))

@@ -81,6 +81,13 @@ class ParallelConfig(Slice):
         "sequence into contiguous shards, exchanged for head shards by all-to-all around "
         "attention. Combines with tensor, pipeline and data parallelism here.",
         feeds=("context_degree", "context_attention"))
+    # Mixtures of experts (issue 34): megatron/model/moe.py.
+    expert_model_parallel_size: int = option(
+        default=1, help="Ranks that share out each mixture-of-experts layer's experts (each "
+        "holds --num-experts / this many); tokens travel to their experts and back by "
+        "all-to-all or all-gather (--moe-token-dispatcher-type). Cut out of the data-parallel "
+        "ranks: it must divide the data-parallel size. Megatron-DeepSpeed's "
+        "--moe-expert-parallel-size is the same.")
     dp_mode: str = option(
         default="allreduce", choices=DP_MODES, help="How data-parallel replicas agree: "
         "allreduce (average the gradients every step) or decentralized (each replica steps on "
@@ -120,6 +127,26 @@ class ParallelConfig(Slice):
         one_of(self, "dp_mode", DP_MODES)
         one_of(self, "dp_topology", DP_TOPOLOGIES)
         self._check_dp_topology()
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """Expert parallelism is carved out of the data-parallel ranks."""
+        ep, dp = self.expert_model_parallel_size, self.data_parallel_size
+        positive(self, "expert_model_parallel_size")
+        if ep == 1:
+            return
+        require(self.context_degree == 1,
+                f"--expert-model-parallel-size ({ep}) cannot be combined with "
+                f"{self.context_flag} ({self.context_degree}) yet")
+        require(self.dp_mode == "allreduce",
+                f"--expert-model-parallel-size ({ep}) needs --dp-mode allreduce")
+        require(self.xla_spmd_devices is None,
+                f"--expert-model-parallel-size ({ep}) does not run under XLA SPMD")
+        require(dp % ep == 0,
+                f"--expert-model-parallel-size ({ep}) must divide the data-parallel size "
+                f"({dp} = world size {self.world_size} / (--tensor-model-parallel-size "
+                f"{self.tensor_model_parallel_size} x --pipeline-model-parallel-size "
+                f"{self.pipeline_model_parallel_size}))")
 
     def _check_dp_topology(self) -> None:
         """The sizes ring and exp need (alternating-exp-ring's nodes are checked at start-up,

@@ -35,6 +35,8 @@ class RankGroups:
     position_embedding: list[list[int]]
     context: list[list[int]]
     data_context: list[list[int]]
+    expert: list[list[int]]
+    expert_data: list[list[int]]
 
     def containing(self, kind: str, rank: int) -> list[int]:
         """The group of ``kind`` that holds ``rank`` (empty if none, e.g. embedding groups)."""
@@ -46,9 +48,17 @@ class RankGroups:
 
 def build_rank_groups(world_size: int, tensor_model_parallel_size: int = 1,
                       pipeline_model_parallel_size: int = 1,
-                      context_parallel_size: int = 1) -> RankGroups:
-    """The rank lists of every process group, as Megatron lays them out."""
+                      context_parallel_size: int = 1,
+                      expert_model_parallel_size: int = 1) -> RankGroups:
+    """The rank lists of every process group, as Megatron lays them out.
+
+    Expert parallelism splits each data-parallel group (ranks of one tensor and pipeline
+    position) into runs of ``expert_model_parallel_size`` consecutive members, the expert
+    groups (megatron-core's tp-ep-dp-pp order with the experts cut over the tensor ranks as
+    the dense MLP is); the members at the same place of each run hold the same experts and
+    form the expert-data-parallel groups."""
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    ep = expert_model_parallel_size
     if min(tp, pp, cp, world_size) < 1 or world_size % (tp * pp * cp) != 0:
         with_cp = f" x context-parallel size ({cp})" if cp > 1 else ""
         raise ValueError(
@@ -76,8 +86,14 @@ def build_rank_groups(world_size: int, tensor_model_parallel_size: int = 1,
              for d in range(dp) for c in range(cp)]
     embedding = [[g[0], g[-1]] if len(g) > 1 else list(g) for g in pipeline]
     position_embedding = [[g[0]] for g in pipeline]
+    if ep < 1 or dp % ep != 0 or (ep > 1 and cp > 1):
+        raise ValueError(f"the data-parallel size ({dp}) is not divisible by the expert-model-"
+                         f"parallel size ({ep})" if cp == 1 else
+                         "expert parallelism does not combine with context parallelism")
+    expert = [g[i:i + ep] for g in data for i in range(0, dp, ep)]
+    expert_data = [g[i::ep] for g in data for i in range(ep)]
     return RankGroups(tensor, pipeline, data, model, embedding, position_embedding, context,
-                      data_context)
+                      data_context, expert, expert_data)
 
 
 class _State:
@@ -87,6 +103,7 @@ class _State:
         self.groups: Optional[RankGroups] = None
         self.tensor = self.pipeline = self.data = self.model = None
         self.context = self.data_context = None
+        self.expert = self.expert_data = None
         self.embedding = self.position_embedding = None
         self.pipeline_ranks: list[int] = []
         self.embedding_ranks: list[int] = []
@@ -115,6 +132,8 @@ GROUP_DESCRIPTIONS = {
     "position_embedding": "POSITION_EMBEDDING_GROUP",
     "context": "CONTEXT_PARALLEL_GROUP",
     "data_context": "DATA_PARALLEL_GROUP_WITH_CP",
+    "expert": "EXPERT_MODEL_PARALLEL_GROUP",
+    "expert_data": "EXPERT_DATA_PARALLEL_GROUP",
 }
 
 
@@ -122,6 +141,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
                               *, context_parallel_size: int = 1,
+                              expert_model_parallel_size: int = 1,
                               distributed_timeout_minutes: float = 30) -> None:
     """Create all process groups. Every rank must call this with the same sizes.
 
@@ -135,7 +155,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         raise RuntimeError("model parallel groups are already initialized")
     world_size, rank = dist.get_world_size(), dist.get_rank()
     groups = build_rank_groups(world_size, tensor_model_parallel_size,
-                               pipeline_model_parallel_size, context_parallel_size)
+                               pipeline_model_parallel_size, context_parallel_size,
+                               expert_model_parallel_size)
     _state.timeout = datetime.timedelta(minutes=distributed_timeout_minutes)
 
     def make(kind: str):
@@ -158,6 +179,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     _state.context = make("context") if context_parallel_size > 1 else None
     # Without context parallelism the data x context groups are the data groups.
     _state.data_context = make("data_context") if context_parallel_size > 1 else _state.data
+    # Without expert parallelism every rank holds all experts: the expert-data groups are the
+    # data groups and there are no expert groups.
+    if expert_model_parallel_size > 1:
+        _state.expert, _state.expert_data = make("expert"), make("expert_data")
+    else:
+        _state.expert, _state.expert_data = None, _state.data
     _state.pipeline_ranks = groups.containing("pipeline", rank)
     _state.data_ranks = groups.containing("data", rank)
     _state.context_ranks = groups.containing("context", rank)
@@ -270,6 +297,28 @@ def get_data_parallel_group(with_context_parallel: bool = False):
 
 def get_context_parallel_group():
     return _need(_state.context)
+
+
+def get_expert_model_parallel_group():
+    """The ranks that share out one replica's experts (None without expert parallelism)."""
+    return _state.expert
+
+
+def get_expert_data_parallel_group():
+    """The ranks holding the same experts, over which their gradients are reduced."""
+    return _need(_state.expert_data)
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _size(_state.expert)
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _rank(_state.expert)
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return _size(_state.expert_data)
 
 
 def get_model_parallel_group():

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers (Megatron-LM's MoE, without expert parallelism yet).
+"""Mixture-of-experts layers (Megatron-LM's MoE).
 
 A router scores each token against ``E`` experts, sends it to its top ``k``, and the layer's
 output is the routed experts' outputs weighted by the routing probabilities (plus a shared
@@ -13,10 +13,16 @@ expert's, if any). The definitions follow megatron-core's ``transformer/moe/rout
 - the z-loss (``z_loss``): ``coeff * mean_t logsumexp(logits_t)^2``;
 - capacity (``drop_tokens``): each expert keeps at most ``ceil(T * k / E * factor)`` tokens.
 
-Every tensor rank holds all experts, each cut over the tensor ranks like the dense MLP
-(``ParallelMLP``: column- then row-parallel), and routes the whole sequence the same way, so
-any tensor/data layout computes what one process does. Under sequence parallelism the layer
-gathers the sequence first and hands back each rank's part.
+Each expert is cut over the tensor ranks like the dense MLP (``ParallelMLP``: column- then
+row-parallel), and every tensor rank routes the whole sequence the same way. Under sequence
+parallelism the layer gathers the sequence first and hands back each rank's part. With
+expert parallelism (``--expert-model-parallel-size N``) a rank holds ``E / N`` experts (rank
+``r`` of the expert group: experts ``r E/N ...``, ``local_experts.j`` being expert
+``r E/N + j``), routes its own tokens, and the tokens reach their experts' ranks and come
+back either by all-to-all (only the chosen (token, expert) pairs travel) or by all-gather
+(every rank computes its experts' share of all the group's tokens; the shares are summed back
+by reduce-scatter). An expert sees the same rows it would in one process, so every layout
+computes what one process does, up to the order of floating-point sums.
 
 The router losses join training the way Megatron-LM adds them: an autograd function that is
 the identity on the routing probabilities and, in the backward pass, adds the loss's gradient
@@ -35,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.core import expert_parallel, parallel_state
 from megatron.core.tensor_parallel import mappings
 from megatron.model.init import InitRNG
 
@@ -222,8 +229,17 @@ class MoELayer(nn.Module):
             return mlp(config, InitRNG(config, f"layer{layer_number}.{key}"), device=device,
                        ffn_hidden_size=width, sequence_parallel=False)
 
-        self.local_experts = nn.ModuleList(expert(f"expert{j}", config.moe_ffn_hidden_size)
-                                           for j in range(config.num_experts))
+        self.ep_size = config.expert_model_parallel_size
+        self.num_local = config.num_experts // self.ep_size
+        self.first_expert = (parallel_state.get_expert_model_parallel_rank() * self.num_local
+                             if self.ep_size > 1 else 0)
+        # Keyed by the global expert number: the same weights at every expert-parallel size.
+        self.local_experts = nn.ModuleList(
+            expert(f"expert{self.first_expert + j}", config.moe_ffn_hidden_size)
+            for j in range(self.num_local))
+        if self.ep_size > 1:
+            for param in self.local_experts.parameters():
+                param.allreduce = False  # megatron-core's mark: reduced over expert-data ranks
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = expert("shared_expert",
@@ -241,19 +257,69 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # [T, h], sequence-major
         probs, routing_map = self.router(tokens, s)  # [T, E]
-        out = torch.zeros_like(tokens)
-        for j, expert in enumerate(self.local_experts):
-            # Every expert runs, even on no tokens, so each parameter gets its gradient
-            # (the data-parallel buckets wait for all of them).
-            idx = routing_map[:, j].nonzero().squeeze(1)  # [n_j]
-            y = expert(tokens[idx].unsqueeze(1)).squeeze(1)  # [n_j, h]
-            out = out.index_add(0, idx, y * probs[idx, j].unsqueeze(1).to(y.dtype))
+        if self.ep_size == 1:
+            out = self._combine_local(tokens, probs, routing_map)
+        elif self.config.moe_token_dispatcher_type == "allgather":
+            out = self._by_all_gather(tokens, probs, routing_map)
+        else:
+            out = self._by_all_to_all(tokens, probs, routing_map)
         out = out.view(s, b, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.sequence_parallel:
             out = mappings.scatter_to_sequence_parallel_region(out)
         return out
+
+    def _run_experts(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Local expert ``j`` on ``inputs[j]`` ``[n_j, h]``. Every expert runs, even on no
+        tokens, so each parameter gets its gradient (the data-parallel buckets wait for all
+        of them)."""
+        return [expert(x.unsqueeze(1)).squeeze(1) for expert, x in zip(self.local_experts, inputs)]
+
+    def _combine_local(self, tokens: torch.Tensor, probs: torch.Tensor,
+                       routing_map: torch.Tensor) -> torch.Tensor:
+        """``sum_j probs[:, j] * expert_j(tokens)`` over the local experts, for the tokens
+        routed to each (``probs``/``routing_map``: the local experts' columns)."""
+        rows = [routing_map[:, j].nonzero().squeeze(1) for j in range(self.num_local)]
+        outputs = self._run_experts([tokens[idx] for idx in rows])
+        out = torch.zeros_like(tokens)
+        for j, (idx, y) in enumerate(zip(rows, outputs)):
+            out = out.index_add(0, idx, y * probs[idx, j].unsqueeze(1).to(y.dtype))
+        return out
+
+    def _by_all_gather(self, tokens: torch.Tensor, probs: torch.Tensor,
+                       routing_map: torch.Tensor) -> torch.Tensor:
+        """Every rank of the expert group computes its experts' share of all the group's
+        tokens; the reduce-scatter sums the shares and hands each rank its own tokens."""
+        group = parallel_state.get_expert_model_parallel_group()
+        mine = slice(self.first_expert, self.first_expert + self.num_local)
+        all_tokens = expert_parallel.gather_rows(tokens, group)
+        all_probs = expert_parallel.gather_rows(probs, group)[:, mine]
+        all_map = expert_parallel.gather_rows(routing_map.to(torch.uint8), group)[:, mine]
+        share = self._combine_local(all_tokens, all_probs, all_map.bool())
+        return expert_parallel.reduce_scatter_rows(share, group)
+
+    def _by_all_to_all(self, tokens: torch.Tensor, probs: torch.Tensor,
+                       routing_map: torch.Tensor) -> torch.Tensor:
+        """Each (token, expert) pair travels to the expert's rank and its output back."""
+        group, n_local = parallel_state.get_expert_model_parallel_group(), self.num_local
+        # The pairs in expert order, hence grouped by the rank they go to.
+        pair_token, pair_expert = routing_map.t().nonzero(as_tuple=True)[::-1]
+        counts = routing_map.sum(dim=0).view(self.ep_size, n_local)  # sent, [rank, expert]
+        received = expert_parallel.exchange_counts(counts, group)  # [source, local expert]
+        send_splits, recv_splits = counts.sum(1).tolist(), received.sum(1).tolist()
+        arrived = expert_parallel.all_to_all(tokens[pair_token], group, recv_splits, send_splits)
+        # Rows arrive by source rank, each source's by local expert: expert j's rows are the
+        # j-th block of every source's part.
+        starts = (torch.cumsum(received.flatten(), 0) - received.flatten()).view_as(received)
+        rows = [torch.cat([torch.arange(int(starts[src, j]), int(starts[src, j] + received[src, j]),
+                                        device=tokens.device) for src in range(self.ep_size)])
+                for j in range(n_local)]
+        outputs = self._run_experts([arrived[idx] for idx in rows])
+        done = arrived.new_zeros(arrived.shape).index_add(0, torch.cat(rows), torch.cat(outputs))
+        back = expert_parallel.all_to_all(done, group, send_splits, recv_splits)
+        weights = probs[pair_token, pair_expert].unsqueeze(1).to(back.dtype)
+        return torch.zeros_like(tokens).index_add(0, pair_token, back * weights)
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:

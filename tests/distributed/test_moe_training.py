@@ -61,7 +61,19 @@ def reference(corpus, cache):
     # size, since the router losses are each micro-batch's).
     (2, {"--overlap-grad-reduce": True}),
     (1, {"--recompute-granularity": "full", "--recompute-method": "uniform"}),
-], ids=["tp2", "dp2-distopt", "tp2-seqpar", "dp2-overlap", "full-recompute"])
+    # Expert parallelism: each rank holds 4 / N experts, tokens travel to them and back.
+    (2, {"--expert-model-parallel-size": 2, "--moe-token-dispatcher-type": "alltoall"}),
+    (2, {"--expert-model-parallel-size": 2, "--moe-token-dispatcher-type": "allgather"}),
+    (4, {"--expert-model-parallel-size": 4, "--moe-token-dispatcher-type": "alltoall"}),
+    (4, {"--expert-model-parallel-size": 2, "--moe-token-dispatcher-type": "alltoall",
+         "--tensor-model-parallel-size": 2, "--sequence-parallel": True}),
+    (4, {"--moe-expert-parallel-size": 2, "--moe-token-dispatcher-type": "alltoall",
+         "--use-distributed-optimizer": True, "--overlap-grad-reduce": True}),
+    (4, {"--expert-model-parallel-size": 2, "--moe-token-dispatcher-type": "allgather",
+         "--use-distributed-optimizer": True}),
+], ids=["tp2", "dp2-distopt", "tp2-seqpar", "dp2-overlap", "full-recompute", "ep2-a2a",
+        "ep2-allgather", "ep4-a2a", "ep2-tp2-seqpar", "ep2-dp4-distopt-overlap",
+        "ep2-allgather-dp4-distopt"])
 def test_moe_layout_matches_single_process(corpus, cache, reference, world, layout):
     assert_same_run(train(world, argv(corpus, cache, **layout)), reference)
 

@@ -89,7 +89,7 @@ NEW_FLAGS = {
     "--moe-expert-capacity-factor", "--moe-token-drop-policy",
     "--moe-pad-expert-input-to-capacity", "--moe-layer-freq", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--expert-interval",
-    "--expert-model-parallel-size", "--moe-expert-parallel-size",
+    "--expert-model-parallel-size", "--moe-expert-parallel-size", "--moe-token-dispatcher-type",
 }
 
 

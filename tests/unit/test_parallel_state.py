@@ -80,3 +80,15 @@ def test_initialize_on_8_gloo_ranks():
         assert o["next"] == (r + 4) % 8 and o["prev"] == (r - 4) % 8
         pair = r - tp_rank
         assert o["tp_sum"] == pair + pair + 1 and o["src"] == pair
+
+
+def test_expert_groups_follow_megatron_cores_tp_ep_dp_order():
+    """8 ranks, tensor 2, expert 2: megatron-core's expert groups (rank = t + 2e + 4d) for
+    experts cut over the tensor ranks."""
+    groups = build_rank_groups(8, 2, expert_model_parallel_size=2)
+    assert groups.expert == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert groups.expert_data == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    single = build_rank_groups(4, expert_model_parallel_size=1)
+    assert single.expert == [[0], [1], [2], [3]] and single.expert_data == single.data
+    with pytest.raises(ValueError, match="not divisible by the expert-model-parallel size"):
+        build_rank_groups(4, 2, expert_model_parallel_size=4)

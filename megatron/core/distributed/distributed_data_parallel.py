@@ -55,6 +55,12 @@ def default_data_parallel_group() -> Optional[Any]:
     return None
 
 
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether ``param`` belongs to experts shared out by expert parallelism (megatron-core's
+    ``allreduce = False`` mark): it differs across the expert group's ranks."""
+    return not getattr(param, "allreduce", True)
+
+
 class DistributedDataParallel(nn.Module):
     """Wraps one model chunk; ``module`` is the wrapped model and forward passes through."""
 
@@ -100,20 +106,31 @@ class DistributedDataParallel(nn.Module):
         weight = getter() if callable(getter) else None
         return [weight] if weight is not None and weight.requires_grad else []
 
+    def _reduction_of(self, expert: bool) -> tuple[Any, int, Optional[float]]:
+        """(group, its size, gradient scale) of dense parameters, or of the experts of
+        expert parallelism: summed over the ranks holding the same experts and divided by the
+        whole data-parallel size, as megatron-core does."""
+        if not self.average_gradients:
+            return self.data_parallel_group, 1, None
+        if not expert:
+            return self.data_parallel_group, self.data_parallel_size, None
+        group = parallel_state.get_expert_data_parallel_group()
+        return group, dist.get_world_size(group), 1.0 / self.data_parallel_size
+
     def _build_buffers(self) -> None:
         # Reverse registration order approximates the order in which backward makes gradients.
         params = [p for p in self.module.parameters() if p.requires_grad][::-1]
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
+        by_kind: dict[tuple[torch.dtype, torch.dtype, bool], list[nn.Parameter]] = {}
         for p in params:
             grad_dtype = torch.float32 if self.accumulate_allreduce_grads_in_fp32 else p.dtype
-            by_dtype.setdefault((p.dtype, grad_dtype), []).append(p)
+            by_kind.setdefault((p.dtype, grad_dtype, is_expert(p)), []).append(p)
         deferred = {id(p) for p in self._deferred_params()}  # by identity: == is elementwise
-        for (_, grad_dtype), group_params in by_dtype.items():
+        for (_, grad_dtype, expert), group_params in by_kind.items():
+            group, size, scale = self._reduction_of(expert)
             buffer = ParamAndGradBuffer(
-                group_params, grad_dtype, self.bucket_size, self.data_parallel_group,
-                self.data_parallel_size if self.average_gradients else 1,
+                group_params, grad_dtype, self.bucket_size, group, size,
                 shard_over_dp=self.use_distributed_optimizer,
-                isolate=[p for p in group_params if id(p) in deferred],
+                isolate=[p for p in group_params if id(p) in deferred], grad_scale=scale,
             )
             self.buffers.append(buffer)
             for bucket in buffer.buckets:
@@ -178,9 +195,10 @@ class DistributedDataParallel(nn.Module):
         """Copy every parameter from data-parallel rank 0 to the other data-parallel ranks."""
         if self.data_parallel_size == 1:
             return
-        src = dist.get_global_rank(self.data_parallel_group, 0)
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=self.data_parallel_group)
+            group = (parallel_state.get_expert_data_parallel_group() if is_expert(param)
+                     else self.data_parallel_group)
+            dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
     # Pass-through ------------------------------------------------------------------------------
 

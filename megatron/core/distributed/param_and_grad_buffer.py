@@ -65,7 +65,8 @@ class ParamAndGradBuffer:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], grad_dtype: torch.dtype,
                  bucket_size: Optional[int], dp_group: Any, dp_size: int,
-                 shard_over_dp: bool = False, isolate: Sequence[torch.nn.Parameter] = ()) -> None:
+                 shard_over_dp: bool = False, isolate: Sequence[torch.nn.Parameter] = (),
+                 grad_scale: Optional[float] = None) -> None:
         if not params:
             raise ValueError("a gradient buffer needs at least one parameter")
         self.params = list(params)
@@ -73,6 +74,10 @@ class ParamAndGradBuffer:
         self.grad_dtype = grad_dtype
         self.dp_group = dp_group
         self.dp_size = dp_size
+        # What the summed gradients are multiplied by: 1 / dp_size (an average), or for
+        # experts under expert parallelism 1 / the whole data-parallel size, since their
+        # gradients already hold the tokens of the expert group's ranks.
+        self.grad_scale = 1.0 / dp_size if grad_scale is None else grad_scale
         self.shard_over_dp = shard_over_dp
         self.param_index: dict[torch.nn.Parameter, tuple[int, int]] = {}
         self.buckets: list[Bucket] = []
@@ -130,12 +135,13 @@ class ParamAndGradBuffer:
     def launch(self, bucket: Bucket, async_op: bool) -> None:
         """Average the bucket's gradients over data parallel: all-reduce or reduce-scatter."""
         bucket.launched = True
-        if self.dp_size == 1:
-            return
         data = self.grad_data[bucket.start:bucket.end]
         # Scale first and sum afterwards: gloo has no AVG, and a pre-scaled sum of fp16
         # gradients is less likely to overflow.
-        data.mul_(1.0 / self.dp_size)
+        if self.grad_scale != 1.0:
+            data.mul_(self.grad_scale)
+        if self.dp_size == 1:
+            return
         if self.shard_over_dp:
             # A separate output: gloo does not promise in-place reduce-scatter.
             bucket.scattered = torch.empty(bucket.numel // self.dp_size, dtype=data.dtype,

@@ -46,12 +46,17 @@ def all_reduce_over(tensor: torch.Tensor, groups: Groups,
     return tensor
 
 
+def counted_params(parameters: Iterable[torch.Tensor], with_grad: bool = True
+                   ) -> list[torch.Tensor]:
+    """The parameters that count towards norms on this rank (see the module docstring);
+    ``with_grad``: only those with a gradient."""
+    return [p for p in parameters if (p.grad is not None or not with_grad)
+            and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+
+
 def grads_for_norm(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The gradients that count towards the norm on this rank (see the module docstring)."""
-    return [
-        p.grad for p in parameters
-        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
-    ]
+    return [p.grad for p in counted_params(parameters)]
 
 
 _NORM_CHUNK = 1024
@@ -69,25 +74,44 @@ def _chunked_norm_power(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 
 def get_grad_norm_fp32(grads: Sequence[torch.Tensor], groups: Groups = None,
-                       norm_type: float = 2.0) -> float:
-    """The norm of all ``grads`` of every rank in ``groups``, computed in fp32."""
-    return float(grad_norm_on_device(grads, groups, norm_type))
+                       norm_type: float = 2.0, *, experts: Sequence[torch.Tensor] = (),
+                       expert_groups: Groups = None) -> float:
+    """The norm of all ``grads`` of every rank in ``groups``, computed in fp32 (``experts``:
+    see ``grad_norm_on_device``)."""
+    return float(grad_norm_on_device(grads, groups, norm_type, experts=experts,
+                                     expert_groups=expert_groups))
 
 
 def grad_norm_on_device(grads: Sequence[torch.Tensor], groups: Groups = None,
-                        norm_type: float = 2.0) -> torch.Tensor:
+                        norm_type: float = 2.0, *, experts: Sequence[torch.Tensor] = (),
+                        expert_groups: Groups = None) -> torch.Tensor:
     """``get_grad_norm_fp32`` as a 1-element tensor on the compute device, read by no one
-    (an XLA step keeps it in its graph)."""
+    (an XLA step keeps it in its graph). ``experts``: gradients that also differ over
+    ``expert_groups`` (experts shared out by expert parallelism); their part is summed there
+    first."""
     norm_type = float(norm_type)
+    total = _local_power(grads, norm_type)
+    if experts:
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        expert_part = all_reduce_over(_local_power(experts, norm_type), expert_groups, op)
+        total = (torch.maximum(total, expert_part) if norm_type == math.inf
+                 else total + expert_part)
+    if norm_type == math.inf:
+        all_reduce_over(total, groups, dist.ReduceOp.MAX)
+        return total
+    all_reduce_over(total, groups)
+    return total.pow(1.0 / norm_type)
+
+
+def _local_power(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """This rank's ``sum |g|^p`` over ``grads`` (their maximum for the inf-norm), a
+    1-element tensor on the collectives' device."""
     device = parallel_state.get_default_device()  # what the collective can carry
     if norm_type == math.inf:
         if grads:
-            local = torch.stack([g.detach().abs().max().float() for g in grads]).max()
-            total = local.reshape(1).to(device)
-        else:
-            total = torch.zeros(1, device=device)
-        all_reduce_over(total, groups, dist.ReduceOp.MAX)
-        return total
+            return torch.stack([g.detach().abs().max().float() for g in grads]).max(
+                ).reshape(1).to(device)
+        return torch.zeros(1, device=device)
     # On CUDA the fp32 reduction is a tree and accurate. The CPU kernel accumulates long
     # runs in fp32 (a 38M-element embedding's norm came out 3e-3 low), and how a tensor is
     # split over tensor ranks changes the rounding: there each run of _NORM_CHUNK elements is
@@ -102,8 +126,7 @@ def grad_norm_on_device(grads: Sequence[torch.Tensor], groups: Groups = None,
             powers = [n.pow(norm_type) for n in
                       torch._foreach_norm([g.detach().float() for g in grads], norm_type)]
         total += torch.stack(powers).to(device=device, dtype=total.dtype).sum()
-    all_reduce_over(total, groups)
-    return total.pow(1.0 / norm_type)
+    return total
 
 
 def clip_grads_by_norm_on_device(parameters: Iterable[torch.Tensor], max_norm: float,
@@ -142,12 +165,21 @@ def clip_grad_norm_fp32(parameters: Iterable[torch.Tensor], max_norm: float,
     return total_norm
 
 
-def count_zeros_fp32(parameters: Iterable[torch.Tensor], model_parallel_group: Groups = None) -> int:
-    """The number of exactly-zero gradient entries, counted like the norm (each param once)."""
-    grads = grads_for_norm(parameters)
+def count_zeros_fp32(parameters: Iterable[torch.Tensor], model_parallel_group: Groups = None,
+                     *, experts: Iterable[torch.Tensor] = (), expert_groups: Groups = None) -> int:
+    """The number of exactly-zero gradient entries, counted like the norm (each param once;
+    ``experts``: parameters that also differ over ``expert_groups``)."""
     device = parallel_state.get_default_device()  # what the collective can carry
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    for g in grads:
-        total += (g.detach() == 0).sum().to(device)
+
+    def zeros(params: Iterable[torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in grads_for_norm(params):
+            total += (g.detach() == 0).sum().to(device)
+        return total
+
+    total = zeros(parameters)
+    experts = list(experts)
+    if experts:
+        total += all_reduce_over(zeros(experts), expert_groups)
     all_reduce_over(total, model_parallel_group)
     return int(total.item())

@@ -91,12 +91,18 @@ class _Shard:
     main: nn.Parameter
 
 
-def _owned_shards(chunk_index: int, chunk: nn.Module, dp_rank: int) -> list[_Shard]:
+def _buffer_rank(buffer: ParamAndGradBuffer) -> int:
+    """This rank's place in the group ``buffer`` is sharded over (the data-parallel group;
+    for experts under expert parallelism, the expert-data-parallel group)."""
+    return dist.get_rank(buffer.dp_group) if buffer.dp_size > 1 else 0
+
+
+def _owned_shards(chunk_index: int, chunk: nn.Module) -> list[_Shard]:
     names = {p: n for n, p in unwrap_model(chunk).named_parameters()}
     shards = []
     for buffer in chunk.buffers:
         for bucket in buffer.buckets:
-            lo, hi = bucket.shard_range(dp_rank, buffer.dp_size)
+            lo, hi = bucket.shard_range(_buffer_rank(buffer), buffer.dp_size)
             for p in bucket.params:
                 start, end = buffer.param_index[p]
                 a, b = max(start, lo), min(end, hi)
@@ -145,7 +151,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
         self.buffers = [b for c in self.model_chunks for b in c.buffers]
         self.shards = [s for i, c in enumerate(self.model_chunks)
-                       for s in _owned_shards(i, c, self.dp_rank)]
+                       for s in _owned_shards(i, c)]
         shard_of = {s.model_param: s for s in self.shards}
         main_groups = [[shard_of[p].main for p in g["params"] if p in shard_of]
                        for g in param_groups]
@@ -156,6 +162,11 @@ class DistributedOptimizer(MegatronOptimizer):
     def norm_groups(self) -> Groups:
         # Shards are disjoint across data-parallel ranks, so sums run over them as well.
         return [default_model_parallel_groups(), self.dp_group]
+
+    def expert_groups(self) -> Groups:
+        # Expert shards are disjoint across the expert-data ranks and the expert group's ranks
+        # hold other experts: the data-parallel group (their product) counts each once.
+        return []
 
     def _copy_model_grads_to_main_grads(self) -> None:
         for s in self.shards:
@@ -216,10 +227,11 @@ class DistributedOptimizer(MegatronOptimizer):
             value = s.main.data if key == "param" else self.optimizer.state[s.main].get(key)
             if value is not None:  # a shard without state (yet) contributes zeros
                 full[s.lo:s.hi].copy_(value)
-        if self.dp_size > 1:
+        if buffer.dp_size > 1:
             for bucket in buffer.buckets:
-                lo, hi = bucket.shard_range(self.dp_rank, self.dp_size)
-                all_gather_flat(full[bucket.start:bucket.end], full[lo:hi].clone(), self.dp_group)
+                lo, hi = bucket.shard_range(_buffer_rank(buffer), buffer.dp_size)
+                all_gather_flat(full[bucket.start:bucket.end], full[lo:hi].clone(),
+                                buffer.dp_group)
         return full
 
     def gathered_state_dict(self) -> dict:

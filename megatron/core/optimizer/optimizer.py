@@ -31,25 +31,25 @@ from torch import nn
 
 from megatron.config import OptimizerConfig
 from megatron.core import parallel_state
+from megatron.core.distributed.distributed_data_parallel import is_expert
 from megatron.core.optimizer.clip_grads import (
     Groups,
     all_reduce_over,
     clip_grads_by_norm_on_device,
     clip_grads_by_total_norm,
     count_zeros_fp32,
+    counted_params,
     get_grad_norm_fp32,
     grad_norm_on_device,
-    grads_for_norm,
 )
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
-from megatron.core.utils import param_is_not_shared, param_is_not_tensor_parallel_duplicate
 
 # Builds the torch optimizer from param groups (dicts with "params", "lr", "weight_decay", ...).
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 # Attributes that tell grad clipping and checkpointing how a parameter is split or shared.
 _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared",
-                     "sequence_parallel")
+                     "sequence_parallel", "allreduce")
 
 
 def copy_param_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -136,6 +136,28 @@ class MegatronOptimizer(ABC):
         """Groups over which gradient norms, zero counts and inf checks are summed."""
         return default_model_parallel_groups()
 
+    def expert_groups(self) -> Groups:
+        """Groups over which the experts' part of those sums runs first: the expert group,
+        whose ranks hold different experts (none without expert parallelism)."""
+        return [parallel_state.get_expert_model_parallel_group()] \
+            if parallel_state.get_expert_model_parallel_world_size() > 1 else []
+
+    def _split_experts(self, params: Sequence[torch.Tensor]
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the dense parameters, the experts of expert parallelism) among ``params``."""
+        experts = [p for p in params if is_expert(p)]
+        return [p for p in params if not is_expert(p)], experts
+
+    def _norm(self, tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+              on_device: bool = False):
+        """The global norm of ``tensors`` (one per parameter of ``params``), each counted
+        once across the ranks of ``norm_groups`` and, for experts, ``expert_groups``."""
+        dense = [t for t, p in zip(tensors, params) if not is_expert(p)]
+        experts = [t for t, p in zip(tensors, params) if is_expert(p)]
+        norm = grad_norm_on_device if on_device else get_grad_norm_fp32
+        return norm(dense, self.norm_groups(), experts=experts,
+                    expert_groups=self.expert_groups())
+
     # Shared behaviour --------------------------------------------------------------------
 
     @property
@@ -171,17 +193,20 @@ class MegatronOptimizer(ABC):
 
     def get_grad_norm(self) -> float:
         """The global L2 norm of the main gradients (every rank of ``norm_groups``)."""
-        return get_grad_norm_fp32(grads_for_norm(self.get_main_params()), self.norm_groups())
+        counted = counted_params(self.get_main_params())
+        return self._norm([p.grad for p in counted], counted)
 
     def count_zeros(self) -> int:
-        return count_zeros_fp32(self.get_main_params(), self.norm_groups())
+        dense, experts = self._split_experts(self.get_main_params())
+        return count_zeros_fp32(dense, self.norm_groups(), experts=experts,
+                                expert_groups=self.expert_groups())
 
     def params_norm(self) -> float:
         """L2 norm of the whole model's (main) parameters, each counted once across ranks, as
         the gradient norm counts them (``--log-params-norm``)."""
-        params = [p.detach() for p in self.get_main_params()
-                  if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
-        return get_grad_norm_fp32(params, self.norm_groups())
+        counted = counted_params(self.get_main_params(), with_grad=False)
+        return self._norm([p.detach() for p in counted], counted)
+
 
     def _unscale_main_grads_and_check_for_nan(self) -> bool:
         grads = [p.grad for p in self.get_main_params() if p.grad is not None]
@@ -194,6 +219,7 @@ class MegatronOptimizer(ABC):
         # reduction runs where the collective can carry it.
         found_inf = found_inf.to(parallel_state.get_default_device())
         all_reduce_over(found_inf, self.norm_groups(), dist.ReduceOp.MAX)
+        all_reduce_over(found_inf, self.expert_groups(), dist.ReduceOp.MAX)
         all_reduce_over(found_inf, self.skip_agreement_groups, dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
 
@@ -253,8 +279,8 @@ class MegatronOptimizer(ABC):
         check = self.config.check_for_nan_in_loss_and_grad
         grad_norm = None
         if self.config.clip_grad > 0 or check:
-            grad_norm = grad_norm_on_device(grads_for_norm(self.get_main_params()),
-                                            self.norm_groups())
+            counted = counted_params(self.get_main_params())
+            grad_norm = self._norm([p.grad for p in counted], counted, on_device=True)
         skipped = torch.zeros((), dtype=torch.float32, device=parallel_state.get_default_device())
         if check:
             skipped = (~torch.isfinite(grad_norm)).float().reshape(())
