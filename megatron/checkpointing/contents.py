@@ -94,16 +94,23 @@ def rank_file_state(*, iteration: int, config: dict, parallel_layout: dict,
 
 def build_state(iteration: int, chunks: list[nn.Module], optimizer: Any, scheduler: Any,
                 config: Any, layout: RankLayout, rng_states: Optional[list[dict]],
-                consumed: tuple[int, int], extra: Optional[dict]) -> dict:
-    """The dict this rank's ``model_optim_rng.pt`` holds (its tensors are the live ones)."""
+                consumed: tuple[int, int], extra: Optional[dict], *,
+                whole: Optional[tuple[list[dict], Optional[dict]]] = None) -> dict:
+    """The dict this rank's ``model_optim_rng.pt`` holds (its tensors are the live ones).
+    ``whole``: the models' and plain optimizer's state with every expert
+    (``experts.gathered_for_save``), in place of this rank's own."""
     save_optim = not config.checkpoint.no_save_optim
     distributed = save_optim and shards_state(optimizer)
+    models = [unwrap_model(chunk).state_dict() for chunk in chunks]
+    optimizer_state = (optimizer.state_dict() if save_optim and not distributed
+                       and optimizer is not None and whole is None else None)
+    if whole is not None:
+        models, optimizer_state = whole
     return rank_file_state(
         iteration=iteration, config=config_dict(config),
         parallel_layout=parallel_layout_dict(layout, len(chunks)), consumed=consumed,
-        models=[unwrap_model(chunk).state_dict() for chunk in chunks],
-        optimizer=optimizer.state_dict() if save_optim and not distributed
-        and optimizer is not None else None,
+        models=models,
+        optimizer=optimizer_state,
         distributed_optimizer=distributed,
         scheduler=scheduler.state_dict() if save_optim and scheduler is not None else None,
         rng_states=rng_states, extra=extra)

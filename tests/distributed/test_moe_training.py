@@ -98,3 +98,25 @@ def test_moe_checkpoint_resumes_the_same_run(corpus, cache, reference, tmp_path,
     resumed = train(loaded_tp, argv(corpus, cache, **{
         "--load": save, "--tensor-model-parallel-size": loaded_tp}))
     assert_same_run(resumed, reference[2:])
+
+
+EP2 = {"--expert-model-parallel-size": 2, "--moe-token-dispatcher-type": "alltoall"}
+
+
+@pytest.mark.parametrize("saved, loaded", [
+    ((2, EP2), (2, EP2)),
+    ((2, EP2), (1, {})),
+    ((1, {}), (4, {**EP2, "--moe-token-dispatcher-type": "allgather"})),
+], ids=["ep2-same", "ep2-to-one-process", "one-process-to-ep2-dp4"])
+def test_expert_parallel_checkpoints_load_at_any_expert_layout(corpus, cache, reference,
+                                                               tmp_path, saved, loaded):
+    """The file holds every expert under its global number, with the plain optimizer's state
+    for all of them: it resumes the same run at the saved layout and at others."""
+    save = str(tmp_path / "ckpt")
+    (world, layout), (loaded_world, loaded_layout) = saved, loaded
+    first = train(world, argv(corpus, cache, **{
+        "--train-iters": 2, "--save": save, "--save-interval": 2, "--ckpt-format": "torch",
+        **layout}))
+    assert_same_run(first, reference[:2])
+    resumed = train(loaded_world, argv(corpus, cache, **{"--load": save, **loaded_layout}))
+    assert_same_run(resumed, reference[2:])

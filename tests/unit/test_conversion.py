@@ -84,7 +84,7 @@ def test_torch_optimizer_state_by_name_round_trip(bf16):
     config = _config(num_layers=4, bf16=bf16)
     chunks, optimizer = _stepped_optimizer(config, 0)
     states = [c.state_dict() for c in chunks]
-    per_chunk, meta = whole_module._named_torch_state(optimizer.state_dict(), states, "test")
+    per_chunk, meta = whole_module.named_torch_state(optimizer.state_dict(), states, "test")
     assert meta["step"] == 1.0 and [g["wd_mult"] for g in meta["param_groups"]] == [1.0, 0.0]
     mains = dict(zip((p for g in optimizer.model_groups for p in g),
                      (m for g in optimizer.main_groups for m in g))) if bf16 else {}
@@ -95,7 +95,7 @@ def test_torch_optimizer_state_by_name_round_trip(bf16):
                                optimizer.optimizer.state[main]["exp_avg"]), name
             if bf16:
                 assert torch.equal(per_chunk[i][name]["param"], main), name
-    rebuilt = cut_module._torch_optimizer(meta, states, per_chunk, mixed=bf16)
+    rebuilt = cut_module.torch_optimizer(meta, states, per_chunk, mixed=bf16)
     _, fresh = _stepped_optimizer(config, 1)
     fresh.load_state_dict(rebuilt)
     want, got = optimizer.state_dict(), fresh.state_dict()

@@ -53,7 +53,7 @@ class LayoutCut:
             if self.distributed:
                 distrib = optim_state.gathered_from_named(chunk_opts, full.optimizer)
             else:
-                optimizer = _torch_optimizer(full.optimizer, chunk_models, chunk_opts,
+                optimizer = torch_optimizer(full.optimizer, chunk_models, chunk_opts,
                                              self.mixed)
         state = rank_file_state(
             iteration=full.iteration, config=self.config,
@@ -99,7 +99,7 @@ def _optimizer_pieces(full: FullCheckpoint, config: ModelConfig, tp: int,
     return out
 
 
-def _torch_optimizer(full_opt: dict, chunk_models: list[dict], chunk_opts: list[dict],
+def torch_optimizer(full_opt: dict, chunk_models: list[dict], chunk_opts: list[dict],
                      mixed: bool) -> dict:
     names = [(f"{i}/{n}", v.shape) for i, c in enumerate(chunk_models) for n, v in c.items()]
     state = {f"{i}/{n}": e for i, c in enumerate(chunk_opts) for n, e in c.items()}

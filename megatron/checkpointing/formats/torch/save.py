@@ -19,6 +19,7 @@ from megatron.checkpointing.contents import build_state, config_dict, parallel_l
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import Deferred, FileDigest, write_torch, write_torch_streamed
 from megatron.checkpointing.format import SaveRequest
+from megatron.checkpointing.formats.torch.experts import gathered_for_save
 from megatron.checkpointing.paths import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME
 from megatron.checkpointing.publish import PublishedSave, host_copy, make_tmp_dir
 from megatron.checkpointing.ranks import RankLayout
@@ -54,12 +55,16 @@ def take_state(r: SaveRequest, copy_to_host: Optional[Callable[[torch.Tensor], t
     if shards_state(r.optimizer) and not r.config.checkpoint.no_save_optim:
         shards = r.optimizer.shard_snapshot(copy_to_host)  # collective over data parallel
     model_state, problem = None, None
+    save_optim = not r.config.checkpoint.no_save_optim and not shards_state(r.optimizer)
+    # Under expert parallelism every rank of an expert group brings its experts.
+    whole = gathered_for_save(r.chunks, r.optimizer, save_optim)
     if r.layout.dp_rank == 0:  # the replicas' model files would be the same
         try:
             # Saved from the host: XLA tensors become CPU ones, loadable without torch_xla.
             model_state = xla.to_host(build_state(r.iteration, r.chunks, r.optimizer,
                                                   r.scheduler, r.config, r.layout,
-                                                  r.rng_states, r.consumed, r.extra))
+                                                  r.rng_states, r.consumed, r.extra,
+                                                  whole=whole))
             if copy_to_host is not None:
                 model_state = host_copy(model_state, copy_to_host)
         except Exception as error:  # noqa: BLE001 - raised by write(), so the ranks vote

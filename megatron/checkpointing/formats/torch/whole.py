@@ -137,7 +137,7 @@ def _merge_optimizer(states: dict, chunk_states: dict, layout: list[list[Chunk]]
             per_rank[(t, p)] = saved["param_state"]
             meta = {k: saved.get(k) for k in ("param_groups", "step", "grad_scaler")}
         else:
-            per_rank[(t, p)], meta = _named_torch_state(state["optimizer"], chunk_states[(t, p)],
+            per_rank[(t, p)], meta = named_torch_state(state["optimizer"], chunk_states[(t, p)],
                                                         folder.rank_file(t, p, pp))
     per_tp = [_rank_full_names(per_rank, layout, t, pp) for t in range(tp)]
     param_state = {}
@@ -151,7 +151,7 @@ def _merge_optimizer(states: dict, chunk_states: dict, layout: list[list[Chunk]]
     return {**meta, "param_state": param_state}, distributed
 
 
-def _named_torch_state(saved: dict, chunks: list[dict], where: str) -> tuple[list[dict], dict]:
+def named_torch_state(saved: dict, chunks: list[dict], where: str) -> tuple[list[dict], dict]:
     """Per chunk ``{chunk name: state}`` from a rank's torch (or mixed-precision) optimizer."""
     mixed = "fp32_from_fp16_params" in saved
     torch_sd = saved["optimizer"] if mixed else saved
