@@ -4,9 +4,10 @@ gated shared expert, tied; top-2 probabilities not renormalised: --moe-router-pr
 and one with a dense layer and norm_topk_prob), hidden 32, 4 experts, 2 layers, vocabulary
 128, built here with routers sharp enough that routing matters. They convert in with HF's
 logits (fp32, within 1e-5) at tp 1 and, read at their saved layout by two gloo ranks, at
-tp 2; greedy generation is HF's generate; they convert back out to folders from_pretrained
-loads with the same logits, the same stored tensor names and the MoE fields; the fields our
-GPT cannot compute are refused, in both directions, with one line naming them."""
+tp 2; greedy generation is HF's generate; training goes on from them at tp 2 (first loss
+HF's); they convert back out to folders from_pretrained loads with the same logits, the same
+stored tensor names and the MoE fields; the fields our GPT cannot compute are refused, in
+both directions, with one line naming them."""
 
 from __future__ import annotations
 
