@@ -128,6 +128,12 @@ CHECKPOINT_MODEL_FIELDS = (
     "swiglu", "group_query_attention", "num_query_groups", "add_qkv_bias",
     "rotary_interleaved", "use_rope_scaling", "rope_scaling_factor",
 )
+# And of a checkpoint with experts (--num-experts above 1), their shape and routing.
+CHECKPOINT_MOE_FIELDS = (
+    "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+    "moe_router_score_function", "moe_router_pre_softmax",
+)
 
 
 def checkpoint_model_settings(load_dir: str) -> dict[str, Any]:
@@ -146,7 +152,13 @@ def checkpoint_model_settings(load_dir: str) -> dict[str, Any]:
         raise ConfigError(f"--use-checkpoint-args: {folder.path} stores no run configuration "
                           "(no 'config' or 'args')")
     model = saved_model_fields(stored)  # ours: nested slices; Megatron's: flat args
-    return {k: model[k] for k in CHECKPOINT_MODEL_FIELDS if model.get(k) is not None}
+    names = CHECKPOINT_MODEL_FIELDS
+    if (model.get("num_experts") or 0) > 1:
+        names += CHECKPOINT_MOE_FIELDS
+    settings = {k: model[k] for k in names if model.get(k) is not None}
+    if "moe_layer_freq" in settings:  # Megatron-LM keeps an int or a list, the flag a string
+        settings["moe_layer_freq"] = str(settings["moe_layer_freq"])
+    return settings
 
 
 def check_load_dir(load_dir: str, deepspeed: bool = False, universal: bool = False) -> None:

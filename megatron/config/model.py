@@ -28,7 +28,8 @@ _MOE_FIELDS = ("moe_router_topk", "moe_router_score_function", "moe_router_pre_s
                "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                "moe_expert_capacity_factor", "moe_token_drop_policy",
                "moe_pad_expert_input_to_capacity", "moe_layer_freq", "moe_ffn_hidden_size",
-               "moe_shared_expert_intermediate_size", "moe_token_dispatcher_type")
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+               "moe_token_dispatcher_type")
 _LIST_TERM = re.compile(r"\[([01](?:\s*,\s*[01])*)\](?:\s*\*\s*(\d+))?")
 
 
@@ -203,6 +204,10 @@ class ModelConfig(Slice):
     moe_shared_expert_intermediate_size: Optional[int] = option(
         default=None, help="Width of a shared expert every token also goes through (unset: "
         "none).")
+    moe_shared_expert_gate: bool = option(
+        default=False, help="Scale the shared expert's output by a learned sigmoid gate of "
+        "the token, sigmoid(x . g) (Qwen2-MoE's shared_expert_gate); needs "
+        "--moe-shared-expert-intermediate-size.")
 
     vocab_size: int = internal("the tokenizer's vocabulary size (before padding)", 50257)
     apex_layernorm: bool = internal("programmatic: apex's fused LayerNorm; a run sets whether "
@@ -319,6 +324,10 @@ class ModelConfig(Slice):
         require(not self.moe_pad_expert_input_to_capacity
                 or self.moe_expert_capacity_factor is not None,
                 "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        require(not self.moe_shared_expert_gate
+                or self.moe_shared_expert_intermediate_size is not None,
+                "--moe-shared-expert-gate gates the shared expert: it needs "
+                "--moe-shared-expert-intermediate-size")
         moe_layer_pattern(self.moe_layer_freq, self.num_layers)  # raises with the flag's name
         if self.moe_ffn_hidden_size is None:
             set_field(self, "moe_ffn_hidden_size", self.ffn_hidden_size)

@@ -1,5 +1,6 @@
 """Hugging Face folders to and from a ``FullCheckpoint``: GPT-2 (``GPT2LMHeadModel``) and
-the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``).
+the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, and the
+mixtures of experts ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``).
 
 Reading takes a local folder with ``config.json`` and ``model.safetensors`` or
 ``pytorch_model.bin`` (nothing is downloaded). Writing produces ``config.json`` and
@@ -177,7 +178,8 @@ def _is_llama_shaped(cfg) -> bool:
 
 
 def _llama_hf_config(cfg):
-    """The Llama (or, with QKV biases only, Qwen2) config of a Llama-shaped model."""
+    """The Llama (or, with QKV biases only, Qwen2) config of a Llama-shaped model; with
+    experts, Qwen2-MoE's (a gated shared expert) or Mixtral's."""
     import transformers
 
     if cfg.rotary_interleaved or cfg.rotary_percent != 1.0:
@@ -198,6 +200,8 @@ def _llama_hf_config(cfg):
             "low_freq_factor": hf_llama.LOW_FREQ_FACTOR,
             "high_freq_factor": hf_llama.HIGH_FREQ_FACTOR,
             "original_max_position_embeddings": hf_llama.LLAMA3_ORIGINAL_CONTEXT}
+    if cfg.num_experts is not None:
+        return _moe_hf_config(cfg, fields)
     if qwen:
         return transformers.Qwen2Config(**fields, architectures=["Qwen2ForCausalLM"])
     if cfg.add_qkv_bias != cfg.add_bias_linear:
@@ -206,6 +210,55 @@ def _llama_hf_config(cfg):
     return transformers.LlamaConfig(**fields, attention_bias=cfg.add_bias_linear,
                                     mlp_bias=cfg.add_bias_linear,
                                     architectures=["LlamaForCausalLM"])
+
+
+def _moe_hf_config(cfg, fields: dict):
+    """Qwen2-MoE's config of a model with a shared expert, else Mixtral's; what neither
+    computes is refused naming our flag. Capacity, the z-loss and the load-balancing kind
+    are training settings: the exported model routes every token (dropless)."""
+    import transformers
+
+    why = None
+    if cfg.moe_router_score_function != "softmax":
+        why = f"--moe-router-score-function {cfg.moe_router_score_function}: their routers " \
+            "take a softmax"
+    elif cfg.add_bias_linear:
+        why = "linear-layer biases (no --disable-bias-linear): theirs have none"
+    elif cfg.moe_shared_expert_intermediate_size is not None and not cfg.moe_shared_expert_gate:
+        why = "--moe-shared-expert-intermediate-size without --moe-shared-expert-gate: " \
+            "Qwen2-MoE gates its shared expert"
+    if why is not None:
+        raise ConversionError(f"a Hugging Face Mixtral or Qwen2-MoE cannot hold this "
+                              f"checkpoint's experts: {why}")
+    aux = cfg.moe_aux_loss_coeff if cfg.moe_router_load_balancing_type != "none" else 0.0
+    fields.update(num_experts_per_tok=cfg.moe_router_topk, router_aux_loss_coef=aux,
+                  output_router_logits=aux > 0)
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        fields.pop("head_dim")  # Qwen2-MoE's heads are hidden / heads wide (checked below)
+        if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+            raise ConversionError(f"a Hugging Face Qwen2-MoE's heads are --hidden-size / "
+                                  f"heads wide: this checkpoint has --kv-channels "
+                                  f"{cfg.kv_channels}")
+        return transformers.Qwen2MoeConfig(
+            **fields, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+            shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+            norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1,
+            mlp_only_layers=[i for i, moe in enumerate(cfg.moe_layers) if not moe],
+            qkv_bias=cfg.add_qkv_bias, use_sliding_window=False,
+            architectures=["Qwen2MoeForCausalLM"])
+    for given, flag, why in (
+            (cfg.moe_router_pre_softmax, "--moe-router-pre-softmax",
+             "its router renormalises the top-k probabilities"),
+            (cfg.add_qkv_bias, "--add-qkv-bias", "its attention has no biases"),
+            (not all(cfg.moe_layers), f"--moe-layer-freq {cfg.moe_layer_freq}",
+             "each of its layers has experts")):
+        if given:
+            raise ConversionError(f"a Hugging Face Mixtral (the export of experts without a "
+                                  f"shared expert) cannot hold {flag}: {why}")
+    fields["intermediate_size"] = cfg.moe_ffn_hidden_size
+    return transformers.MixtralConfig(**fields, num_local_experts=cfg.num_experts,
+                                      sliding_window=None, router_jitter_noise=0.0,
+                                      architectures=["MixtralForCausalLM"])
 
 
 def hf_config_for(full: FullCheckpoint):
@@ -256,6 +309,8 @@ def save_hf_checkpoint(full: FullCheckpoint, save_dir: str, vocab_file: Optional
         state.pop("lm_head.weight")  # tied: from_pretrained sets it from the embeddings
     with torch.device("meta"):
         model = model_class(hf_config)
+    if adapter is hf_llama.HF_LLAMA:
+        state = hf_llama.fit_to_model(state, model.state_dict())
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:

@@ -6,7 +6,8 @@ outside program's names and tensor layouts into ours (``to_ours``) and back (``f
 ``names.py`` owns ours. The adapters:
 
     hf_gpt2.HF_GPT2             Hugging Face GPT2LMHeadModel
-    hf_llama.HF_LLAMA           Hugging Face Llama, Mistral and Qwen2 (LlamaForCausalLM, ...)
+    hf_llama.HF_LLAMA           Hugging Face Llama, Mistral and Qwen2 (LlamaForCausalLM, ...),
+                                and the experts of Mixtral and Qwen2-MoE
     megatron_deepspeed.MDS      Megatron-DeepSpeed's (and Megatron-LM's legacy) language_model
                                 layout of a model_optim_rng.pt
     mcore_names.MCORE           megatron-core's global tensor names (torch_dist), layers

@@ -11,7 +11,9 @@ expert's, if any). The definitions follow megatron-core's ``transformer/moe/rout
   ``coeff * E * sum_i f_i P_i``, ``f_i`` the share of the ``T * k`` routing slots given to
   expert ``i`` and ``P_i`` the mean over tokens of its probability under the full softmax;
 - the z-loss (``z_loss``): ``coeff * mean_t logsumexp(logits_t)^2``;
-- capacity (``drop_tokens``): each expert keeps at most ``ceil(T * k / E * factor)`` tokens.
+- capacity (``drop_tokens``): each expert keeps at most ``ceil(T * k / E * factor)`` tokens;
+- the shared expert's gate (``--moe-shared-expert-gate``, Qwen2-MoE's): its output times
+  ``sigmoid(x . g)`` per token (megatron-core's ``SharedExpertMLP``).
 
 Each expert is cut over the tensor ranks like the dense MLP (``ParallelMLP``: column- then
 row-parallel), and every tensor rank routes the whole sequence the same way. Under sequence
@@ -244,6 +246,12 @@ class MoELayer(nn.Module):
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = expert("shared_expert",
                                          config.moe_shared_expert_intermediate_size)
+            if config.moe_shared_expert_gate:
+                # On the shared expert, as megatron-core's SharedExpertMLP holds it
+                # (``mlp.shared_experts.gate_weight`` [1, h], replicated, registered before
+                # the expert's own linear layers).
+                self.shared_experts.gate_weight = _gate_weight(
+                    config, InitRNG(config, f"layer{layer_number}.shared_expert_gate"), device)
         self.sequence_parallel = (config.sequence_parallel
                                   and config.tensor_model_parallel_size > 1)
 
@@ -265,7 +273,7 @@ class MoELayer(nn.Module):
             out = self._by_all_to_all(tokens, probs, routing_map)
         out = out.view(s, b, h)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self._shared_expert(x)
         if self.sequence_parallel:
             out = mappings.scatter_to_sequence_parallel_region(out)
         return out
@@ -320,6 +328,23 @@ class MoELayer(nn.Module):
         back = expert_parallel.all_to_all(done, group, send_splits, recv_splits)
         weights = probs[pair_token, pair_expert].unsqueeze(1).to(back.dtype)
         return torch.zeros_like(tokens).index_add(0, pair_token, back * weights)
+
+    def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output ``[s, b, h]``, times ``sigmoid(x . g)`` per token under
+        --moe-shared-expert-gate."""
+        out = self.shared_experts(x)
+        gate = getattr(self.shared_experts, "gate_weight", None)
+        if gate is None:
+            return out
+        return out * torch.sigmoid(F.linear(x, gate))  # [s, b, 1] broadcast over h
+
+
+def _gate_weight(config: ModelConfig, init: InitRNG, device) -> nn.Parameter:
+    """The shared expert's gate ``[1, h]``, initialised as the router is."""
+    weight = torch.empty(1, config.hidden_size)
+    if init.normal() is not None:
+        init.normal()(weight)
+    return nn.Parameter(weight.to(device=device, dtype=config.params_dtype))
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:

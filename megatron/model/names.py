@@ -69,6 +69,7 @@ LAYER_PARAMS = (
 )
 SWIGLU_PARTS = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")  # [gate; up]
 ROUTER = "mlp.router.weight"  # [E, h], replicated
+SHARED_EXPERT_GATE = "mlp.shared_experts.gate_weight"  # [1, h], replicated
 _EXPERT_KEY = re.compile(r"mlp\.(?:local_experts\.(\d+)|shared_experts)\.(dense_\w+\.\w+)")
 _TP_DIMS = {p.name: p.tp_dim for p in LAYER_PARAMS}
 _LAYER_ORDER = {p.name: i for i, p in enumerate(LAYER_PARAMS)}
@@ -85,12 +86,14 @@ def as_dense_mlp_name(name: str) -> str:
 
 def expert_params(config: ModelConfig) -> tuple[str, ...]:
     """A mixture-of-experts layer's MLP tensors, in model order: the router, each expert's
-    (as the dense MLP's), then the shared expert's."""
+    (as the dense MLP's), then the shared expert's (its gate first, if gated)."""
     dense = [p.name for p in layer_params(config) if p.name.startswith("mlp.")]
     names = [ROUTER]
     for j in range(config.num_experts):
         names += [n.replace("mlp.", f"mlp.local_experts.{j}.", 1) for n in dense]
     if config.moe_shared_expert_intermediate_size is not None:
+        if config.moe_shared_expert_gate:
+            names.append(SHARED_EXPERT_GATE)
         names += [n.replace("mlp.", "mlp.shared_experts.", 1) for n in dense]
     return tuple(names)
 
@@ -204,6 +207,8 @@ def _order_in_layer(name: str) -> tuple[int, int, int]:
     experts: the router, each expert in turn, the shared expert) its place there."""
     if name == ROUTER:
         return (_LAYER_ORDER["mlp.dense_h_to_4h.weight"], 0, 0)
+    if name == SHARED_EXPERT_GATE:
+        return (_LAYER_ORDER["mlp.dense_h_to_4h.weight"], 1 << 30, -1)
     m = _EXPERT_KEY.fullmatch(name)
     if m is None:
         return (_LAYER_ORDER[name], 0, 0)

@@ -9,7 +9,8 @@ padded vocabulary V::
     training:            3 x forward (backward costs twice the forward)
 
 A mixture-of-experts layer's MLP term is its router's 2*h*E plus the MLP term of the k
-experts each token is routed to (width k x --moe-ffn-hidden-size) and the shared expert.
+experts each token is routed to (width k x --moe-ffn-hidden-size) and the shared expert
+(with its gate's 2*h under --moe-shared-expert-gate).
 With f = 4h and a = h this is Megatron's ``72 B s L h^2 (1 + s/(6h) + V/(12 h L))``. We report
 *model* FLOPs: recomputed activations are not counted, so TFLOP/s is comparable across
 recompute settings (MFU, not HFU).
@@ -41,4 +42,5 @@ def _moe_mlp_flops(config: ModelConfig) -> float:
     h, into = config.hidden_size, 2 if config.swiglu else 1
     width = config.moe_router_topk * config.moe_ffn_hidden_size + (
         config.moe_shared_expert_intermediate_size or 0)
-    return 2 * h * config.num_experts + 2 * (into + 1) * h * width
+    gate = 2 * h if config.moe_shared_expert_gate else 0
+    return 2 * h * config.num_experts + 2 * (into + 1) * h * width + gate

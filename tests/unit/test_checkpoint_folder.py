@@ -247,3 +247,22 @@ def test_checkpoint_args_of_megatron_lm_keep_num_query_groups_only_with_gqa(
     settings = ckpt.checkpoint_model_settings(str(tmp_path))
     assert settings.get("num_query_groups") == expected
     assert settings["num_attention_heads"] == 4 and settings["group_query_attention"] is gqa
+
+
+@pytest.mark.parametrize("experts, freq, expected", [(None, 1, None), (4, [1, 0], "[1, 0]")])
+def test_checkpoint_args_take_the_experts_only_of_a_model_with_experts(
+        tmp_path, experts, freq, expected):
+    """Megatron-LM stores its MoE arguments (--moe-layer-freq as an int or a list) in dense
+    checkpoints too: --use-checkpoint-args takes them only with --num-experts above 1, the
+    layer list as the flag's string."""
+    args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4,
+                              num_experts=experts, moe_layer_freq=freq, moe_router_topk=2,
+                              moe_shared_expert_gate=False)
+    rank_dir = tmp_path / "iter_0000001" / "mp_rank_00"
+    rank_dir.mkdir(parents=True)
+    torch.save({"args": args, "iteration": 1, "checkpoint_version": 3.0},
+               rank_dir / "model_optim_rng.pt")
+    (tmp_path / TRACKER).write_text("1")
+    settings = ckpt.checkpoint_model_settings(str(tmp_path))
+    assert settings.get("moe_layer_freq") == expected
+    assert ("moe_router_topk" in settings) is (experts is not None)

@@ -88,7 +88,7 @@ NEW_FLAGS = {
     "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
     "--moe-expert-capacity-factor", "--moe-token-drop-policy",
     "--moe-pad-expert-input-to-capacity", "--moe-layer-freq", "--moe-ffn-hidden-size",
-    "--moe-shared-expert-intermediate-size", "--expert-interval",
+    "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate", "--expert-interval",
     "--expert-model-parallel-size", "--moe-expert-parallel-size", "--moe-token-dispatcher-type",
 }
 

@@ -13,7 +13,7 @@ Loaders: ``megatron`` (ours, any tp/pp/virtual layout, with optimizer state; als
 Megatron-LM's and our ``--ckpt-format torch_dist`` folders, told by their files; ``core`` is
 Megatron-LM's converter's name for that and does the same),
 ``megatron_deepspeed`` (Megatron-DeepSpeed's ``language_model`` layout, model only), ``hf``
-(a local GPT-2 folder), ``deepspeed`` (DeepSpeed engine checkpoints, ``global_stepN/``: plain
+(a local GPT-2, Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE folder), ``deepspeed`` (DeepSpeed engine checkpoints, ``global_stepN/``: plain
 model at ZeRO 0-2, ZeRO-3 at tp 1, or the pipeline engine's layer files; model, iteration and
 LR schedule, and at ZeRO 1/2 the optimizer state (plain model; the pipeline engine at tp 1);
 else train on with --no-load-optim or --finetune), ``universal`` (DeepSpeed's universal

@@ -14,6 +14,7 @@ from megatron.config import ModelConfig
 from megatron.core import parallel_state
 from megatron.model import adapters
 from megatron.model.gpt_model import GPTModel
+from megatron.model.hf_llama import fit_to_model
 from megatron.model.names import VOCAB_TENSORS
 
 FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "fixtures",
@@ -22,8 +23,12 @@ GPT = dict(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vo
 LLAMA = dict(GPT, num_attention_heads=4, normalization="RMSNorm", swiglu=True,
              num_query_groups=2, group_query_attention=True, add_bias_linear=False,
              position_embedding_type="rope", ffn_hidden_size=24)
+MIXTRAL = dict(LLAMA, num_experts=3, moe_ffn_hidden_size=8)  # experts in every layer
+QWEN2_MOE = dict(MIXTRAL, moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True,
+                 moe_layer_freq="[1,0]", add_qkv_bias=True)
 CASES = [("hf_gpt2", GPT), ("hf_gpt2", dict(GPT, untie_embeddings_and_output_weights=True)),
          ("hf_llama", LLAMA), ("hf_llama", dict(LLAMA, untie_embeddings_and_output_weights=True)),
+         ("hf_llama", MIXTRAL), ("hf_llama", QWEN2_MOE),
          ("mcore", GPT), ("mcore", LLAMA), ("megatron_deepspeed", GPT),
          ("megatron_deepspeed", dict(GPT, untie_embeddings_and_output_weights=True))]
 
@@ -72,6 +77,10 @@ def test_megatron_deepspeed_nesting_is_their_language_model_entry():
     assert "final_layernorm.weight" in lm["encoder"] and list(lm["output_layer"]) == ["weight"]
 
 
+HF_MOE_SHAPE = dict(num_hidden_layers=2, hidden_size=16, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=30, num_experts_per_tok=2)
+
+
 def test_hugging_face_names_are_the_transformers_models_own():
     transformers = pytest.importorskip("transformers")
     for name, fields, make in [
@@ -80,8 +89,16 @@ def test_hugging_face_names_are_the_transformers_models_own():
             ("hf_llama", LLAMA, lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
                 num_hidden_layers=2, hidden_size=16, num_attention_heads=4,
                 num_key_value_heads=2, intermediate_size=24, vocab_size=30,
-                tie_word_embeddings=True)))]:
+                tie_word_embeddings=True))),
+            ("hf_llama", MIXTRAL, lambda: transformers.MixtralForCausalLM(
+                transformers.MixtralConfig(**HF_MOE_SHAPE, num_local_experts=3,
+                                           intermediate_size=8))),
+            ("hf_llama", QWEN2_MOE, lambda: transformers.Qwen2MoeForCausalLM(
+                transformers.Qwen2MoeConfig(**HF_MOE_SHAPE, num_experts=3, intermediate_size=24,
+                                            moe_intermediate_size=8, mlp_only_layers=[1],
+                                            shared_expert_intermediate_size=12)))]:
         config, ours = _whole_state(fields)
-        theirs = set(adapters.ADAPTERS[name].from_ours(ours, config))
         expected = set(make().state_dict())
+        # transformers 5 holds each layer's experts fused: fit_to_model gives it that form.
+        theirs = set(fit_to_model(adapters.ADAPTERS[name].from_ours(ours, config), expected))
         assert expected - theirs <= {"lm_head.weight"} and theirs - expected <= {"lm_head.weight"}

@@ -138,6 +138,27 @@ def test_layer_output_is_the_probability_weighted_sum_of_its_experts():
     assert torch.allclose(layer(x), expected, atol=1e-6)
 
 
+def test_gated_shared_expert_is_scaled_by_the_sigmoid_of_its_gate():
+    """--moe-shared-expert-gate (Qwen2-MoE's shared_expert_gate, megatron-core's
+    SharedExpertMLP): the shared expert's output times sigmoid(x . g), g of shape [1, h]."""
+    cfg = _config(moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True)
+    layer = moe.MoELayer(cfg, 1, ParallelMLP)
+    gate = layer.shared_experts.gate_weight
+    assert gate.shape == (1, 16) and gate.abs().sum() > 0
+    x = torch.randn(6, 2, 16)
+    ungated = moe.MoELayer(cfg.replace(moe_shared_expert_gate=False), 1, ParallelMLP)
+    ungated.load_state_dict({k: v for k, v in layer.state_dict().items()
+                             if k != "shared_experts.gate_weight"})
+    shared = layer.shared_experts(x)
+    expected = ungated(x) - shared + torch.sigmoid(x @ gate.detach().t()) * shared
+    assert torch.allclose(layer(x), expected, atol=1e-6)
+    layer(x).sum().backward()
+    assert gate.grad is not None and gate.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="--moe-shared-expert-gate .* needs "
+                       "--moe-shared-expert-intermediate-size"):
+        _config(moe_shared_expert_gate=True)
+
+
 def test_layer_reports_its_losses_in_training_only():
     cfg = _config(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
     layer = ParallelTransformerLayer(cfg, 1)
@@ -177,7 +198,7 @@ def test_flops_count_each_token_through_its_k_experts():
     m = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, num_experts=3,
                     moe_router_topk=3, moe_layer_freq="[1,0]", ffn_hidden_size=32,
                     moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=16, swiglu=True,
-                    vocab_size=100, seq_length=8)
+                    moe_shared_expert_gate=True, vocab_size=100, seq_length=8)
     parallel_state.destroy_model_parallel()
     built = GPTModel(m, device="meta")
     matrices = sum(p.numel() for name, p in built.named_parameters()

@@ -11,12 +11,16 @@ from megatron.model import names
 from megatron.model.gpt_model import GPTModel
 
 CHUNKS = [(True, True), (True, False), (False, False), (False, True)]
+# Experts with a gated shared expert (its gate_weight registered before its linear layers).
+GATED_MOE = {"num_experts": 2, "swiglu": True, "ffn_hidden_size": 32,
+             "moe_shared_expert_intermediate_size": 8,
+             "moe_shared_expert_gate": True}
 
 
 @pytest.mark.parametrize("pre, post", CHUNKS)
 @pytest.mark.parametrize("variant", [{}, {"untie_embeddings_and_output_weights": True},
                                      {"add_bias_linear": False},
-                                     {"position_embedding_type": "rope"}])
+                                     {"position_embedding_type": "rope"}, GATED_MOE])
 def test_chunk_names_are_the_models_named_parameters(pre, post, variant):
     parallel_state.destroy_model_parallel()
     config = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8,
@@ -30,8 +34,9 @@ def test_chunk_names_are_the_models_named_parameters(pre, post, variant):
 def test_the_tensor_parallel_cut_is_the_layers_own():
     parallel_state.destroy_model_parallel()
     config = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8,
-                         vocab_size=30, untie_embeddings_and_output_weights=True)
+                         vocab_size=30, untie_embeddings_and_output_weights=True, **GATED_MOE)
     model = GPTModel(config, device="meta")
+    assert names.layer_key(0, names.SHARED_EXPERT_GATE) in dict(model.named_parameters())
     for name, param in model.named_parameters():
         split = getattr(param, "tensor_model_parallel", False)
         dim = getattr(param, "partition_dim", None) if split else None
