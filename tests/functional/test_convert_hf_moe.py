@@ -270,23 +270,29 @@ def _finetune(rank, world_size, argv):
     return [h["losses"]["lm loss"] for h in pretrain_gpt.main(argv).history if h["losses"]]
 
 
+@pytest.mark.parametrize("layout", [
+    ("--tensor-model-parallel-size", "2", "--micro-batch-size", "2"),
+    # Two data-parallel ranks of one sample each, sharing the experts out: the file holds
+    # all experts and each rank keeps its two.
+    ("--tensor-model-parallel-size", "1", "--micro-batch-size", "1",
+     "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"),
+], ids=["tp2", "ep2"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_converted_checkpoint_trains_at_tp2_from_hf_weights(hf_dirs, tmp_path, family):
-    """--load CONVERTED --use-checkpoint-args --finetune at tp 2 (the MoE flags, the shared
-    expert's gate among them, come from the checkpoint): the first step's language-model loss
-    is HF's own on the first mock batch, and training goes on."""
+def test_converted_checkpoint_trains_from_hf_weights(hf_dirs, tmp_path, family, layout):
+    """--load CONVERTED --use-checkpoint-args --finetune at tp 2, and at expert parallel 2
+    (the MoE flags, the shared expert's gate among them, come from the checkpoint): the first
+    step's language-model loss is HF's own on the first mock batch, and training goes on."""
     from megatron.data.mock_dataset import MockGPTDataset
 
     path, hf = hf_dirs[family]
     ckpt = tmp_path / "ckpt"
     _convert("--loader", "hf", "--saver", "megatron", "--load-dir", path, "--save-dir", ckpt,
-             "--make-vocab-size-divisible-by", 64, "--target-tensor-parallel-size", 2)
+             "--make-vocab-size-divisible-by", 64, "--target-tensor-parallel-size", layout[1])
     argv = ["--load", str(ckpt), "--use-checkpoint-args", "--finetune", "--seq-length", "32",
-            "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
+            "--global-batch-size", "2", "--train-iters", "2",
             "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", str(VOCAB - 1), "--hidden-dropout", "0", "--attention-dropout",
-            "0", "--eval-iters", "0", "--num-workers", "0", "--use-cpu",
-            "--tensor-model-parallel-size", "2"]
+            "0", "--eval-iters", "0", "--num-workers", "0", "--use-cpu", *layout]
     losses = [run for run in run_distributed(_finetune, 2, argv, start_method="fork") if run][-1]
     data = MockGPTDataset(4, 32, VOCAB, seed=1234)
     tokens = torch.stack([torch.from_numpy(data[i]["text"]) for i in range(2)]).long()
