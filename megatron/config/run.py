@@ -265,14 +265,6 @@ class RunConfig:
                 (self.training.dry_run or self.training.rehearse, "--dry-run / --rehearse: "
                  "the planner's memory formulas count dense MLPs (planned)")):
             require(not given, f"--num-experts ({e}) cannot be combined with {why}")
-        ep, c = p.expert_model_parallel_size, self.checkpoint
-        optimizer_state = ((c.save is not None and not c.no_save_optim)
-                           or (c.load is not None and not (c.no_load_optim or c.finetune)))
-        require(ep == 1 or not self.optimizer.use_distributed_optimizer or not optimizer_state,
-                f"--use-distributed-optimizer with --expert-model-parallel-size {ep} cannot "
-                "save or load its optimizer state yet (the expert shards are not gathered into "
-                "checkpoints): add --no-save-optim and --no-load-optim, or use the plain "
-                "optimizer")
 
     def _check_context_parallel(self) -> None:
         """What splitting each sequence over ranks cannot combine with (the model's own rules,

@@ -107,7 +107,12 @@ EP2 = {"--expert-model-parallel-size": 2, "--moe-token-dispatcher-type": "alltoa
     ((2, EP2), (2, EP2)),
     ((2, EP2), (1, {})),
     ((1, {}), (4, {**EP2, "--moe-token-dispatcher-type": "allgather"})),
-], ids=["ep2-same", "ep2-to-one-process", "one-process-to-ep2-dp4"])
+    ((4, {**EP2, "--use-distributed-optimizer": True}),
+     (4, {**EP2, "--use-distributed-optimizer": True})),
+    ((4, {**EP2, "--use-distributed-optimizer": True}),
+     (2, {"--use-distributed-optimizer": True})),
+], ids=["ep2-same", "ep2-to-one-process", "one-process-to-ep2-dp4", "ep2-dp4-distopt-same",
+        "ep2-dp4-distopt-to-dp2"])
 def test_expert_parallel_checkpoints_load_at_any_expert_layout(corpus, cache, reference,
                                                                tmp_path, saved, loaded):
     """The file holds every expert under its global number, with the plain optimizer's state

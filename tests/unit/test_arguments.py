@@ -744,8 +744,6 @@ def test_mixture_of_experts_flags():
     ("--num-experts 4 --expert-model-parallel-size 2 --context-parallel-size 2 "
      "--attention-dropout 0", ("--expert-model-parallel-size (2)", "--context-parallel-size")),
     ("--num-experts 4 --moe-token-dispatcher-type flex", ("--moe-token-dispatcher-type",)),
-    ("--num-experts 4 --expert-model-parallel-size 2 --use-distributed-optimizer --save ckpt",
-     ("--use-distributed-optimizer", "--expert-model-parallel-size 2", "--no-save-optim")),
     ("--num-experts 4 --pipeline-model-parallel-size 2",
      ("--num-experts (4)", "--pipeline-model-parallel-size 2")),
     ("--num-experts 4 --ckpt-format torch_dist", ("--num-experts (4)", "torch_dist")),

@@ -8,8 +8,10 @@ renamed from their local number (``local_experts.j``) to their global one and ga
 their optimizer state (the plain optimizers' torch state dicts, numbered by position, are
 rebuilt for the whole model's parameter order). Loading (``localized``, no communication):
 each rank keeps its own experts, renamed back, and its own part of that optimizer state.
-The distributed optimizer's state under expert parallelism is not written this way yet
-(refused at start-up, ``RunConfig``).
+The distributed optimizer's state is gathered whole on each rank
+(``gathered_optimizer_for_save``: its ``gathered_state_dict``, keyed by name, experts
+renamed and exchanged likewise) rather than streamed piece by piece to data-parallel rank 0
+as without experts: each rank holds its parameters' whole state for the moment of the save.
 """
 
 from __future__ import annotations
@@ -103,6 +105,41 @@ def _experts_of(state: dict) -> dict:
     return {k: host(v) for k, v in state.items() if _EXPERT.fullmatch(k)}
 
 
+def gathered_optimizer_for_save(chunks: list[nn.Module], optimizer: Any) -> Optional[dict]:
+    """The distributed optimizer's gathered state of the whole model (every expert under its
+    global number), on every rank; a collective over the data-parallel groups and the expert
+    group. None without expert parallelism."""
+    placement = _placement(chunks)
+    if placement is None:
+        return None
+    first = placement[0]
+    state = optimizer.gathered_state_dict()
+    local = [{_shift(k, first): v for k, v in sd.items()} for sd in state["param_state"]]
+    everyone: list = [None] * dist.get_world_size(parallel_state.get_expert_model_parallel_group())
+    dist.all_gather_object(everyone, [_experts_of(sd) for sd in local],
+                           group=parallel_state.get_expert_model_parallel_group())
+    merged = [{**sd, **{k: v for theirs in everyone for k, v in theirs[i].items()}}
+              for i, sd in enumerate(local)]
+    return {**state, "param_state": merged}
+
+
+def localized_optimizer(gathered: Optional[dict], chunks: list[nn.Module]) -> Optional[dict]:
+    """The distributed optimizer's gathered state (every expert) with this rank's experts
+    only, under their local names."""
+    placement = _placement(chunks)
+    if placement is None or gathered is None or "param_state" not in gathered:
+        return gathered
+    first, per_rank, _ = placement
+    return {**gathered, "param_state": [{_shift(k, -first): v for k, v in sd.items()
+                                         if _is_mine(k, first, per_rank)}
+                                        for sd in gathered["param_state"]]}
+
+
+def _is_mine(name: str, first: int, per_rank: int) -> bool:
+    m = _EXPERT.fullmatch(name)
+    return m is None or first <= int(m.group(2)) < first + per_rank
+
+
 def localized(state: dict, chunks: list[nn.Module]) -> dict:
     """``state`` (a model_optim_rng.pt dict holding every expert) with only this rank's
     experts, under their local names, in its models and plain optimizer state."""
@@ -114,8 +151,7 @@ def localized(state: dict, chunks: list[nn.Module]) -> dict:
     whole = [state[k] for k in keys]
 
     def mine(name: str) -> bool:
-        m = _EXPERT.fullmatch(name)
-        return m is None or first <= int(m.group(2)) < first + per_rank
+        return _is_mine(name, first, per_rank)
 
     local = [{_shift(k, -first): v for k, v in sd.items() if mine(k)} for sd in whole]
     out = {**state, **dict(zip(keys, local))}

@@ -27,7 +27,7 @@ from megatron.checkpointing.errors import CheckpointError, CheckpointLayoutError
 from megatron.checkpointing.files import read_torch
 from megatron.checkpointing.folder import CheckpointFolder
 from megatron.checkpointing.format import LoadRequest
-from megatron.checkpointing.formats.torch.experts import localized
+from megatron.checkpointing.formats.torch.experts import localized, localized_optimizer
 from megatron.checkpointing.loaded import (
     LoadedCheckpoint,
     LoadReport,
@@ -89,7 +89,8 @@ def _load_rank_files(read: Callable[[], _RankFiles], chunks: list[nn.Module], op
     try:
         files = read()
         # Every expert is in the file: this rank keeps its own (expert parallelism).
-        files = files._replace(state=localized(files.state, chunks))
+        files = files._replace(state=localized(files.state, chunks),
+                               distrib_state=localized_optimizer(files.distrib_state, chunks))
         _load_model(files.state, chunks, files.path, strict, reshard_hint_for(config))
     except Exception as e:  # noqa: BLE001 - decide together before any collective
         error = e

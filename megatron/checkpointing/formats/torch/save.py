@@ -19,7 +19,10 @@ from megatron.checkpointing.contents import build_state, config_dict, parallel_l
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.files import Deferred, FileDigest, write_torch, write_torch_streamed
 from megatron.checkpointing.format import SaveRequest
-from megatron.checkpointing.formats.torch.experts import gathered_for_save
+from megatron.checkpointing.formats.torch.experts import (
+    gathered_for_save,
+    gathered_optimizer_for_save,
+)
 from megatron.checkpointing.paths import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME
 from megatron.checkpointing.publish import PublishedSave, host_copy, make_tmp_dir
 from megatron.checkpointing.ranks import RankLayout
@@ -36,24 +39,32 @@ def start_save(request: SaveRequest) -> TorchSaveJob:
     r = request
     ckpt = r.config.checkpoint
     copy_to_host = r.saver.buffers.copy if r.saver is not None else None
-    shards, model_state, problem = take_state(r, copy_to_host)
+    shards, model_state, problem, whole_optimizer = take_state(r, copy_to_host)
     return TorchSaveJob(
         iteration=r.iteration, save_dir=ckpt.save,
         tmp_dir=make_tmp_dir(ckpt.save, r.iteration, r.layout), layout=r.layout,
         manifest_layout=parallel_layout_dict(r.layout, len(r.chunks)),
         config=config_dict(r.config), checkpoint=ckpt, valid_loss=r.valid_loss,
-        model_state=model_state, shards=shards,
+        model_state=model_state, shards=shards, whole_optimizer=whole_optimizer,
         transfer=_transfer(r.layout, r.saver), problem=problem,
         refuse_nonfinite=r.refuse_nonfinite)
 
 
 def take_state(r: SaveRequest, copy_to_host: Optional[Callable[[torch.Tensor], torch.Tensor]]
-               ) -> tuple[Any, Optional[dict], Optional[Exception]]:
+               ) -> tuple[Any, Optional[dict], Optional[Exception], Optional[dict]]:
     """What a torch-format save takes: the distributed optimizer's shard snapshot, and on
-    data-parallel rank 0 the model file's dict (or the error making it)."""
-    shards = None
+    data-parallel rank 0 the model file's dict (or the error making it); under expert
+    parallelism the distributed optimizer's whole gathered state instead of the snapshot
+    (``experts.gathered_optimizer_for_save``)."""
+    shards, whole_optimizer = None, None
     if shards_state(r.optimizer) and not r.config.checkpoint.no_save_optim:
-        shards = r.optimizer.shard_snapshot(copy_to_host)  # collective over data parallel
+        whole_optimizer = gathered_optimizer_for_save(r.chunks, r.optimizer)
+        if whole_optimizer is None:
+            shards = r.optimizer.shard_snapshot(copy_to_host)  # collective over data parallel
+        elif copy_to_host is not None:
+            whole_optimizer = host_copy(whole_optimizer, copy_to_host)
+        if r.layout.dp_rank != 0:
+            whole_optimizer = None
     model_state, problem = None, None
     save_optim = not r.config.checkpoint.no_save_optim and not shards_state(r.optimizer)
     # Under expert parallelism every rank of an expert group brings its experts.
@@ -69,7 +80,7 @@ def take_state(r: SaveRequest, copy_to_host: Optional[Callable[[torch.Tensor], t
                 model_state = host_copy(model_state, copy_to_host)
         except Exception as error:  # noqa: BLE001 - raised by write(), so the ranks vote
             problem = error
-    return shards, model_state, problem
+    return shards, model_state, problem, whole_optimizer
 
 
 class _Transfer(NamedTuple):
@@ -97,6 +108,8 @@ class TorchSaveJob(PublishedSave):
     model_state: Optional[dict]  # data-parallel rank 0: model_optim_rng.pt's dict
     shards: Optional[ShardSnapshot]  # the distributed optimizer's share of this rank
     transfer: _Transfer
+    # Data-parallel rank 0 under expert parallelism: distrib_optim.pt's whole dict.
+    whole_optimizer: Optional[dict] = None
     problem: Optional[Exception] = None  # what went wrong taking the state, raised by write
     refuse_nonfinite: bool = False
 
@@ -113,6 +126,9 @@ class TorchSaveJob(PublishedSave):
                 os.makedirs(folder, exist_ok=True)
                 digests[f"{layout.mp_rank_dir}/{MODEL_FILENAME}"] = write_torch(
                     self.model_state, os.path.join(folder, MODEL_FILENAME))
+                if self.whole_optimizer is not None:
+                    digests[f"{layout.mp_rank_dir}/{DISTRIB_OPTIM_FILENAME}"] = write_torch(
+                        self.whole_optimizer, os.path.join(folder, DISTRIB_OPTIM_FILENAME))
             except Exception as e:  # noqa: BLE001 - raised once the optimizer pieces are in
                 error = e
             self.model_state = None  # a background save frees its host copy as it goes
