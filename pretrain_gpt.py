@@ -16,7 +16,6 @@ from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.model.gpt_batch import gpt_batch, masked_mean_loss
 from megatron.model.gpt_model import GPTModel
-from megatron.model.moe import reported_losses as moe_reported_losses
 from megatron.platform.output import print_rank_0
 from megatron.training import pretrain
 
@@ -35,16 +34,13 @@ def get_batch(ctx: RunContext, data_iterator):
                      context_attention=ctx.config.parallel.context_attention)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model=None):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """The masked mean of the per-token losses ``output_tensor`` ``[b, s]``
-    (``masked_mean_loss``, the DeepSpeed pipeline's reduction too); with ``model``, also
-    its mixture-of-experts layers' router losses of this micro-batch (reported only: their
-    gradients were attached in the forward pass)."""
+    (``masked_mean_loss``, the DeepSpeed pipeline's reduction too). Mixture-of-experts
+    layers' router losses are reported by the training engine (their gradients were attached
+    in the forward pass)."""
     loss = masked_mean_loss(output_tensor, loss_mask)
-    reported = {"lm loss": loss.detach()}
-    if model is not None:
-        reported.update(moe_reported_losses(model))
-    return loss, reported
+    return loss, {"lm loss": loss.detach()}
 
 
 def forward_step(ctx: RunContext, data_iterator, model, stage: StageInfo):
@@ -55,7 +51,7 @@ def forward_step(ctx: RunContext, data_iterator, model, stage: StageInfo):
     else:
         tokens = labels = loss_mask = attention_mask = position_ids = None
     output = model(tokens, position_ids, attention_mask, labels=labels)
-    return output, functools.partial(loss_func, loss_mask, model=model)
+    return output, functools.partial(loss_func, loss_mask)
 
 
 def train_valid_test_datasets_provider(ctx: RunContext, num_samples: list[int]):

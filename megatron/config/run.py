@@ -250,9 +250,6 @@ class RunConfig:
             return
         p = self.parallel
         for given, why in (
-                (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size "
-                 f"{p.pipeline_model_parallel_size}: the router losses are reported from one "
-                 "stage only (pipeline parallelism with experts is planned)"),
                 (p.context_degree > 1, f"{p.context_flag} {p.context_degree}: the load-"
                  "balancing loss is not summed over the ranks of a sequence yet"),
                 (self.deepspeed.deepspeed, "--deepspeed: DeepSpeed's engine does not scale "

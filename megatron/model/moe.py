@@ -30,7 +30,9 @@ The router losses join training the way Megatron-LM adds them: an autograd funct
 the identity on the routing probabilities and, in the backward pass, adds the loss's gradient
 scaled as the language-model loss is (``set_loss_scale``: 1 / micro-batches, times the fp16
 loss scale). Their values (divided by their coefficients, as Megatron-LM reports them) stay on
-each layer for the forward step to report (``reported_losses``).
+each layer; the training engine adds them up over a step's micro-batches
+(``record_reported``), and averages them over the layers of every pipeline stage and over the
+data-parallel ranks for the log line.
 """
 
 from __future__ import annotations
@@ -179,6 +181,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(weight.to(device=device, dtype=config.params_dtype))
         self.loss_scale = 1.0  # set_loss_scale: the backward scale of the router losses
         self.reported: dict[str, torch.Tensor] = {}
+        # record_reported: name -> (sum over the step's micro-batches, their number)
+        self.step_totals: dict[str, tuple[torch.Tensor, int]] = {}
 
     def forward(self, tokens: torch.Tensor, seq_length: int,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,6 +362,44 @@ def set_loss_scale(models: list[nn.Module], scale: float) -> None:
     for model in models:
         for layer in moe_layers(model):
             layer.router.loss_scale = scale
+
+
+def reported_names(config: ModelConfig) -> list[str]:
+    """The router losses a model of ``config`` reports in training (the rule ``Router``
+    follows), in log order."""
+    if config.num_experts is None:
+        return []
+    kind = config.moe_router_load_balancing_type
+    names = []
+    if kind != "none" and config.moe_aux_loss_coeff > 0:
+        names.append(LOAD_BALANCING if kind == "aux_loss" else SEQ_LOAD_BALANCING)
+    if config.moe_z_loss_coeff is not None:
+        names.append(Z_LOSS)
+    return names
+
+
+def record_reported(model: nn.Module) -> None:
+    """Add each layer's router losses of ``model``'s last forward pass to its totals for the
+    step; the training engine calls it once per micro-batch, after the forward step (not
+    from the layer, whose recomputation in the backward pass would count twice)."""
+    for layer in moe_layers(model):
+        router = layer.router
+        for name, value in router.reported.items():
+            total, passes = router.step_totals.get(name, (0.0, 0))
+            router.step_totals[name] = (total + value, passes + 1)
+
+
+def take_step_totals(models: list[nn.Module]) -> dict[str, tuple[torch.Tensor, int]]:
+    """For each router loss recorded this step: (sum over ``models``' layers of each
+    layer's mean over its micro-batches, number of layers); the totals are cleared."""
+    out: dict[str, tuple[torch.Tensor, int]] = {}
+    for model in models:
+        for layer in moe_layers(model):
+            for name, (total, passes) in layer.router.step_totals.items():
+                acc, layers = out.get(name, (0.0, 0))
+                out[name] = (acc + total / passes, layers + 1)
+            layer.router.step_totals = {}
+    return out
 
 
 def reported_losses(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -33,8 +33,11 @@ from megatron.core.nonfinite import (
     describe_nonfinite_loss,
     locate_nonfinite_loss,
 )
-from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, takes_stage
+from megatron.model.moe import record_reported as record_moe_losses
+from megatron.model.moe import reported_names as moe_reported_names
 from megatron.model.moe import set_loss_scale as set_moe_loss_scale
+from megatron.model.moe import take_step_totals as take_moe_step_totals
 from megatron.platform import xla
 from megatron.platform.output import print_rank_0
 from megatron.training import xla_step
@@ -118,6 +121,32 @@ def reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     return dict(zip(names, values.tolist()))
 
 
+def router_losses(chunks: list, config: Any) -> dict[str, float]:
+    """The mixture-of-experts router losses of the step (recorded per micro-batch): each
+    layer's mean over the micro-batches, averaged over the layers of every pipeline stage,
+    then over the data-parallel ranks (each routes its own tokens). Every rank calls it."""
+    names = moe_reported_names(config)
+    if not names:
+        return {}
+    totals = take_moe_step_totals(chunks)
+    device = parallel_state.get_default_device()
+    sums = torch.zeros(2, len(names), dtype=torch.float64, device=device)  # [total; layers]
+    for i, name in enumerate(names):
+        if name in totals:
+            value, layers = totals[name]
+            sums[0, i], sums[1, i] = float(value), layers
+    if dist.is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
+    values = sums[0] / sums[1].clamp(min=1)
+    dp_size = (parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+               if dist.is_initialized() else 1)
+    if dp_size > 1:
+        values /= dp_size
+        dist.all_reduce(values, group=parallel_state.get_data_parallel_group(
+            with_context_parallel=True))
+    return dict(zip(names, values.tolist()))
+
+
 def empty_cuda_cache(ctx: RunContext, level: int) -> None:
     """--empty-unused-memory-level: hand the CUDA allocator's cached blocks back at ``level``."""
     if ctx.config.training.empty_unused_memory_level >= level and ctx.device.type == "cuda":
@@ -149,7 +178,8 @@ class NativeEngine:
         # The router losses' gradients are scaled as each micro-batch's loss is.
         set_moe_loss_scale(self.chunks, float(optimizer.scale_loss(1.0)) / num_microbatches)
         schedule = get_forward_backward_func()
-        losses = schedule(forward_step_func=self.forward_step, data_iterator=data_iterator,
+        losses = schedule(forward_step_func=self._recording_forward_step,
+                          data_iterator=data_iterator,
                           model=self.chunks, num_microbatches=num_microbatches,
                           seq_length=cfg.model.seq_length,
                           micro_batch_size=cfg.training.micro_batch_size,
@@ -171,7 +201,25 @@ class NativeEngine:
             timers("optimizer").stop()
             if check and not updated and grad_norm is not None:  # not an fp16 overflow
                 nonfinite = describe_nonfinite_grad_norm(grad_norm, self.chunks)
-        return StepResult(reduce_losses(losses), not updated, grad_norm, num_zeros, nonfinite)
+        reported = {**reduce_losses(losses), **router_losses(self.chunks, cfg.model)}
+        return StepResult(reported, not updated, grad_norm, num_zeros, nonfinite)
+
+    @property
+    def _recording_forward_step(self) -> Callable:
+        """The forward step, then each router's losses of that micro-batch recorded (with
+        the forward step's own signature: the schedule passes ``stage`` if it takes it)."""
+        inner = self.forward_step
+        if takes_stage(inner):
+            def recording(data_iterator, model, stage):
+                out = inner(data_iterator, model, stage=stage)
+                record_moe_losses(model)
+                return out
+        else:
+            def recording(data_iterator, model):
+                out = inner(data_iterator, model)
+                record_moe_losses(model)
+                return out
+        return recording
 
     def eval_losses(self, data_iterator, num_microbatches: int) -> list[dict]:
         cfg = self.ctx.config
