@@ -28,7 +28,7 @@ _MOE_FIELDS = ("moe_router_topk", "moe_router_score_function", "moe_router_pre_s
                "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                "moe_expert_capacity_factor", "moe_token_drop_policy",
                "moe_pad_expert_input_to_capacity", "moe_layer_freq", "moe_ffn_hidden_size",
-               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_grouped_gemm",
                "moe_token_dispatcher_type")
 _LIST_TERM = re.compile(r"\[([01](?:\s*,\s*[01])*)\](?:\s*\*\s*(\d+))?")
 
@@ -194,6 +194,11 @@ class ModelConfig(Slice):
     moe_layer_freq: str = option(
         default="1", feeds=("moe_layers",), help="Which layers are mixtures of experts: every Nth from the first "
         "(N), or Megatron's per-layer list such as \"([1]*3+[0])*2\" (1: experts).")
+    moe_grouped_gemm: bool = option(
+        default=False, help="Compute a rank's experts together with grouped matrix "
+        "products (torch's grouped_mm: one kernel for all experts on a GPU) instead of one "
+        "product per expert. The same weights and results; widths must keep rows 16-byte "
+        "aligned, else the loop runs.")
     moe_token_dispatcher_type: str = option(
         default="allgather", choices=("allgather", "alltoall"), help="How tokens reach experts "
         "on other --expert-model-parallel-size ranks: allgather (every rank gathers all "

@@ -46,6 +46,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.core import expert_parallel, parallel_state
+from megatron.core.grad_accumulation import refuse_fusion
 from megatron.core.tensor_parallel import mappings
 from megatron.model.init import InitRNG
 
@@ -246,6 +247,11 @@ class MoELayer(nn.Module):
         if self.ep_size > 1:
             for param in self.local_experts.parameters():
                 param.allreduce = False  # megatron-core's mark: reduced over expert-data ranks
+        self.grouped = config.moe_grouped_gemm and self._groupable(config)
+        if self.grouped:  # the grouped product's backward hands autograd the weight grads
+            for expert in self.local_experts:
+                refuse_fusion(expert.dense_h_to_4h.weight)
+                refuse_fusion(expert.dense_4h_to_h.weight)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = expert("shared_expert",
@@ -258,6 +264,16 @@ class MoELayer(nn.Module):
                     config, InitRNG(config, f"layer{layer_number}.shared_expert_gate"), device)
         self.sequence_parallel = (config.sequence_parallel
                                   and config.tensor_model_parallel_size > 1)
+
+    @staticmethod
+    def _groupable(config: ModelConfig) -> bool:
+        """Whether grouped_mm takes this layer's shapes: every row of its operands must start
+        on a 16-byte boundary (else the loop runs)."""
+        per_row = 16 // torch.empty((), dtype=config.params_dtype).element_size()
+        tp = config.tensor_model_parallel_size
+        widths = (config.hidden_size, config.moe_ffn_hidden_size // tp,
+                  (2 if config.swiglu else 1) * config.moe_ffn_hidden_size // tp)
+        return all(w % per_row == 0 for w in widths)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -286,7 +302,39 @@ class MoELayer(nn.Module):
         """Local expert ``j`` on ``inputs[j]`` ``[n_j, h]``. Every expert runs, even on no
         tokens, so each parameter gets its gradient (the data-parallel buckets wait for all
         of them)."""
+        if self.grouped and sum(x.size(0) for x in inputs) > 0:
+            return self._grouped_experts(inputs)
         return [expert(x.unsqueeze(1)).squeeze(1) for expert, x in zip(self.local_experts, inputs)]
+
+    def _grouped_experts(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``_run_experts`` with one grouped product per projection (``--moe-grouped-gemm``):
+        each expert's rows of the stacked input times its own weight. The column- and
+        row-parallel steps are the experts' layers' own (tensor-parallel copy before, sum
+        after, the second bias after the sum)."""
+        sizes = [x.size(0) for x in inputs]
+        offsets = torch.tensor(sizes, device=inputs[0].device).cumsum(0).to(torch.int32)
+        first = [e.dense_h_to_4h for e in self.local_experts]
+        second = [e.dense_4h_to_h for e in self.local_experts]
+        x = torch.cat(inputs)  # [N, h]
+        tp_group = first[0].tp_group
+        if self.config.tensor_model_parallel_size > 1:
+            x = mappings.copy_to_tensor_model_parallel_region(x, tp_group)
+        y = F.grouped_mm(x, torch.stack([lin.weight.t() for lin in first]), offs=offsets)
+        if first[0].bias is not None:
+            y = y + self._rows_of(first, sizes)
+        y = self.local_experts[0].activate(y)
+        z = F.grouped_mm(y, torch.stack([lin.weight.t() for lin in second]), offs=offsets)
+        if self.config.tensor_model_parallel_size > 1:
+            z = mappings.reduce_from_tensor_model_parallel_region(z, tp_group)
+        if second[0].bias is not None:
+            z = z + self._rows_of(second, sizes)
+        return list(z.split(sizes))
+
+    @staticmethod
+    def _rows_of(layers: list[nn.Module], sizes: list[int]) -> torch.Tensor:
+        """Each layer's bias repeated for its expert's rows: ``[sum(sizes), out]``."""
+        return torch.stack([lin.bias for lin in layers]).repeat_interleave(
+            torch.tensor(sizes, device=layers[0].bias.device), dim=0)
 
     def _combine_local(self, tokens: torch.Tensor, probs: torch.Tensor,
                        routing_map: torch.Tensor) -> torch.Tensor:

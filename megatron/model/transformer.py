@@ -212,12 +212,15 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.dense_h_to_4h(x)  # [s, b, ffn/tp] (SwiGLU: [s, b, 2 ffn/tp])
+        return self.dense_4h_to_h(self.activate(y))  # [s, b, h]
+
+    def activate(self, y: torch.Tensor) -> torch.Tensor:
+        """The activation between the two projections (``[..., 2 ffn/tp] -> [..., ffn/tp]``
+        under SwiGLU)."""
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y, approximate=self.approximate)
-        return self.dense_4h_to_h(y)  # [s, b, h]
+            return F.silu(gate) * up
+        return F.gelu(y, approximate=self.approximate)
 
 
 class ParallelTransformerLayer(nn.Module):

@@ -78,9 +78,11 @@ def reference(corpus, cache):
          "--moe-token-dispatcher-type": "alltoall"}}),
     (8, {"--pipeline-model-parallel-size": 2, "--tensor-model-parallel-size": 2,
          "--expert-model-parallel-size": 2, "--use-distributed-optimizer": True}),
+    (4, {"--tensor-model-parallel-size": 2, "--expert-model-parallel-size": 2,
+         "--moe-grouped-gemm": True}),
 ], ids=["tp2", "dp2-distopt", "tp2-seqpar", "dp2-overlap", "full-recompute", "ep2-a2a",
         "ep2-allgather", "ep4-a2a", "ep2-tp2-seqpar", "ep2-dp4-distopt-overlap",
-        "ep2-allgather-dp4-distopt", "pp2", "pp2-ep2", "pp2-tp2-ep2-distopt"])
+        "ep2-allgather-dp4-distopt", "pp2", "pp2-ep2", "pp2-tp2-ep2-distopt", "tp2-ep2-grouped-gemm"])
 def test_moe_layout_matches_single_process(corpus, cache, reference, world, layout):
     assert_same_run(train(world, argv(corpus, cache, **layout)), reference)
 

@@ -90,6 +90,7 @@ NEW_FLAGS = {
     "--moe-pad-expert-input-to-capacity", "--moe-layer-freq", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate", "--expert-interval",
     "--expert-model-parallel-size", "--moe-expert-parallel-size", "--moe-token-dispatcher-type",
+    "--moe-grouped-gemm",
 }
 
 

@@ -278,3 +278,32 @@ def test_router_losses_keep_megatron_lms_names_in_the_log_and_tensorboard():
                              iteration_seconds=1.0, logging=switches)
     assert series["lm-loss-training/lm loss"] == 4.5
     assert series["load_balancing_loss"] == 1.0025 and series["z_loss"] == 1.93
+
+
+@pytest.mark.parametrize("extra", [{}, {"swiglu": True, "add_bias_linear": False}],
+                         ids=["gelu-bias", "swiglu"])
+def test_grouped_gemm_equals_the_loop(extra):
+    """--moe-grouped-gemm: the same weights give the same output and gradients as one product
+    per expert, with an expert that gets no token."""
+    loop = moe.MoELayer(_config(**extra), 1, ParallelMLP)
+    grouped = moe.MoELayer(_config(moe_grouped_gemm=True, **extra), 1, ParallelMLP)
+    assert grouped.grouped and not loop.grouped
+    grouped.load_state_dict(loop.state_dict())
+    x = torch.randn(6, 2, 16)
+    outs = []
+    for layer in (loop, grouped):
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        outs.append((out, xi.grad, [p.grad for p in layer.parameters()]))
+    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-6)
+    assert torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
+    for a, b in zip(outs[0][2], outs[1][2]):
+        assert torch.allclose(a, b, atol=1e-6)
+    # An expert without tokens: an empty group.
+    inputs = [torch.randn(3, 16), torch.randn(0, 16), torch.randn(2, 16), torch.randn(1, 16)]
+    for a, b in zip(loop._run_experts(inputs), grouped._run_experts(inputs)):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-6)
+    # Widths grouped_mm cannot take run the loop.
+    assert not moe.MoELayer(_config(moe_grouped_gemm=True, moe_ffn_hidden_size=30), 1,
+                            ParallelMLP).grouped
