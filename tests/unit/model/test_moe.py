@@ -307,3 +307,16 @@ def test_grouped_gemm_equals_the_loop(extra):
     # Widths grouped_mm cannot take run the loop.
     assert not moe.MoELayer(_config(moe_grouped_gemm=True, moe_ffn_hidden_size=30), 1,
                             ParallelMLP).grouped
+
+
+def test_the_layer_benchmark_compares_the_same_computation(capsys):
+    """benchmarks/moe_layer.py: ours (loop and grouped) and HF Mixtral's block hold the same
+    weights and give the same output (checked inside) before they are timed."""
+    pytest.importorskip("transformers")
+    from tests.distributed.training_utils import load_benchmark
+
+    measured = dict(load_benchmark("moe_layer").main(
+        ["--tokens", "64", "--hidden", "32", "--ffn", "64", "--iters", "1"]))
+    assert {"ours (loop)", "ours (--moe-grouped-gemm)", "HF Mixtral (eager)"} <= set(measured)
+    assert all(v > 0 for v in measured.values())
+    assert "vs HF eager" in capsys.readouterr().out
