@@ -85,11 +85,6 @@ MISSING_FEATURES = {
     "--apply-layernorm-1p": "zero-centred layer-norm weights",
     "--squared-relu": "squared-ReLU feed-forward layers",
     "--expert-tensor-parallel-size": f"a separate tensor-parallel size for experts; {_EP}",
-    "--mlp-type": f"Megatron-DeepSpeed's residual MoE MLPs; {_MOE}",
-    "--create-moe-param-group": f"Megatron-DeepSpeed's expert parameter groups; {_MOE}",
-    "--disable-moe-token-dropping": "Megatron-DeepSpeed's token dropping (its capacity and "
-    "random token selection differ from Megatron-LM's --moe-expert-capacity-factor); "
-    f"{_MOE}",
     "--cpu-optimizer": "ZeRO-Offload's CPU optimizer",
 }
 MISSING_PREFIXES = {  # families of flags: the first that matches names the feature

@@ -252,8 +252,6 @@ class RunConfig:
         for given, why in (
                 (p.context_degree > 1, f"{p.context_flag} {p.context_degree}: the load-"
                  "balancing loss is not summed over the ranks of a sequence yet"),
-                (self.deepspeed.deepspeed, "--deepspeed: DeepSpeed's engine does not scale "
-                 "the router losses' gradients (DeepSpeed-MoE is planned)"),
                 (self.training.distributed_backend == "xla", "--distributed-backend xla: the "
                  "XLA step has no data-dependent expert routing"),
                 (self.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist: "
@@ -262,6 +260,35 @@ class RunConfig:
                 (self.training.dry_run or self.training.rehearse, "--dry-run / --rehearse: "
                  "the planner's memory formulas count dense MLPs (planned)")):
             require(not given, f"--num-experts ({e}) cannot be combined with {why}")
+        if self.deepspeed.deepspeed:
+            self._check_deepspeed_moe()
+
+    def _check_deepspeed_moe(self) -> None:
+        """Under --deepspeed the experts are DeepSpeed-MoE's (Megatron-DeepSpeed's way):
+        the built-in layer's own options have no meaning there, and what DeepSpeed-MoE
+        cannot do here is refused."""
+        m, ds, e = self.model, self.deepspeed, self.model.num_experts
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
+                     "moe_router_score_function", "moe_router_pre_softmax",
+                     "moe_router_load_balancing_type", "moe_token_drop_policy",
+                     "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size",
+                     "moe_grouped_gemm", "moe_token_dispatcher_type"):
+            value = getattr(m, name)
+            require(value == type(m).__dataclass_fields__[name].default,
+                    f"{flag(name)} ({value}) is the built-in MoE layer's; under --deepspeed the "
+                    "experts are DeepSpeed-MoE's (--moe-loss-coeff, "
+                    "--moe-train-capacity-factor, --disable-moe-token-dropping, ...)")
+        zero = ds.zero_stage  # the JSON file's stage is checked where it is read
+        for given, why in (
+                (m.moe_router_topk > 2, f"--topk {m.moe_router_topk}: DeepSpeed-MoE routes to "
+                 "1 or 2 experts"),
+                (self.parallel.tensor_model_parallel_size > 1, "--tensor-model-parallel-size "
+                 f"{self.parallel.tensor_model_parallel_size}: DeepSpeed-MoE's expert tensor "
+                 "parallelism is not wired here"),
+                (not ds.no_pipeline_parallel, "DeepSpeed's pipeline engine: add "
+                 "--no-pipeline-parallel"),
+                (zero == 3, "--zero-stage 3: DeepSpeed-MoE trains under ZeRO 0-2")):
+            require(not given, f"--num-experts ({e}) with --deepspeed (DeepSpeed-MoE): {why}")
 
     def _check_context_parallel(self) -> None:
         """What splitting each sequence over ranks cannot combine with (the model's own rules,

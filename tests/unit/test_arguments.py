@@ -434,10 +434,8 @@ def test_llama_flags_in_both_peers_spellings():
     ("--squared-relu", "--squared-relu: not supported yet (squared-ReLU feed-forward "
      "layers)"),
     ("--qk-layernorm", "--qk-layernorm: not supported yet (layer norms on queries and keys)"),
-    ("--moe-loss-coeff 0.1", "--moe-loss-coeff: not supported yet (this mixture-of-experts "
-     "option"),
-    ("--disable-moe-token-dropping", "--disable-moe-token-dropping: not supported yet "
-     "(Megatron-DeepSpeed's token dropping"),
+    ("--moe-router-enable-expert-bias", "--moe-router-enable-expert-bias: not supported yet "
+     "(this mixture-of-experts option"),
     ("--fp8-format hybrid", "--fp8-format: not supported yet (FP8 training"),
 ])
 def test_flags_of_features_we_lack_say_so_instead_of_guessing(flags, said):
@@ -744,8 +742,16 @@ def test_mixture_of_experts_flags():
     ("--num-experts 4 --expert-model-parallel-size 2 --context-parallel-size 2 "
      "--attention-dropout 0", ("--expert-model-parallel-size (2)", "--context-parallel-size")),
     ("--num-experts 4 --moe-token-dispatcher-type flex", ("--moe-token-dispatcher-type",)),
-    ("--num-experts 4 --pipeline-model-parallel-size 2",
-     ("--num-experts (4)", "--pipeline-model-parallel-size 2")),
+    # DeepSpeed-MoE's flags need --deepspeed; under it the built-in layer's are refused.
+    ("--moe-loss-coeff 0.01", ("--moe-loss-coeff", "DeepSpeed-MoE", "add --deepspeed")),
+    ("--disable-moe-token-dropping", ("--disable-moe-token-dropping", "add --deepspeed")),
+    ("--num-experts 4 --deepspeed --no-pipeline-parallel --moe-aux-loss-coeff 0.01",
+     ("--moe-aux-loss-coeff (0.01)", "built-in MoE layer's", "--moe-loss-coeff")),
+    ("--num-experts 4 --deepspeed --no-pipeline-parallel --topk 3",
+     ("--num-experts (4)", "--topk 3", "1 or 2")),
+    ("--num-experts 4 --deepspeed", ("DeepSpeed-MoE", "--no-pipeline-parallel")),
+    ("--num-experts 4 --deepspeed --no-pipeline-parallel --zero-stage 3",
+     ("--zero-stage 3", "ZeRO 0-2")),
     ("--num-experts 4 --ckpt-format torch_dist", ("--num-experts (4)", "torch_dist")),
     ("--num-experts 4 --deepspeed", ("--num-experts (4)", "--deepspeed")),
     ("--num-experts 4 --context-parallel-size 2 --attention-dropout 0", ("--num-experts (4)",

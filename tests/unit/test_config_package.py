@@ -91,6 +91,10 @@ NEW_FLAGS = {
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate", "--expert-interval",
     "--expert-model-parallel-size", "--moe-expert-parallel-size", "--moe-token-dispatcher-type",
     "--moe-grouped-gemm",
+    # DeepSpeed-MoE under --deepspeed (Megatron-DeepSpeed's spellings).
+    "--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",
+    "--moe-min-capacity", "--disable-moe-token-dropping", "--disable-moe-top2-2nd-expert-sampling",
+    "--create-moe-param-group", "--mlp-type",
 }
 
 

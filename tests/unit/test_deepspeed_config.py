@@ -133,7 +133,20 @@ def test_only_the_adapter_package_and_the_deepspeed_format_import_deepspeed():
             importers.append(path.relative_to(REPO).as_posix())
     assert sorted(importers) == ["megatron/checkpointing/formats/deepspeed/files.py",
                                  "megatron/integrations/deepspeed/config.py",
-                                 "megatron/integrations/deepspeed/engine.py"]
+                                 "megatron/integrations/deepspeed/engine.py",
+                                 "megatron/integrations/deepspeed/moe.py"]
+
+
+def test_deepspeed_moe_under_zero_needs_its_parameter_groups(tmp_path):
+    """The stage may come from the JSON file: checked where the file is read."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 1}}))
+    flags = [*BASE, "--deepspeed", "--no-pipeline-parallel", "--num-experts", "4",
+             "--deepspeed_config", str(path)]
+    with pytest.raises(DeepSpeedSetupError, match="--create-moe-param-group"):
+        build_deepspeed_config(parse_args(flags, world_size=1))
+    assert build_deepspeed_config(parse_args([*flags, "--create-moe-param-group"],
+                                             world_size=1))["zero_optimization"]["stage"] == 1
 
 
 def test_a_megatron_checkpoint_under_deepspeed_says_what_to_do(tmp_path):

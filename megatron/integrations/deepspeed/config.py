@@ -132,6 +132,15 @@ def _resolve_zero(ds: dict, cfg: RunConfig, source: str) -> int:
             f"ZeRO stage 3 with {cfg.parallel.context_flag} {cp}: DeepSpeed's stage 3 does "
             "not reduce the sequence-split gradients to the unsplit run's; use --zero-stage "
             "1 or 2")
+    experts = cfg.model.num_experts
+    if experts is not None and stage == 3:
+        raise DeepSpeedSetupError(f"ZeRO stage 3 (from {source}) with --num-experts "
+                                  f"{experts}: DeepSpeed-MoE trains under ZeRO 0-2")
+    if experts is not None and stage > 0 and not cfg.deepspeed.create_moe_param_group:
+        raise DeepSpeedSetupError(
+            f"ZeRO stage {stage} (from {source}) with --num-experts {experts}: add "
+            "--create-moe-param-group (ZeRO needs DeepSpeed-MoE's experts in their own "
+            "optimizer groups)")
     return stage
 
 

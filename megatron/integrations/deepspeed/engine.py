@@ -60,6 +60,12 @@ from megatron.core.optimizer import build_torch_optimizer, get_param_groups
 from megatron.core.optimizer_param_scheduler import build_optimizer_param_scheduler
 from megatron.core.pipeline_parallel.schedules import StageInfo, takes_stage
 from megatron.core.tensor_parallel.random import get_rng_tracker, set_checkpoint_implementation
+from megatron.integrations.deepspeed.moe import (
+    add_moe_loss,
+    check_expert_groups,
+    deepspeed_moe_layers,
+    use_deepspeed_moe,
+)
 from megatron.model.gpt_batch import gpt_batch
 from megatron.model.gpt_model_pipe import (
     EmbeddingPipe,
@@ -294,7 +300,8 @@ class DeepSpeedRun:
             losses = []
             for micro in range(num_microbatches):
                 output, loss_func = self._forward(forward_step, data_iterator)
-                loss, reported = loss_func(output)
+                loss, reported = add_moe_loss(self.engine.module, *loss_func(output),
+                                              self.cfg.deepspeed.moe_loss_coeff)
                 losses.append(reported)
                 if check and micro == num_microbatches - 1:  # before the boundary's backward
                     bad_loss = locate_nonfinite_loss(losses)
@@ -337,10 +344,11 @@ class DeepSpeedRun:
             "opt_param_scheduler": (self.scheduler.state_dict()
                                     if self.scheduler is not None else None),
             "rng_states": rng_states, "config": self.cfg.to_dict(),
-            # What DeepSpeed's ds_to_universal.py needs to join tensor-parallel pieces.
-            UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(
-                self.cfg.model, self.pipeline),
         }
+        if not deepspeed_moe_layers(self.engine.module):  # DeepSpeed-MoE writes its own
+            # What DeepSpeed's ds_to_universal.py needs to join tensor-parallel pieces.
+            client[UNIVERSAL_CHECKPOINT_INFO] = universal_checkpoint_info(self.cfg.model,
+                                                                          self.pipeline)
         tag = DEEPSPEED.folder_name(iteration)
         rank0 = dist.get_rank() == 0
         # Written under a temporary tag (global_stepN.tmp-XXXX) and renamed once complete:
@@ -559,10 +567,17 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
     else:
         model = model_provider(ctx, pre_process=True, post_process=True, first_layer=0,
                                num_layers=cfg.model.num_layers)
+        if cfg.model.num_experts is not None:  # Megatron-DeepSpeed's experts
+            use_deepspeed_moe(model, cfg.deepspeed)
     opt = cfg.optimizer
     groups = get_param_groups([model], opt.weight_decay, opt.lr)
-    optimizer = None if "optimizer" in ds_config else build_torch_optimizer(opt, groups)
     stage = ds_config["zero_optimization"]["stage"]
+    if cfg.model.num_experts is not None and cfg.deepspeed.create_moe_param_group:
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        # DeepSpeed names the expert groups after the groups they come from.
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            [{"name": f"group{i}", **g} for i, g in enumerate(groups)])
+    optimizer = None if "optimizer" in ds_config else build_torch_optimizer(opt, groups)
     if stage == 3 and not pipeline and model.shared_embedding_or_output_weight() is not None:
         # The LM head reads the embedding's weight outside the embedding's forward.
         deepspeed.zero.register_external_parameter(model,
@@ -573,6 +588,8 @@ def setup_engine(model_provider: Callable, ctx: Any, ds_config: dict) -> DeepSpe
     # DeepSpeed makes its groups (the pipeline grid's, ZeRO's) with torch's default timeout
     # of 30 minutes: they get --distributed-timeout-minutes and names for timeout reports.
     parallel_state.adopt_groups(parallel_state.torch_group_names() - ours, "DeepSpeed")
+    if not pipeline:
+        check_expert_groups(engine.module)
     if pipeline:
         _check_topology(engine)
     if cfg.optimizer.check_for_nan_in_loss_and_grad:

@@ -66,6 +66,10 @@ from megatron.model.sharding import merge_tp
 _ZERO3_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt")
 # DeepSpeed names the tensor ("model") rank only when the topology has that axis.
 _LAYER_FILE_RE = re.compile(r"layer_(\d+)(?:-model_(\d{2}))?-model_states\.pt")
+# DeepSpeed-MoE's own files: each expert of each layer alone.
+_EXPERT_FILE_RE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d{2})_model_states\.pt")
+_DS_MOE_NAME_RE = re.compile(r"(.*\.mlp\.)moe\.deepspeed_moe\."
+                             r"(?:gate\.wg\.weight|experts\.deepspeed_experts\.(\d+)\.(.+))")
 _OLD_ATTENTION_RE = re.compile(r"(^|\.)attention\.")  # older Megatron's name of self_attention
 _PIPE_LAYER_PREFIX_RE = re.compile(r"^layers\.\d+\.")  # our TransformerLayerPipe's own prefix
 
@@ -104,6 +108,9 @@ def read_deepspeed_folder(folder: CheckpointFolder, true_vocab_size: Optional[in
                   for t in tp_ranks]
     elif mp_files:
         per_tp = [_module(state, os.path.join(step_dir, n)) for state, n in zip(states, mp_files)]
+        expert_files = [n for n in sorted(os.listdir(step_dir)) if _EXPERT_FILE_RE.fullmatch(n)]
+        if expert_files:
+            per_tp = [_with_deepspeed_experts(per_tp[0], step_dir, expert_files)]
     else:
         per_tp = [_zero3_module(folder.root, step_dir, zero3_files)]
     model_config = model_config_from_dict(config["model"])
@@ -112,7 +119,8 @@ def read_deepspeed_folder(folder: CheckpointFolder, true_vocab_size: Optional[in
              for name in per_tp[0]}
     model = repad_vocab(model, padded)
     optimizer_state = None
-    if optimizer and mp_files and not theirs:
+    # DeepSpeed-MoE's optimizer partitions are grouped its own way: the weights only.
+    if optimizer and mp_files and not theirs and not _has_expert_files(step_dir):
         if not layer_files:  # ZeRO 1/2 partitions under our names
             optimizer_state = read_zero_optimizer(step_dir, states, model_config)
         elif len(tp_ranks) == 1:  # the pipeline's, one per stage
@@ -125,6 +133,35 @@ def read_deepspeed_folder(folder: CheckpointFolder, true_vocab_size: Optional[in
         consumed_train_samples=train or int(first.get("global_samples", 0) or 0),
         consumed_valid_samples=valid,
         scheduler=None if theirs else first.get("opt_param_scheduler"))
+
+
+def _has_expert_files(step_dir: str) -> bool:
+    return any(_EXPERT_FILE_RE.fullmatch(n) for n in os.listdir(step_dir))
+
+
+def _with_deepspeed_experts(model: dict, step_dir: str, files: list[str]) -> dict:
+    """A DeepSpeed-MoE model (tensor-parallel size 1) under our names: its gate as the
+    router, its experts (each saved in a file of its own, under its global number) as our
+    experts."""
+    model = dict(model)
+    for name in files:
+        if _EXPERT_FILE_RE.fullmatch(name).group(3) != "00":
+            raise CheckpointError(f"{step_dir}/{name}: DeepSpeed-MoE at tensor-parallel size "
+                                  "above 1 does not convert")
+        model.update(read_torch(os.path.join(step_dir, name)))
+    out = {}
+    for key, value in model.items():
+        m = _DS_MOE_NAME_RE.fullmatch(key)
+        if m is None and ".mlp.moe." in key:
+            raise CheckpointError(f"{step_dir}: {key} (DeepSpeed-MoE's residual MLP, "
+                                  "--mlp-type residual) has no place in our model")
+        if m is None:
+            out[key] = value
+        elif m.group(2) is None:
+            out[m.group(1) + "router.weight"] = value
+        else:
+            out[f"{m.group(1)}local_experts.{m.group(2)}.{m.group(3)}"] = value
+    return out
 
 
 def step_folder(load_dir: str, iteration: Optional[int] = None) -> CheckpointFolder:
