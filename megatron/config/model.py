@@ -197,8 +197,8 @@ class ModelConfig(Slice):
     moe_grouped_gemm: bool = option(
         default=False, help="Compute a rank's experts together with grouped matrix "
         "products (torch's grouped_mm: one kernel for all experts on a GPU) instead of one "
-        "product per expert. The same weights and results; widths must keep rows 16-byte "
-        "aligned, else the loop runs.")
+        "product per expert. The same weights and results; needs a torch with "
+        "torch.nn.functional.grouped_mm and widths whose rows are 16-byte multiples.")
     moe_token_dispatcher_type: str = option(
         default="allgather", choices=("allgather", "alltoall"), help="How tokens reach experts "
         "on other --expert-model-parallel-size ranks: allgather (every rank gathers all "
@@ -337,11 +337,28 @@ class ModelConfig(Slice):
         if self.moe_ffn_hidden_size is None:
             set_field(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
         optional_positive(self, "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+        if self.moe_grouped_gemm:
+            self._check_grouped_gemm()
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             width = getattr(self, name)
             require(width is None or width % tp == 0,
                     f"{flag(name)} ({width}) is not divisible by --tensor-model-parallel-size "
                     f"({tp})")
+
+    def _check_grouped_gemm(self) -> None:
+        """What torch's grouped_mm takes: every operand row 16-byte aligned."""
+        import torch
+        import torch.nn.functional as F
+
+        require(hasattr(F, "grouped_mm"), "--moe-grouped-gemm needs torch's "
+                f"torch.nn.functional.grouped_mm (torch 2.10 or later; this is {torch.__version__})")
+        per_row = 16 // torch.empty((), dtype=self.params_dtype).element_size()
+        tp = self.tensor_model_parallel_size
+        for what, width in (("--hidden-size", self.hidden_size),
+                            ("--moe-ffn-hidden-size / tensor-parallel size",
+                             self.moe_ffn_hidden_size // tp)):
+            require(width % per_row == 0, f"--moe-grouped-gemm needs {what} ({width}) to be a "
+                    f"multiple of {per_row} (rows of 16 bytes in {self.params_dtype})")
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:

@@ -247,7 +247,7 @@ class MoELayer(nn.Module):
         if self.ep_size > 1:
             for param in self.local_experts.parameters():
                 param.allreduce = False  # megatron-core's mark: reduced over expert-data ranks
-        self.grouped = config.moe_grouped_gemm and self._groupable(config)
+        self.grouped = config.moe_grouped_gemm
         if self.grouped:  # the grouped product's backward hands autograd the weight grads
             for expert in self.local_experts:
                 refuse_fusion(expert.dense_h_to_4h.weight)
@@ -264,16 +264,6 @@ class MoELayer(nn.Module):
                     config, InitRNG(config, f"layer{layer_number}.shared_expert_gate"), device)
         self.sequence_parallel = (config.sequence_parallel
                                   and config.tensor_model_parallel_size > 1)
-
-    @staticmethod
-    def _groupable(config: ModelConfig) -> bool:
-        """Whether grouped_mm takes this layer's shapes: every row of its operands must start
-        on a 16-byte boundary (else the loop runs)."""
-        per_row = 16 // torch.empty((), dtype=config.params_dtype).element_size()
-        tp = config.tensor_model_parallel_size
-        widths = (config.hidden_size, config.moe_ffn_hidden_size // tp,
-                  (2 if config.swiglu else 1) * config.moe_ffn_hidden_size // tp)
-        return all(w % per_row == 0 for w in widths)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
