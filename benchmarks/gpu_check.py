@@ -34,6 +34,9 @@ started, recorded as timed out, and the next step runs; no step starts after ``-
 - ``llama-1b``: ``pretrain_gpt.py`` with the Llama family's options (RMSNorm, SwiGLU, 8 of 32
   heads' key/value groups, RoPE, untied) at Llama 3.2 1B's shape in bf16, sequence 2048,
   12 iterations: finite losses, tokens/s and MFU after 3;
+- ``moe``: the same options with 8 experts (top-2, SwiGLU, ``--moe-grouped-gemm``, the
+  load-balancing loss on) at 12 layers of hidden 768, sequence 1024: finite losses, tokens/s
+  and MFU counting the active experts' FLOPs;
 - ``throughput-124m``, ``throughput-350m``, ``throughput-1.3b``:
   ``benchmarks/train_throughput.py --device cuda`` at one shape each (ours eager and
   ``--compile``, nanoGPT eager and compiled, HF), MFU against the ``env`` step's peak.
@@ -89,9 +92,10 @@ STEPS = (
                            "--use-flash-attn fallback"),
     Step("generate", 30, 60, "benchmarks/generate.py: KV-cached generation against HF"),
     Step("llama-1b", 45, 90, "pretrain_gpt.py bf16 at Llama 3.2 1B's shape: tokens/s, MFU"),
-    Step("throughput-124m", 75, 130, "train_throughput.py at GPT-2 124M, 5 contenders"),
-    Step("throughput-350m", 80, 140, "train_throughput.py at GPT-2 350M, 5 contenders"),
-    Step("throughput-1.3b", 90, 150, "train_throughput.py at 1.3B, 5 contenders"),
+    Step("moe", 30, 75, "pretrain_gpt.py bf16, 8 experts top-2, grouped GEMM: tokens/s, MFU"),
+    Step("throughput-124m", 70, 130, "train_throughput.py at GPT-2 124M, 5 contenders"),
+    Step("throughput-350m", 70, 140, "train_throughput.py at GPT-2 350M, 5 contenders"),
+    Step("throughput-1.3b", 85, 150, "train_throughput.py at 1.3B, 5 contenders"),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 DEADLINE_S = 540.0  # no step starts after this, and each is cut off there

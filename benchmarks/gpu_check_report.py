@@ -103,13 +103,14 @@ def goals_list(record: dict) -> list[str]:
             mfu = goal.get("mfu_1_3b")
             lines.append(f"- 1.3b: ours >= 60% of the measured bf16 peak: {_verdict(mfu, 0.6)}"
                          f" ({_fmt(None if mfu is None else 100 * mfu, '.1f', '%')} by {best})")
-    llama = steps.get("llama-1b", {}).get("figures", {})
-    if llama:
-        mfu = llama.get("mfu")
-        lines.append(f"- Llama 3.2 1B shape (bf16, sequence 2048): "
-                     f"{_fmt(llama.get('tokens_per_s'), '.0f')} tokens/s, "
-                     f"{_fmt(llama.get('tflops'), '.1f')} TFLOP/s, MFU "
-                     f"{_fmt(None if mfu is None else 100 * mfu, '.1f', '%')}")
+    for step, what in (("llama-1b", "Llama 3.2 1B shape (bf16, sequence 2048)"),
+                       ("moe", "8 experts top-2 at 12 x 768 (bf16, sequence 1024)")):
+        figures = steps.get(step, {}).get("figures", {})
+        if figures:
+            mfu = figures.get("mfu")
+            lines.append(f"- {what}: {_fmt(figures.get('tokens_per_s'), '.0f')} tokens/s, "
+                         f"{_fmt(figures.get('tflops'), '.1f')} TFLOP/s, MFU "
+                         f"{_fmt(None if mfu is None else 100 * mfu, '.1f', '%')}")
     rows = steps.get("generate", {}).get("figures", {}).get("rows", [])
     for batch in (1, 8):
         cached = [r["vs_hf"] for r in rows

@@ -60,6 +60,7 @@ class Scale:
     generate: tuple[str, ...]
     throughput: tuple[str, ...]  # train_throughput.py flags besides the shape
     llama: tuple[str, ...]  # pretrain_gpt.py flags of the Llama step (shape, batch, length)
+    moe: tuple[str, ...]  # pretrain_gpt.py flags of the mixture-of-experts step
     contender_timeout_s: float
     pytest_workers: int  # pytest-xdist processes per test step, where xdist is installed
 
@@ -82,7 +83,11 @@ GPU = Scale(
     # vocabulary 128256), sequence 2048, micro-batch 4.
     llama=(*_model_flags(16, 2048, 32, 2048, 4), "--group-query-attention",
            "--num-query-groups", "8", "--ffn-hidden-size", "8192", "--vocab-size", "128255",
-           "--train-iters", "12"))
+           "--train-iters", "12"),
+    # A Mixtral-style model at GPT-2 124M's attention: 12 layers, hidden 768, 8 experts of
+    # width 2048, top-2 (about 0.45B parameters, 0.15B active), sequence 1024, micro-batch 8.
+    moe=(*_model_flags(12, 768, 12, 1024, 8), "--num-experts", "8", "--moe-router-topk", "2",
+         "--ffn-hidden-size", "2048", "--vocab-size", "50257", "--train-iters", "12"))
 DRY_RUN = Scale(
     device="cpu", peak_sizes=(128, 256), model=_model_flags(2, 64, 4, 32, 2), smoke_lr="3e-3",
     smoke_lines=3000, cpu_suite=DRY_RUN_CPU_SUITE_TESTS,
@@ -91,7 +96,9 @@ DRY_RUN = Scale(
     throughput=("--rounds", "1", "--iters", "2", "--warmup", "1", "--dry-run"),
     contender_timeout_s=120, pytest_workers=0,
     llama=(*_model_flags(2, 64, 4, 32, 2), "--group-query-attention", "--num-query-groups",
-           "2", "--ffn-hidden-size", "128", "--vocab-size", "1023", "--train-iters", "5"))
+           "2", "--ffn-hidden-size", "128", "--vocab-size", "1023", "--train-iters", "5"),
+    moe=(*_model_flags(2, 64, 4, 32, 2), "--num-experts", "4", "--moe-router-topk", "2",
+         "--ffn-hidden-size", "128", "--vocab-size", "1023", "--train-iters", "5"))
 LLAMA_WARMUP = 3  # iterations left out of the Llama step's throughput
 
 
@@ -426,7 +433,18 @@ def step_generate(scale: Scale, args, out: Checks) -> None:
 def llama_command(scale: Scale) -> list[str]:
     """pretrain_gpt.py with the Llama family's options in bf16 on mock data, flash attention
     where installed (SDPA otherwise, grouped k/v either way)."""
-    return [sys.executable, "pretrain_gpt.py", *scale.llama, "--mock-data",
+    return _llama_family(scale, scale.llama)
+
+
+def moe_command(scale: Scale) -> list[str]:
+    """The Llama options with mixture-of-experts layers: SwiGLU experts computed by grouped
+    products, dropless, the load-balancing loss on."""
+    return [*_llama_family(scale, scale.moe), "--moe-grouped-gemm", "--moe-aux-loss-coeff",
+            "1e-2"]
+
+
+def _llama_family(scale: Scale, shape: tuple[str, ...]) -> list[str]:
+    return [sys.executable, "pretrain_gpt.py", *shape, "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--normalization", "RMSNorm", "--swiglu",
             "--position-embedding-type", "rope", "--rotary-base", "500000",
             "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
@@ -437,13 +455,22 @@ def llama_command(scale: Scale) -> list[str]:
 
 def step_llama(scale: Scale, args, out: Checks) -> None:
     """A Llama 1B-shape training run: finite losses, tokens/s and MFU after the warm-up."""
+    _pretrain_step(llama_command(scale), "the Llama shape", args, out)
+
+
+def step_moe(scale: Scale, args, out: Checks) -> None:
+    """A mixture-of-experts training run: finite losses, tokens/s and MFU (active FLOPs)."""
+    _pretrain_step(moe_command(scale), "the mixture-of-experts shape", args, out)
+
+
+def _pretrain_step(command: list[str], what: str, args, out: Checks) -> None:
     # lazy: runs in the step's own process; gpu_check.py imports this module torch-free
     from megatron.training.log import parse_log_lines
 
-    status, log = stream(llama_command(scale))
+    status, log = stream(command)
     lines = parse_log_lines(log) if status == 0 else []
     losses = [line.get("lm loss") for line in lines]
-    if not out.check("pretrain_gpt.py trained the Llama shape with finite losses",
+    if not out.check(f"pretrain_gpt.py trained {what} with finite losses",
                      bool(losses) and all(v is not None and math.isfinite(v) for v in losses),
                      f"exit status {status}, {len(losses)} iterations"):
         return
@@ -484,7 +511,7 @@ def step_throughput(shape: str) -> Callable:
 
 STEP_FUNCTIONS = {
     "env": step_env, "gpu-tests": step_gpu_tests, "cpu-tests": step_cpu_tests,
-    "smoke": step_smoke, "generate": step_generate, "llama-1b": step_llama,
+    "smoke": step_smoke, "generate": step_generate, "llama-1b": step_llama, "moe": step_moe,
     "throughput-124m": step_throughput("gpt2-124m"),
     "throughput-350m": step_throughput("gpt2-350m"),
     "throughput-1.3b": step_throughput("1.3b"),

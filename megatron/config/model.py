@@ -197,8 +197,8 @@ class ModelConfig(Slice):
     moe_grouped_gemm: bool = option(
         default=False, help="Compute a rank's experts together with grouped matrix "
         "products (torch's grouped_mm: one kernel for all experts on a GPU) instead of one "
-        "product per expert. The same weights and results; needs a torch with "
-        "torch.nn.functional.grouped_mm and widths whose rows are 16-byte multiples.")
+        "product per expert. The same weights and results; needs widths whose rows are "
+        "16-byte multiples.")
     moe_token_dispatcher_type: str = option(
         default="allgather", choices=("allgather", "alltoall"), help="How tokens reach experts "
         "on other --expert-model-parallel-size ranks: allgather (every rank gathers all "
@@ -350,8 +350,9 @@ class ModelConfig(Slice):
         import torch
         import torch.nn.functional as F
 
-        require(hasattr(F, "grouped_mm"), "--moe-grouped-gemm needs torch's "
-                f"torch.nn.functional.grouped_mm (torch 2.10 or later; this is {torch.__version__})")
+        require(hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm"),
+                "--moe-grouped-gemm needs torch's grouped matrix product (torch 2.8 or later; "
+                f"this is {torch.__version__})")
         per_row = 16 // torch.empty((), dtype=self.params_dtype).element_size()
         tp = self.tensor_model_parallel_size
         for what, width in (("--hidden-size", self.hidden_size),

@@ -146,6 +146,12 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean() * coeff
 
 
+def grouped_mm(x: torch.Tensor, weights: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+    """Row block ``i`` of ``x`` (rows ``offs[i-1]:offs[i]``) times ``weights[i]``: torch's
+    grouped product (``F.grouped_mm``; before torch 2.10 its private ``_grouped_mm``)."""
+    return getattr(F, "grouped_mm", torch._grouped_mm)(x, weights, offs=offs)
+
+
 class _AttachLoss(torch.autograd.Function):
     """Identity on ``x``; the backward pass also gives ``loss`` the gradient ``scale`` (as if
     ``scale * loss`` had been added to the scalar being differentiated)."""
@@ -309,11 +315,11 @@ class MoELayer(nn.Module):
         tp_group = first[0].tp_group
         if self.config.tensor_model_parallel_size > 1:
             x = mappings.copy_to_tensor_model_parallel_region(x, tp_group)
-        y = F.grouped_mm(x, torch.stack([lin.weight.t() for lin in first]), offs=offsets)
+        y = grouped_mm(x, torch.stack([lin.weight.t() for lin in first]), offs=offsets)
         if first[0].bias is not None:
             y = y + self._rows_of(first, sizes)
         y = self.local_experts[0].activate(y)
-        z = F.grouped_mm(y, torch.stack([lin.weight.t() for lin in second]), offs=offsets)
+        z = grouped_mm(y, torch.stack([lin.weight.t() for lin in second]), offs=offsets)
         if self.config.tensor_model_parallel_size > 1:
             z = mappings.reduce_from_tensor_model_parallel_region(z, tp_group)
         if second[0].bias is not None:

@@ -207,7 +207,7 @@ def test_dry_run_runs_every_step_without_the_packages_the_gpu_machine_lacks(tmp_
     record = json.loads((out / "gpu-check.json").read_text())
     steps = {s["name"]: s for s in record["steps"]}
     assert list(steps) == ["env", "gpu-tests", "cpu-tests", "smoke", "generate", "llama-1b",
-                           "throughput-124m"]
+                           "moe", "throughput-124m"]
     assert all(s["status"] == "passed" for s in steps.values())
     assert steps["env"]["limit_s"] == 3 * 45  # a dry run's limits have slack
     assert steps["env"]["figures"]["inputs"]["data"] == str(inputs / "data")
@@ -216,6 +216,8 @@ def test_dry_run_runs_every_step_without_the_packages_the_gpu_machine_lacks(tmp_
     assert smoke["flash_attn_fallback_line"]
     llama = steps["llama-1b"]["figures"]
     assert len(llama["losses"]) == 5 and llama["tokens_per_s"] > 0
+    moe = steps["moe"]["figures"]
+    assert len(moe["losses"]) == 5 and moe["tokens_per_s"] > 0
     contenders = steps["throughput-124m"]["figures"]["shapes"]["gpt2-124m"]["contenders"]
     assert set(contenders) == {"ours", "ours-compile", "nanogpt", "nanogpt-compile", "hf"}
     assert all(c["tokens_per_s"] > 0 for c in contenders.values())

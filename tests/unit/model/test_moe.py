@@ -282,8 +282,6 @@ def test_router_losses_keep_megatron_lms_names_in_the_log_and_tensorboard():
 
 @pytest.mark.parametrize("extra", [{}, {"swiglu": True, "add_bias_linear": False}],
                          ids=["gelu-bias", "swiglu"])
-@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"),
-                    reason="this torch has no torch.nn.functional.grouped_mm (refused by name)")
 def test_grouped_gemm_equals_the_loop(extra):
     """--moe-grouped-gemm: the same weights give the same output and gradients as one product
     per expert, with an expert that gets no token."""
