@@ -363,12 +363,15 @@ class MoELayer(nn.Module):
         pair_token, pair_expert = routing_map.t().nonzero(as_tuple=True)[::-1]
         counts = routing_map.sum(dim=0).view(self.ep_size, n_local)  # sent, [rank, expert]
         received = expert_parallel.exchange_counts(counts, group)  # [source, local expert]
-        send_splits, recv_splits = counts.sum(1).tolist(), received.sum(1).tolist()
+        sent, got = counts.tolist(), received.tolist()  # the host needs them: one read each
+        send_splits, recv_splits = [sum(r) for r in sent], [sum(r) for r in got]
         arrived = expert_parallel.all_to_all(tokens[pair_token], group, recv_splits, send_splits)
         # Rows arrive by source rank, each source's by local expert: expert j's rows are the
         # j-th block of every source's part.
-        starts = (torch.cumsum(received.flatten(), 0) - received.flatten()).view_as(received)
-        rows = [torch.cat([torch.arange(int(starts[src, j]), int(starts[src, j] + received[src, j]),
+        starts = [sum(recv_splits[:src]) + sum(got[src][:j]) for src in range(self.ep_size)
+                  for j in range(n_local)]
+        rows = [torch.cat([torch.arange(starts[src * n_local + j],
+                                        starts[src * n_local + j] + got[src][j],
                                         device=tokens.device) for src in range(self.ep_size)])
                 for j in range(n_local)]
         outputs = self._run_experts([arrived[idx] for idx in rows])
