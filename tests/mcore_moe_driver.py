@@ -1,7 +1,7 @@
 """Real megatron-core's MoE routing maths on the logits in ``IN`` (``python -I
 tests/mcore_moe_driver.py IN OUT``), for tests/unit/model/test_moe.py: writes to ``OUT`` what
 its ``moe_utils`` functions give (routing, the load-balancing, sequence and z losses, token
-dropping). Run isolated, as tests/mcore_driver.py is: megatron-core's package is also named
+dropping, the expert bias's routing). Run isolated, as tests/mcore_driver.py is: megatron-core's package is also named
 ``megatron``."""
 
 import os
@@ -43,6 +43,9 @@ def main(inp: str, out: str) -> None:
                     logits, kk, use_pre_softmax=pre, score_function=fn)
         result[f"aux/{fn}"] = aux_loss(logits, k, 0.01, fn)
         result[f"seq_aux/{fn}"] = seq_aux_loss(logits, s, k, 0.01, fn)
+    for kk in (1, k):  # loss-free balancing: biased choice, unbiased weights
+        result[f"route/sigmoid-bias/{kk}"] = moe_utils.topk_routing_with_score_function(
+            logits, kk, score_function="sigmoid", expert_bias=case["bias"])
     result["z"] = moe_utils.z_loss_func(logits, 1e-3)
     probs, routing_map = moe_utils.topk_routing_with_score_function(logits, k)
     for policy in ("probs", "position"):

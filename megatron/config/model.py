@@ -29,6 +29,7 @@ _MOE_FIELDS = ("moe_router_topk", "moe_router_score_function", "moe_router_pre_s
                "moe_expert_capacity_factor", "moe_token_drop_policy",
                "moe_pad_expert_input_to_capacity", "moe_layer_freq", "moe_ffn_hidden_size",
                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_grouped_gemm",
+               "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
                "moe_token_dispatcher_type")
 _LIST_TERM = re.compile(r"\[([01](?:\s*,\s*[01])*)\](?:\s*\*\s*(\d+))?")
 
@@ -173,6 +174,14 @@ class ModelConfig(Slice):
     moe_router_pre_softmax: bool = option(
         default=False, help="Softmax over all experts before the top-k (the chosen "
         "probabilities then do not sum to 1).")
+    moe_router_enable_expert_bias: bool = option(
+        default=False, help="Loss-free balancing (DeepSeek-V3's): a per-expert bias added to "
+        "the sigmoid scores for choosing the top-k only, moved after every step by "
+        "--moe-router-bias-update-rate towards the experts that got fewer tokens than the "
+        "mean (needs --moe-router-score-function sigmoid).")
+    moe_router_bias_update_rate: float = option(
+        default=1e-3, help="How far each expert's bias moves per step (--moe-router-enable-"
+        "expert-bias).")
     moe_router_load_balancing_type: str = option(
         default="aux_loss", choices=("aux_loss", "seq_aux_loss", "none"),
         help="Load balancing: the Switch auxiliary loss over each micro-batch (aux_loss), "
@@ -319,6 +328,11 @@ class ModelConfig(Slice):
         require(e % ep == 0, f"--num-experts ({e}) is not divisible by "
                 f"--expert-model-parallel-size ({ep})")
         one_of(self, "moe_token_dispatcher_type", ("allgather", "alltoall"))
+        require(not self.moe_router_enable_expert_bias
+                or self.moe_router_score_function == "sigmoid",
+                "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+                "(megatron-core's rule: the bias is added to sigmoid scores)")
+        non_negative(self, "moe_router_bias_update_rate")
         one_of(self, "moe_router_score_function", ("softmax", "sigmoid"))
         one_of(self, "moe_router_load_balancing_type", ("aux_loss", "seq_aux_loss", "none"))
         one_of(self, "moe_token_drop_policy", ("probs", "position"))

@@ -272,7 +272,8 @@ class RunConfig:
                      "moe_router_score_function", "moe_router_pre_softmax",
                      "moe_router_load_balancing_type", "moe_token_drop_policy",
                      "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size",
-                     "moe_grouped_gemm", "moe_token_dispatcher_type"):
+                     "moe_grouped_gemm", "moe_token_dispatcher_type",
+                     "moe_router_enable_expert_bias"):
             value = getattr(m, name)
             require(value == type(m).__dataclass_fields__[name].default,
                     f"{flag(name)} ({value}) is the built-in MoE layer's; under --deepspeed the "

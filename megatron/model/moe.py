@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -59,15 +60,24 @@ Z_LOSS = "z_loss"
 
 
 def route(logits: torch.Tensor, topk: int, score_function: str = "softmax",
-          pre_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          pre_softmax: bool = False, expert_bias: Optional[torch.Tensor] = None,
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs, routing_map)``, both ``[T, E]``: each token's weight for each expert (0 where
-    not routed) and whether it is routed there (``k`` per token). ``logits`` ``[T, E]``."""
+    not routed) and whether it is routed there (``k`` per token). ``logits`` ``[T, E]``.
+    ``expert_bias`` ``[E]`` (sigmoid only): added to the scores to choose the experts, not to
+    the weights."""
     if score_function == "softmax":
         if pre_softmax:
             scores, top = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(topk, dim=1)
         else:
             top_logits, top = logits.topk(topk, dim=1)
             scores = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+    elif score_function == "sigmoid" and expert_bias is not None:
+        sigmoid = torch.sigmoid(logits.float())
+        top = (sigmoid + expert_bias).topk(topk, dim=1).indices
+        scores = sigmoid.gather(1, top)
+        if topk > 1:
+            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     elif score_function == "sigmoid":
         scores, top = torch.sigmoid(logits.float()).topk(topk, dim=1)
         if topk > 1:
@@ -186,6 +196,16 @@ class Router(nn.Module):
         if init.normal() is not None:
             init.normal()(weight)
         self.weight = nn.Parameter(weight.to(device=device, dtype=config.params_dtype))
+        if config.moe_router_enable_expert_bias:
+            # Loss-free balancing: the bias (saved with the model) and the step's token
+            # counts per expert (not saved), both fp32.
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts,
+                                                            device=device))
+            self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts,
+                                                                  device=device),
+                                 persistent=False)
+        else:
+            self.expert_bias = self.tokens_per_expert = None
         self.loss_scale = 1.0  # set_loss_scale: the backward scale of the router losses
         self.reported: dict[str, torch.Tensor] = {}
         # record_reported: name -> (sum over the step's micro-batches, their number)
@@ -205,11 +225,15 @@ class Router(nn.Module):
             if training:
                 logits = attach_loss(logits, loss, self.loss_scale)
         probs, routing_map = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
-                                   cfg.moe_router_pre_softmax)
+                                   cfg.moe_router_pre_softmax, self.expert_bias)
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = drop_tokens(
                 probs, routing_map, cfg.moe_router_topk, cfg.moe_expert_capacity_factor,
                 cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity)
+        if self.tokens_per_expert is not None and training:
+            # Counted where gradients flow: once per micro-batch, also under full recompute
+            # (whose first pass runs without them).
+            self.tokens_per_expert += routing_map.sum(dim=0).float()
         kind, coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
         if kind != "none" and coeff > 0 and self.training:
             args = (cfg.moe_router_topk, coeff, cfg.moe_router_score_function)
@@ -409,6 +433,24 @@ def set_loss_scale(models: list[nn.Module], scale: float) -> None:
     for model in models:
         for layer in moe_layers(model):
             layer.router.loss_scale = scale
+
+
+def update_expert_biases(models: list[nn.Module], rate: float,
+                         reduce: Callable[[torch.Tensor], None]) -> None:
+    """Loss-free balancing after a step: every layer's bias moves by ``rate`` towards its
+    experts with fewer tokens than the mean (``bias += rate * sign(mean - count)``, the counts
+    summed by ``reduce`` over every rank that routed tokens), and the counts restart."""
+    routers = [layer.router for model in models for layer in moe_layers(model)
+               if layer.router.expert_bias is not None]
+    if not routers:
+        return
+    counts = torch.stack([r.tokens_per_expert for r in routers])  # [layers, E]
+    reduce(counts)
+    offset = counts.mean(dim=-1, keepdim=True) - counts
+    with torch.no_grad():
+        for router, step in zip(routers, torch.sign(offset) * rate):
+            router.expert_bias.add_(step)
+            router.tokens_per_expert.zero_()
 
 
 def reported_names(config: ModelConfig) -> list[str]:

@@ -70,10 +70,18 @@ LAYER_PARAMS = (
 SWIGLU_PARTS = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")  # [gate; up]
 ROUTER = "mlp.router.weight"  # [E, h], replicated
 SHARED_EXPERT_GATE = "mlp.shared_experts.gate_weight"  # [1, h], replicated
+EXPERT_BIAS = "mlp.router.expert_bias"  # [E] fp32 buffer, replicated (loss-free balancing)
 _EXPERT_KEY = re.compile(r"mlp\.(?:local_experts\.(\d+)|shared_experts)\.(dense_\w+\.\w+)")
 _TP_DIMS = {p.name: p.tp_dim for p in LAYER_PARAMS}
 _LAYER_ORDER = {p.name: i for i, p in enumerate(LAYER_PARAMS)}
 _LAYER_KEY = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)")
+
+
+def is_buffer(key: str) -> bool:
+    """Whether a model state-dict entry is a buffer (saved, but no parameter: no optimizer
+    state, no gradient): the routers' expert biases."""
+    parsed = parse_layer_key(key)
+    return parsed is not None and parsed[1] == EXPERT_BIAS
 
 
 def as_dense_mlp_name(name: str) -> str:
@@ -85,10 +93,11 @@ def as_dense_mlp_name(name: str) -> str:
 
 
 def expert_params(config: ModelConfig) -> tuple[str, ...]:
-    """A mixture-of-experts layer's MLP tensors, in model order: the router, each expert's
+    """A mixture-of-experts layer's MLP tensors, in model order: the router (and its expert
+    bias), each expert's
     (as the dense MLP's), then the shared expert's (its gate first, if gated)."""
     dense = [p.name for p in layer_params(config) if p.name.startswith("mlp.")]
-    names = [ROUTER]
+    names = [ROUTER, EXPERT_BIAS] if config.moe_router_enable_expert_bias else [ROUTER]
     for j in range(config.num_experts):
         names += [n.replace("mlp.", f"mlp.local_experts.{j}.", 1) for n in dense]
     if config.moe_shared_expert_intermediate_size is not None:
@@ -205,8 +214,8 @@ def model_order_key(name: str) -> tuple:
 def _order_in_layer(name: str) -> tuple[int, int, int]:
     """Where a layer's tensor comes in the layer: its dense slot, then (in a mixture of
     experts: the router, each expert in turn, the shared expert) its place there."""
-    if name == ROUTER:
-        return (_LAYER_ORDER["mlp.dense_h_to_4h.weight"], 0, 0)
+    if name in (ROUTER, EXPERT_BIAS):
+        return (_LAYER_ORDER["mlp.dense_h_to_4h.weight"], 0, int(name == EXPERT_BIAS))
     if name == SHARED_EXPERT_GATE:
         return (_LAYER_ORDER["mlp.dense_h_to_4h.weight"], 1 << 30, -1)
     m = _EXPERT_KEY.fullmatch(name)

@@ -38,6 +38,7 @@ from megatron.model.moe import record_reported as record_moe_losses
 from megatron.model.moe import reported_names as moe_reported_names
 from megatron.model.moe import set_loss_scale as set_moe_loss_scale
 from megatron.model.moe import take_step_totals as take_moe_step_totals
+from megatron.model.moe import update_expert_biases
 from megatron.platform import xla
 from megatron.platform.output import print_rank_0
 from megatron.training import xla_step
@@ -121,6 +122,19 @@ def reduce_losses(losses: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     return dict(zip(names, values.tolist()))
 
 
+def sum_over_routing_ranks(counts: torch.Tensor) -> None:
+    """Sum ``counts`` in place over every rank that routed tokens of the step: the data-
+    parallel (with context) and tensor-parallel ranks (megatron-core's TP x CP x DP group)."""
+    if not dist.is_initialized():
+        return
+    for group, size in ((parallel_state.get_data_parallel_group(with_context_parallel=True),
+                         parallel_state.get_data_parallel_world_size(with_context_parallel=True)),
+                        (parallel_state.get_tensor_model_parallel_group(),
+                         parallel_state.get_tensor_model_parallel_world_size())):
+        if size > 1:
+            dist.all_reduce(counts, group=group)
+
+
 def router_losses(chunks: list, config: Any) -> dict[str, float]:
     """The mixture-of-experts router losses of the step (recorded per micro-batch): each
     layer's mean over the micro-batches, averaged over the layers of every pipeline stage,
@@ -188,6 +202,8 @@ class NativeEngine:
         empty_cuda_cache(self.ctx, level=2)
         timers("grads-reduce", log_level=1).start()
         finalize_model_grads(self.chunks)
+        update_expert_biases(self.chunks, cfg.model.moe_router_bias_update_rate,
+                             sum_over_routing_ranks)
         timers("grads-reduce").stop()
         check = cfg.optimizer.check_for_nan_in_loss_and_grad
         bad_loss = locate_nonfinite_loss(losses) if check else None

@@ -134,3 +134,28 @@ def test_expert_parallel_checkpoints_load_at_any_expert_layout(corpus, cache, re
     assert_same_run(first, reference[:2])
     resumed = train(loaded_world, argv(corpus, cache, **{"--load": save, **loaded_layout}))
     assert_same_run(resumed, reference[2:])
+
+
+BIAS = {"--moe-router-score-function": "sigmoid", "--moe-router-enable-expert-bias": True,
+        "--moe-router-bias-update-rate": 0.05}
+
+
+@pytest.fixture(scope="module")
+def biased_reference(corpus, cache):
+    return train(1, argv(corpus, cache, **BIAS))
+
+
+@pytest.mark.parametrize("world, layout", [
+    (2, {"--tensor-model-parallel-size": 2}),
+    (4, {"--expert-model-parallel-size": 2, "--moe-token-dispatcher-type": "alltoall"}),
+], ids=["tp2", "ep2-dp4"])
+def test_loss_free_balancing_matches_single_process(corpus, cache, biased_reference, world,
+                                                    layout, tmp_path):
+    """--moe-router-enable-expert-bias: the biases move with every rank's token counts, the
+    same in every layout; they are saved with the model and resume the same run."""
+    save = str(tmp_path / "ckpt")
+    first = train(world, argv(corpus, cache, **BIAS, **layout, **{
+        "--train-iters": 2, "--save": save, "--save-interval": 2, "--ckpt-format": "torch"}))
+    assert_same_run(first, biased_reference[:2])
+    assert_same_run(train(world, argv(corpus, cache, **BIAS, **layout, **{"--load": save})),
+                    biased_reference[2:])

@@ -434,7 +434,7 @@ def test_llama_flags_in_both_peers_spellings():
     ("--squared-relu", "--squared-relu: not supported yet (squared-ReLU feed-forward "
      "layers)"),
     ("--qk-layernorm", "--qk-layernorm: not supported yet (layer norms on queries and keys)"),
-    ("--moe-router-enable-expert-bias", "--moe-router-enable-expert-bias: not supported yet "
+    ("--moe-permute-fusion", "--moe-permute-fusion: not supported yet "
      "(this mixture-of-experts option"),
     ("--fp8-format hybrid", "--fp8-format: not supported yet (FP8 training"),
 ])

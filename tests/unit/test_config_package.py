@@ -90,7 +90,7 @@ NEW_FLAGS = {
     "--moe-pad-expert-input-to-capacity", "--moe-layer-freq", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate", "--expert-interval",
     "--expert-model-parallel-size", "--moe-expert-parallel-size", "--moe-token-dispatcher-type",
-    "--moe-grouped-gemm",
+    "--moe-grouped-gemm", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
     # DeepSpeed-MoE under --deepspeed (Megatron-DeepSpeed's spellings).
     "--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",
     "--moe-min-capacity", "--disable-moe-token-dropping", "--disable-moe-top2-2nd-expert-sampling",

@@ -212,14 +212,16 @@ def test_flops_count_each_token_through_its_k_experts():
 @NEEDS_MCORE
 def test_routing_losses_and_dropping_equal_megatron_cores(tmp_path):
     """megatron-core 0.16.1's own moe_utils on the same logits (tests/mcore_moe_driver.py):
-    routing (softmax, pre-softmax, sigmoid; k = 1, 2), the load-balancing loss per
+    routing (softmax, pre-softmax, sigmoid, sigmoid with an expert bias; k = 1, 2), the
+    load-balancing loss per
     micro-batch and per sequence, the z-loss, and dropping by probability at three capacity
     factors. Its "position" dropping takes a top-k over the 0/1 map, whose ties CPU top-k
     breaks in no set order; ours keeps each expert's first tokens, its documented rule
     ("tokens at the end of each batch will be dropped"), checked above by hand."""
     torch.manual_seed(0)
     logits, s, k = torch.randn(24, 4), 6, 2
-    torch.save({"logits": logits, "seq_length": s, "topk": k}, tmp_path / "in.pt")
+    bias = torch.tensor([0.3, -0.2, 0.0, 0.1])
+    torch.save({"logits": logits, "seq_length": s, "topk": k, "bias": bias}, tmp_path / "in.pt")
     env = {key: v for key, v in os.environ.items() if key != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-I", str(REPO / "tests" / "mcore_moe_driver.py"),
                            str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
@@ -233,6 +235,8 @@ def test_routing_losses_and_dropping_equal_megatron_cores(tmp_path):
                 ours[f"route/{fn}/{pre}/{kk}"] = moe.route(logits, kk, fn, pre)
         ours[f"aux/{fn}"] = moe.load_balancing_loss(logits, k, 0.01, fn)
         ours[f"seq_aux/{fn}"] = moe.sequence_load_balancing_loss(logits, s, k, 0.01, fn)
+    for kk in (1, k):
+        ours[f"route/sigmoid-bias/{kk}"] = moe.route(logits, kk, "sigmoid", expert_bias=bias)
     ours["z"] = moe.z_loss(logits, 1e-3)
     probs, routing_map = moe.route(logits, k)
     for factor in (0.5, 1.0, 1.5):
@@ -320,3 +324,31 @@ def test_the_layer_benchmark_compares_the_same_computation(capsys):
     assert {"ours (loop)", "ours (--moe-grouped-gemm)", "HF Mixtral (eager)"} <= set(measured)
     assert all(v > 0 for v in measured.values())
     assert "vs HF eager" in capsys.readouterr().out
+
+
+def test_expert_bias_moves_choices_not_weights_and_follows_the_load():
+    """--moe-router-enable-expert-bias: the bias picks the experts, the unbiased sigmoid
+    scores weigh them; after a step each bias moves by the rate towards the under-loaded
+    experts (sign(mean - count)), counted only where gradients flow."""
+    logits = torch.tensor([[2.0, 1.5, -1.0, -2.0]])
+    probs, chosen = moe.route(logits, 1, "sigmoid", expert_bias=torch.tensor([0.0, 0.5, 0, 0]))
+    assert chosen.tolist() == [[False, True, False, False]]
+    assert torch.allclose(probs[0, 1], torch.sigmoid(torch.tensor(1.5)))
+    with pytest.raises(ConfigError, match="needs --moe-router-score-function sigmoid"):
+        _config(moe_router_enable_expert_bias=True)
+    cfg = _config(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+                  moe_router_bias_update_rate=0.01)
+    layer = moe.MoELayer(cfg, 1, ParallelMLP)
+    assert "router.expert_bias" in layer.state_dict()
+    assert "router.tokens_per_expert" not in layer.state_dict()
+    with torch.no_grad():
+        layer(torch.randn(6, 2, 16))  # no gradients: not counted
+    assert layer.router.tokens_per_expert.sum() == 0
+    x = torch.randn(6, 2, 16)
+    layer(x).sum().backward()
+    counts = layer.router.tokens_per_expert.clone()
+    assert counts.sum() == 12 * 2
+    moe.update_expert_biases([layer], 0.01, lambda t: None)
+    want = torch.sign(counts.mean() - counts) * 0.01
+    assert torch.equal(layer.router.expert_bias, want)
+    assert layer.router.tokens_per_expert.sum() == 0

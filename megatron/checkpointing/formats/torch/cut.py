@@ -14,7 +14,7 @@ from megatron.checkpointing import optim_state
 from megatron.checkpointing.contents import layout_dict, rank_file_state
 from megatron.checkpointing.full_state import FullCheckpoint, model_config_from_dict, repad_vocab
 from megatron.config import ModelConfig
-from megatron.model.names import VOCAB_TENSORS, tp_parts
+from megatron.model.names import VOCAB_TENSORS, is_buffer, tp_parts
 from megatron.model.placement import Chunk
 from megatron.model.sharding import full_to_chunk_names, resize_vocab, split_tp, tp_piece
 
@@ -101,7 +101,8 @@ def _optimizer_pieces(full: FullCheckpoint, config: ModelConfig, tp: int,
 
 def torch_optimizer(full_opt: dict, chunk_models: list[dict], chunk_opts: list[dict],
                      mixed: bool) -> dict:
-    names = [(f"{i}/{n}", v.shape) for i, c in enumerate(chunk_models) for n, v in c.items()]
+    names = [(f"{i}/{n}", v.shape) for i, c in enumerate(chunk_models) for n, v in c.items()
+             if not is_buffer(n)]
     state = {f"{i}/{n}": e for i, c in enumerate(chunk_opts) for n, e in c.items()}
     torch_sd = optim_state.torch_from_named(state, full_opt["param_groups"], full_opt["step"],
                                             names)

@@ -31,7 +31,7 @@ from megatron.checkpointing.full_state import (
 from megatron.checkpointing.paths import DISTRIB_OPTIM_FILENAME
 from megatron.config import ModelConfig
 from megatron.model import megatron_deepspeed as mds
-from megatron.model.names import TIED_COPY, VOCAB_TENSORS, tp_parts
+from megatron.model.names import TIED_COPY, VOCAB_TENSORS, is_buffer, tp_parts
 from megatron.model.placement import Chunk
 from megatron.model.sharding import (
     chunk_to_full_names,
@@ -156,7 +156,7 @@ def named_torch_state(saved: dict, chunks: list[dict], where: str) -> tuple[list
     mixed = "fp32_from_fp16_params" in saved
     torch_sd = saved["optimizer"] if mixed else saved
     names = [(f"{i}/{name}", value.shape) for i, chunk in enumerate(chunks)
-             for name, value in chunk.items()]
+             for name, value in chunk.items() if not is_buffer(name)]
     state, groups, step = optim_state.named_from_torch(torch_sd, names, where)
     if mixed:
         _attach_mains(state, saved["fp32_from_fp16_params"], names, chunks)
