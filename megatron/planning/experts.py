@@ -113,18 +113,21 @@ def sent_and_computed_rows(config: RunConfig) -> tuple[int, int]:
     return sum(rows), n * sum(rows[:local])
 
 
-def dispatch_bytes_per_layer(config: RunConfig) -> int:
+def dispatch_bytes_per_layer(config: RunConfig) -> tuple[int, int]:
     """Payload one rank hands the expert group's collectives per MoE layer and micro-batch,
-    forward and backward (module docstring); 0 without expert parallelism."""
+    (forward, backward) (module docstring); nothing without expert parallelism."""
     m, n = config.model, config.parallel.expert_model_parallel_size
     if m.num_experts is None or n == 1:
-        return 0
+        return 0, 0
     h, e = m.hidden_size, _bytes(m)
     if m.moe_token_dispatcher_type == "alltoall":
         sent, computed = sent_and_computed_rows(config)
-        return 2 * (sent + computed) * h * e + 8 * m.num_experts
+        return (sent + computed) * h * e + 8 * m.num_experts, (sent + computed) * h * e
     tokens = routed_tokens(config)
-    return 4 * n * tokens * h * e + 9 * n * tokens * m.num_experts
+    # Forward: tokens, fp32 weights and the 1-byte map gathered, outputs reduce-scattered;
+    # backward: the tokens' and weights' gradients reduce-scattered, the output's gathered.
+    return (2 * n * tokens * h * e + 5 * n * tokens * m.num_experts,
+            2 * n * tokens * h * e + 4 * n * tokens * m.num_experts)
 
 
 def moe_layer_activation_bytes(config: RunConfig) -> int:

@@ -355,7 +355,7 @@ def _in_flight(config: RunConfig, pp_rank: int) -> tuple[int, int]:
     return min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1), stage_layers // v
 
 
-def _stage_moe_flags(config: RunConfig, pp_rank: int) -> list[tuple[bool, ...]]:
+def stage_moe_flags(config: RunConfig, pp_rank: int) -> list[tuple[bool, ...]]:
     """For each model chunk of stage ``pp_rank``, which of its layers are mixtures of
     experts."""
     flags = config.model.moe_layers
@@ -411,7 +411,7 @@ def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
     v = p.virtual_pipeline_model_parallel_size or 1
     # Chunks of a stage differ only in which of their layers are mixtures of experts: the
     # largest stands for all in flight.
-    flags = _stage_moe_flags(config, pp_rank)
+    flags = stage_moe_flags(config, pp_rank)
     largest = max(_chunk_activations(config, moe) for moe in flags)
     total = chunks * largest + math.ceil(chunks / v) * extras
     return total + max(_working_set(config, moe) for moe in flags), chunks
@@ -567,6 +567,6 @@ def _experts_line(cfg: RunConfig) -> str:
             f"{m.moe_router_topk}, {m.num_experts // n} per rank")
     if n == 1:
         return line + " (no expert parallelism: no dispatch traffic)"
-    return (line + f" (expert parallel {n}); {_gb(experts.dispatch_bytes_per_layer(cfg))} "
+    return (line + f" (expert parallel {n}); {_gb(sum(experts.dispatch_bytes_per_layer(cfg)))} "
             f"handed to the {m.moe_token_dispatcher_type} per rank per MoE layer per micro-"
             f"batch (forward and backward, balanced routing; (n - 1)/n of it leaves the rank)")
