@@ -9,6 +9,9 @@ therefore routes evenly: token i of the T a layer routes gets, among all E exper
 its slots i k ... i k + k - 1 (slot mod E); expert j then has ceil((T k - j) / E) tokens on
 every rank, the figure the planner uses (megatron/planning/experts.py). Everything else is the
 layer's own code: the router's logits, scores and losses, capacity, dispatch, the experts.
+Where E does not divide T k the experts' loads differ by a token, so do the ranks of an
+expert group, and the classes mode says they are not alike: rehearse with --rehearse-ranks
+all (every all-to-all is then matched split by split).
 
 The choice is imposed by lifting the chosen logits above all others before
 ``megatron.model.moe.route`` takes its top k (the softmax over the chosen logits is
