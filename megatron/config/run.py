@@ -256,9 +256,7 @@ class RunConfig:
                  "XLA step has no data-dependent expert routing"),
                 (self.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist: "
                  "expert weights are not in the megatron-core layout yet; use --ckpt-format "
-                 "torch"),
-                (self.training.dry_run or self.training.rehearse, "--dry-run / --rehearse: "
-                 "the planner's memory formulas count dense MLPs (planned)")):
+                 "torch")):
             require(not given, f"--num-experts ({e}) cannot be combined with {why}")
         if self.deepspeed.deepspeed:
             self._check_deepspeed_moe()

@@ -10,6 +10,8 @@ bytes from those counts and the formulas below (printed by ``format_plan``)::
                 --accumulate-allreduce-grads-in-fp32; else the param dtype)  (/ dp ZeRO >= 2)
     optimizer   P x (4 for the fp32 main copy under fp16/bf16 + 8 for Adam's two moments,
                 4 for SGD's momentum)          (/ dp with --use-distributed-optimizer or ZeRO >= 1)
+                experts under --expert-model-parallel-size n: their sharded state over the
+                dp / n ranks that hold the same experts
     activations per micro-batch in flight, per layer, in elements (t: tensor parallel size,
                 t_sp: t under --sequence-parallel else 1, f: FFN width, a: kv_channels x heads)
                     s b (2h/t_sp + 2h/t_sp + (3a + a + a)/t + 2f/t)
@@ -17,6 +19,8 @@ bytes from those counts and the formulas below (printed by ``format_plan``)::
                     backward all-gathers it again), QKV out, attention out and its copy,
                     FC1 out, GeLU out; attention in a fused kernel (no s^2 term)
                 + 2 s b h / t_sp bytes of dropout masks when --hidden-dropout > 0
+                mixture-of-experts layers: the router's and experts' terms in place of the
+                  FC1 input and 2f/t (megatron/planning/experts.py)
                 selective recompute: less the attention output (s b a / t)
                 full recompute: s b h / t_sp per checkpointed block, plus one block's layers
                   live while it is recomputed
@@ -74,9 +78,11 @@ import torch
 
 from megatron.assembly.build import build_gpt_chunk, gradients_in_fp32
 from megatron.config import RunConfig
+from megatron.core.distributed.distributed_data_parallel import is_expert
 from megatron.core.tensor_parallel.layers import assume_tensor_parallel_rank
 from megatron.model.gpt_model import GPTModel
 from megatron.model.placement import stage_chunks
+from megatron.planning import experts
 from megatron.planning.flops import flops_per_token
 
 GB = 2**30
@@ -104,6 +110,9 @@ class StagePlan:
     params_per_rank: tuple[int, ...]  # by tensor-parallel rank
     memory: Memory  # of the tensor rank with the most parameters
     microbatches_in_flight: int
+    # Of params_per_rank, the experts' under expert parallelism (reduced and sharded over
+    # the expert-data-parallel ranks); 0 without.
+    experts_per_rank: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +121,7 @@ class Plan:
     zero_stage: int
     stages: tuple[StagePlan, ...]
     total_params: int  # unique: replicated and tied copies counted once
+    active_params: int  # what one token meets: total less the experts it is not routed to
     closed_form_params: int
     closed_form: str
     bubble_fraction: float
@@ -140,8 +150,10 @@ def build_rank_on_meta(config: RunConfig, tp_rank: int, pp_rank: int) -> list[GP
                 for chunk in stage_chunks(config, pp_rank)]
 
 
-def _unique_count(chunks: list[GPTModel], tp_rank: int, pipeline_parallel: bool) -> int:
-    """Parameters of this rank that belong to no other rank of its pipeline stage: its
+def _unique_count(chunks: list[GPTModel], tp_rank: int, pipeline_parallel: bool,
+                  expert_parallel: int) -> int:
+    """Parameters of this rank and of the other ranks of its expert group (which hold the
+    other experts, shaped alike) that belong to no other rank of its pipeline stage: its
     tensor-parallel shards, and the replicated ones on tensor rank 0 only. The last stage's
     copy of the tied word embeddings is the first stage's weight again: not counted."""
     n = 0
@@ -150,22 +162,42 @@ def _unique_count(chunks: list[GPTModel], tp_rank: int, pipeline_parallel: bool)
             if pipeline_parallel and getattr(param, "shared_embedding", False):
                 continue
             if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
-                n += param.numel()
+                n += param.numel() * (expert_parallel if is_expert(param) else 1)
     return n
 
 
-def count_parameters(config: RunConfig) -> tuple[list[tuple[int, ...]], int]:
-    """Parameters on every rank, ``[pipeline rank][tensor rank]``, and the model's total."""
+@dataclasses.dataclass(frozen=True)
+class ParameterCount:
+    """Parameters on every rank, ``[pipeline rank][tensor rank]`` (and the experts' share
+    of them under expert parallelism), and the model's total."""
+
+    per_rank: list[tuple[int, ...]]
+    experts_per_rank: list[tuple[int, ...]]
+    total: int
+
+
+def _count_stage(config: RunConfig, pp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(parameters, experts among them) of each tensor rank of stage ``pp_rank``, and the
+    stage's unique parameters (``_unique_count``)."""
     p = config.parallel
-    per_rank, total = [], 0
-    for pp_rank in range(p.pipeline_model_parallel_size):
-        row = []
-        for tp_rank in range(p.tensor_model_parallel_size):
-            chunks = build_rank_on_meta(config, tp_rank, pp_rank)
-            row.append(sum(param.numel() for c in chunks for param in c.parameters()))
-            total += _unique_count(chunks, tp_rank, p.pipeline_model_parallel_size > 1)
-        per_rank.append(tuple(row))
-    return per_rank, total
+    row, expert_row, unique = [], [], 0
+    for tp_rank in range(p.tensor_model_parallel_size):
+        chunks = build_rank_on_meta(config, tp_rank, pp_rank)
+        params = [param for c in chunks for param in c.parameters()]
+        row.append(sum(param.numel() for param in params))
+        expert_row.append(sum(param.numel() for param in params if is_expert(param)))
+        unique += _unique_count(chunks, tp_rank, p.pipeline_model_parallel_size > 1,
+                                p.expert_model_parallel_size)
+    return tuple(row), tuple(expert_row), unique
+
+
+def count_parameters(config: RunConfig) -> ParameterCount:
+    """Every rank built on the meta device, counted (one rank of each expert group stands
+    for the others: they hold as many experts)."""
+    stages = [_count_stage(config, pp_rank)
+              for pp_rank in range(config.parallel.pipeline_model_parallel_size)]
+    return ParameterCount([row for row, _, _ in stages], [row for _, row, _ in stages],
+                          sum(unique for _, _, unique in stages))
 
 
 def closed_form_parameters(config: RunConfig) -> tuple[int, str]:
@@ -177,7 +209,13 @@ def closed_form_parameters(config: RunConfig) -> tuple[int, str]:
     only with --add-bias-linear (the QKV's also with --add-qkv-bias); then the word
     embeddings (V h, V padded), learned positions (P h), the final norm (2h or h) and,
     untied, the output layer (V h). GPT with a = h and f = 4h: 12 L h^2 + 13 L h + V h +
-    P h + 2 h."""
+    P h + 2 h. Mixture-of-experts layers hold a router and experts instead of the MLP
+    (``_with_experts``)."""
+    total, text = _dense_closed_form(config)
+    return _with_experts(config.model, total, text)
+
+
+def _dense_closed_form(config: RunConfig) -> tuple[int, str]:
     m = config.model
     h, f, a, L, V = m.hidden_size, m.ffn_hidden_size, m.projection_size, m.num_layers, \
         m.padded_vocab_size
@@ -200,6 +238,25 @@ def closed_form_parameters(config: RunConfig) -> tuple[int, str]:
     symbols = f"L={L}, h={h}, V={V} (padded)" + (f", P={pos}" if pos else "") + \
         ("" if a == h and f == 4 * h else f", a={a}, f={f}")
     return total, f"{text} with {symbols}"
+
+
+def _with_experts(m, total: int, text: str) -> tuple[int, str]:
+    """The closed form with each MoE layer's dense MLP swapped for its router, E experts and
+    shared expert (megatron/planning/experts.py)."""
+    if m.num_experts is None:
+        return total, text
+    moe_layers, into = experts.num_moe_layers(m), 2 if m.swiglu else 1
+    bias = 1 if m.add_bias_linear else 0
+    dense = experts.mlp_parameters(m, m.ffn_hidden_size)
+    total += moe_layers * (experts.moe_mlp_parameters(m) - dense)
+    expert = f"{into + 1} f_e h" + (f" + {into} f_e + h" if bias else "")
+    shared = m.moe_shared_expert_intermediate_size
+    text += (f"; in L_e layers the MLP gives way to E h + E ({expert})"
+             + (f" + a shared expert ({into + 1} f_s h" + (" + h gate" if m.moe_shared_expert_gate
+                                                           else "") + ")" if shared else "")
+             + f" with L_e={moe_layers}, E={m.num_experts}, f_e={m.moe_ffn_hidden_size}"
+             + (f", f_s={shared}" if shared else ""))
+    return total, text
 
 
 # ----------------------------------------------------------------------------- memory
@@ -235,11 +292,23 @@ def grad_bytes(config: RunConfig) -> int:
     return 4 if gradients_in_fp32(config.optimizer) else bytes_of(config.model.params_dtype)
 
 
-def _state_memory(config: RunConfig, params: int, zero_stage: int) -> tuple[int, int, int, int]:
-    """(weights, gradients, optimizer, step) bytes for ``params`` parameters on one rank."""
-    m, o = config.model, config.optimizer
+def _state_memory(config: RunConfig, params: int, zero_stage: int,
+                  expert_params: int = 0) -> tuple[int, int, int, int]:
+    """(weights, gradients, optimizer, step) bytes for ``params`` parameters on one rank,
+    ``expert_params`` of them experts of expert parallelism (their state is sharded over the
+    expert-data-parallel ranks, the data-parallel ranks holding the same experts)."""
+    p = config.parallel
     # Sharded state spreads over the context-parallel ranks too (they hold the same weights).
-    dp = config.data_parallel_size * config.parallel.context_degree
+    dp = config.data_parallel_size * p.context_degree
+    dense = _sharded_state(config, params - expert_params, zero_stage, dp)
+    expert = _sharded_state(config, expert_params, zero_stage,
+                            dp // p.expert_model_parallel_size)
+    return tuple(a + b for a, b in zip(dense, expert))
+
+
+def _sharded_state(config: RunConfig, params: int, zero_stage: int,
+                   dp: int) -> tuple[int, int, int, int]:
+    m, o = config.model, config.optimizer
     param_bytes = bytes_of(m.params_dtype)
     mixed = m.fp16 or m.bf16
     grad_fp32 = gradients_in_fp32(o)
@@ -256,8 +325,10 @@ def _state_memory(config: RunConfig, params: int, zero_stage: int) -> tuple[int,
     return weights, gradients, optimizer, step
 
 
-def layer_activationbytes_of(config: RunConfig) -> int:
-    """One transformer layer's saved activations for one micro-batch (module docstring)."""
+def layer_activationbytes_of(config: RunConfig, moe: bool = False) -> int:
+    """One transformer layer's saved activations for one micro-batch (module docstring); a
+    mixture-of-experts layer (``moe``) keeps its router's and experts' instead of the MLP's
+    FC1 input and 2 f/t (megatron/planning/experts.py)."""
     m, t = config.model, config.parallel.tensor_model_parallel_size
     t_sp = t if config.parallel.sequence_parallel else 1
     s, b, h, f, a = m.local_seq_length, config.training.micro_batch_size, m.hidden_size, \
@@ -266,8 +337,11 @@ def layer_activationbytes_of(config: RunConfig) -> int:
     elements = s * b * 4 * h // t_sp + s * b * (5 * a + 2 * f) // t
     if m.recompute_granularity == "selective":
         elements -= attention_out
+    if moe:
+        elements -= s * b * h // t_sp + s * b * 2 * f // t
     masks = 2 * s * b * h // t_sp if m.hidden_dropout > 0 else 0
-    return elements * bytes_of(m.params_dtype) + masks
+    moe_bytes = experts.moe_layer_activation_bytes(config) if moe else 0
+    return elements * bytes_of(m.params_dtype) + masks + moe_bytes
 
 
 def _in_flight(config: RunConfig, pp_rank: int) -> tuple[int, int]:
@@ -281,29 +355,41 @@ def _in_flight(config: RunConfig, pp_rank: int) -> tuple[int, int]:
     return min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1), stage_layers // v
 
 
-def _chunk_activations(config: RunConfig, layers: int) -> int:
-    """Saved activations of ``layers`` layers for one micro-batch, under the recompute
-    setting (full recomputation keeps block inputs; one block is live while recomputed)."""
-    m, per_layer = config.model, layer_activationbytes_of(config)
+def stage_moe_flags(config: RunConfig, pp_rank: int) -> list[tuple[bool, ...]]:
+    """For each model chunk of stage ``pp_rank``, which of its layers are mixtures of
+    experts."""
+    flags = config.model.moe_layers
+    return [flags[c.first_layer:c.first_layer + c.num_layers]
+            for c in stage_chunks(config, pp_rank)]
+
+
+def _chunk_activations(config: RunConfig, moe: tuple[bool, ...]) -> int:
+    """Saved activations of a chunk's layers (``moe``: which are mixtures of experts) for one
+    micro-batch, under the recompute setting (full recomputation keeps block inputs; one
+    block is live while recomputed)."""
+    m, layers = config.model, len(moe)
+    per_layer = {kind: layer_activationbytes_of(config, kind) for kind in set(moe)}
     t_sp = config.parallel.tensor_model_parallel_size if config.parallel.sequence_parallel \
         else 1
     block_input = m.local_seq_length * config.training.micro_batch_size * m.hidden_size // t_sp \
         * bytes_of(m.params_dtype)
     if m.recompute_granularity != "full":
-        return layers * per_layer
+        return sum(per_layer[kind] for kind in moe)
     k = min(m.recompute_num_layers or 1, layers)
     if m.recompute_method == "uniform":
         return math.ceil(layers / k) * block_input
-    return k * block_input + (layers - k) * per_layer
+    return k * block_input + sum(per_layer[kind] for kind in moe[k:])
 
 
-def _working_set(config: RunConfig, layers: int) -> int:
-    """What full recomputation rebuilds at once during the backward pass (one block)."""
+def _working_set(config: RunConfig, moe: tuple[bool, ...]) -> int:
+    """What full recomputation rebuilds at once during the backward pass (one block; its
+    layers counted as the chunk's largest)."""
     m = config.model
-    if m.recompute_granularity != "full":
+    if m.recompute_granularity != "full" or not moe:
         return 0
-    k = min(m.recompute_num_layers or 1, layers)
-    return (k if m.recompute_method == "uniform" else 1) * layer_activationbytes_of(config)
+    k = min(m.recompute_num_layers or 1, len(moe))
+    largest = max(layer_activationbytes_of(config, kind) for kind in set(moe))
+    return (k if m.recompute_method == "uniform" else 1) * largest
 
 
 def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
@@ -311,7 +397,7 @@ def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
     m, p = config.model, config.parallel
     t = p.tensor_model_parallel_size
     t_sp = t if p.sequence_parallel else 1
-    chunks, layers = _in_flight(config, pp_rank)
+    chunks, _ = _in_flight(config, pp_rank)
     tokens = m.local_seq_length * config.training.micro_batch_size  # this rank's share
     e = bytes_of(m.params_dtype)
     extras = 0
@@ -323,8 +409,12 @@ def activation_memory(config: RunConfig, pp_rank: int) -> tuple[int, int]:
             + tokens * m.padded_vocab_size // t * 4
     # Interleaved: only one of the v chunks of a stage holds the embeddings or the LM head.
     v = p.virtual_pipeline_model_parallel_size or 1
-    total = chunks * _chunk_activations(config, layers) + math.ceil(chunks / v) * extras
-    return total + _working_set(config, layers), chunks
+    # Chunks of a stage differ only in which of their layers are mixtures of experts: the
+    # largest stands for all in flight.
+    flags = stage_moe_flags(config, pp_rank)
+    largest = max(_chunk_activations(config, moe) for moe in flags)
+    total = chunks * largest + math.ceil(chunks / v) * extras
+    return total + max(_working_set(config, moe) for moe in flags), chunks
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -373,19 +463,20 @@ def flops_per_iteration(config: RunConfig) -> float:
 
 
 def _stage_plan(config: RunConfig, pp_rank: int, params_per_rank: tuple[int, ...],
-                zero_stage: int) -> StagePlan:
-    weights, grads, optimizer, step = _state_memory(config, max(params_per_rank), zero_stage)
+                experts_per_rank: tuple[int, ...], zero_stage: int) -> StagePlan:
+    fullest = max(range(len(params_per_rank)), key=params_per_rank.__getitem__)
+    weights, grads, optimizer, step = _state_memory(
+        config, params_per_rank[fullest], zero_stage, experts_per_rank[fullest])
     activations, in_flight = activation_memory(config, pp_rank)
     return StagePlan(pp_rank, config.pipeline_stage_num_layers[pp_rank], params_per_rank,
-                     Memory(weights, grads, optimizer, activations, step), in_flight)
+                     Memory(weights, grads, optimizer, activations, step), in_flight,
+                     experts_per_rank)
 
 
 def plan_stage(config: RunConfig, pp_rank: int, zero_stage: int = 0) -> StagePlan:
     """One pipeline stage's plan (its tensor ranks built on the meta device)."""
-    row = tuple(sum(p.numel() for c in build_rank_on_meta(config, tp_rank, pp_rank)
-                    for p in c.parameters())
-                for tp_rank in range(config.parallel.tensor_model_parallel_size))
-    return _stage_plan(config, pp_rank, row, zero_stage)
+    row, expert_row, _ = _count_stage(config, pp_rank)
+    return _stage_plan(config, pp_rank, row, expert_row, zero_stage)
 
 
 def build_plan(config: RunConfig, zero_stage: int = 0,
@@ -393,11 +484,13 @@ def build_plan(config: RunConfig, zero_stage: int = 0,
     """Count, size and time ``config``'s layout (see the module docstring)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage}")
-    per_rank, total = count_parameters(config)
-    stages = [_stage_plan(config, pp_rank, row, zero_stage)
-              for pp_rank, row in enumerate(per_rank)]
+    count = count_parameters(config)
+    stages = [_stage_plan(config, pp_rank, row, expert_row, zero_stage)
+              for pp_rank, (row, expert_row) in enumerate(zip(count.per_rank,
+                                                              count.experts_per_rank))]
     closed, text = closed_form_parameters(config)
-    return Plan(config, zero_stage, tuple(stages), total, closed, text,
+    active = count.total - experts.inactive_parameters(config.model)
+    return Plan(config, zero_stage, tuple(stages), count.total, active, closed, text,
                 bubble_fraction(config), flops_per_iteration(config), gpu_memory_gb)
 
 
@@ -416,13 +509,17 @@ def format_plan(plan: Plan) -> str:
            else "")
         + f" x data {cfg.data_parallel_size} = {p.world_size} "
         f"GPUs" + (f", {vp} virtual stages" if vp > 1 else "")
-        + (", sequence parallel" if p.sequence_parallel else ""),
+        + (", sequence parallel" if p.sequence_parallel else "")
+        + (f", expert parallel {p.expert_model_parallel_size} within data "
+           f"({m.moe_token_dispatcher_type})" if p.expert_model_parallel_size > 1 else ""),
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
         f"sequence {m.seq_length}, vocabulary {m.vocab_size} padded to {m.padded_vocab_size}, "
         f"{m.params_dtype}",
         f"batch: global {cfg.training.global_batch_size}, micro {cfg.training.micro_batch_size}"
         f", {cfg.num_microbatches} micro-batches per iteration per pipeline",
-        f"parameters: {plan.total_params:,} in total; closed form {plan.closed_form} = "
+        f"parameters: {plan.total_params:,} in total"
+        + (f", {plan.active_params:,} active per token" if m.num_experts else "")
+        + f"; closed form {plan.closed_form} = "
         f"{plan.closed_form_params:,}"
         + ("" if plan.total_params == plan.closed_form_params else "  (DIFFERS)"),
     ]
@@ -439,6 +536,8 @@ def format_plan(plan: Plan) -> str:
             f"  stage {st.pipeline_rank}: {st.layers} layers, params per tensor rank "
             f"{st.params_per_rank[0]:,}" + ("" if len(set(st.params_per_rank)) == 1
                                             else f" (max {max(st.params_per_rank):,})")
+            + (f" ({st.experts_per_rank[0]:,} of them experts)" if any(st.experts_per_rank)
+               else "")
             + f" | weights {_gb(mem.weights)} | gradients {_gb(mem.gradients)} | optimizer "
             f"{_gb(mem.optimizer)} | activations {_gb(mem.activations)} "
             f"({st.microbatches_in_flight} in flight) | step {_gb(mem.step)} "
@@ -451,7 +550,23 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"context parallel: {m.local_seq_length} of {m.seq_length} tokens per "
                      f"rank; {_gb(context_bytes_per_layer(cfg))} sent per rank per layer per "
                      f"micro-batch (forward and backward, {p.context_attention})")
+    if m.num_experts is not None:
+        lines.append(_experts_line(cfg))
     lines.append(f"FLOPs per iteration: {plan.flops_per_iteration:.4e} "
-                 f"({plan.flops_per_iteration / p.world_size:.4e} per GPU)")
+                 f"({plan.flops_per_iteration / p.world_size:.4e} per GPU)"
+                 + ("; MoE layers count the router and the k experts each token meets"
+                    if m.num_experts is not None else ""))
     lines.append("formulas:" + __doc__.split("::", 1)[1].split("Pipeline bubble")[0].rstrip())
     return "\n".join(lines)
+
+
+def _experts_line(cfg: RunConfig) -> str:
+    """Experts per layer and rank, and the dispatch's bytes (megatron/planning/experts.py)."""
+    m, n = cfg.model, cfg.parallel.expert_model_parallel_size
+    line = (f"experts: {m.num_experts} in each of {experts.num_moe_layers(m)} MoE layers, top-"
+            f"{m.moe_router_topk}, {m.num_experts // n} per rank")
+    if n == 1:
+        return line + " (no expert parallelism: no dispatch traffic)"
+    return (line + f" (expert parallel {n}); {_gb(sum(experts.dispatch_bytes_per_layer(cfg)))} "
+            f"handed to the {m.moe_token_dispatcher_type} per rank per MoE layer per micro-"
+            f"batch (forward and backward, balanced routing; (n - 1)/n of it leaves the rank)")

@@ -42,8 +42,9 @@ def _context(cfg):
     from megatron.core import parallel_state
 
     p = cfg.parallel
-    parallel_state.initialize_model_parallel(p.tensor_model_parallel_size,
-                                             p.pipeline_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size)
     return RunContext(cfg, device=torch.device("cpu"))
 
 
@@ -89,6 +90,63 @@ def test_planned_counts_equal_the_built_model_per_rank_and_in_total():
     assert one.total_params == whole == one.closed_form_params
     eight = build_plan(_config(4, *PP4_VP2))
     assert eight.total_params == eight.closed_form_params
+
+
+# Mixtures of experts in layer 0 of 2 (the other dense): 4 GeLU experts of width 48 with
+# biases, top-2, and a gated shared expert of width 32.
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
+       "--moe-layer-freq", "2", "--moe-shared-expert-intermediate-size", "32",
+       "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0.01")
+EP2_TP2 = ("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+           "--use-distributed-optimizer")
+
+
+def _count_built_experts(rank: int, world_size: int, extra: tuple[str, ...]):
+    """(tensor rank, parameters, expert-parallel parameters) of this rank, built as training
+    builds it, and the names of one expert's parameters with their sizes."""
+    from megatron.assembly.build import build_model_chunks
+    from megatron.core import parallel_state
+    from megatron.core.distributed.distributed_data_parallel import is_expert
+    from pretrain_gpt import model_provider
+
+    chunks = build_model_chunks(model_provider, _context(_config(world_size, *extra)))
+    params = dict(chunks[0].named_parameters())
+    one_expert = {n: p.numel() for n, p in params.items() if ".local_experts.0." in n}
+    out = (parallel_state.get_tensor_model_parallel_rank(),
+           sum(p.numel() for p in params.values()),
+           sum(p.numel() for p in params.values() if is_expert(p)), one_expert)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_planned_expert_counts_equal_the_built_model_in_total_active_and_per_rank():
+    """One process builds the whole MoE model: its parameters are the planner's total and
+    closed form; the active count is that less the 2 experts of 4 a token skips in the one
+    MoE layer (counted by hand, and from the built expert). At tensor 2 x expert 2 (4 gloo
+    ranks) each rank holds 2 experts' halves: the planner's per-rank and expert counts."""
+    from megatron.planning.planner import build_plan
+
+    [(_, whole, _, one_expert)] = run_distributed(_count_built_experts, 1, MOE)
+    h, f_e = 64, 48
+    expert = 2 * h * f_e + f_e + h  # FC1 and FC2 with their biases
+    assert sum(one_expert.values()) == expert, one_expert
+    plan = build_plan(_config(1, *MOE))
+    assert plan.total_params == whole == plan.closed_form_params
+    assert plan.active_params == whole - (4 - 2) * expert
+    built = run_distributed(_count_built_experts, 4, (*MOE, *EP2_TP2))
+    split = build_plan(_config(4, *MOE, *EP2_TP2))
+    assert split.total_params == whole
+    assert split.active_params == plan.active_params
+    [stage] = split.stages
+    for tp_rank, params, experts, _ in built:
+        assert stage.params_per_rank[tp_rank] == params
+        # Two experts' halves, each with the whole FC2 bias (row-parallel: replicated).
+        assert stage.experts_per_rank[tp_rank] == experts == 2 * ((2 * h * f_e + f_e) // 2 + h)
+    # Adam's moments (fp32: no main copy): the experts' over their expert-data ranks (1
+    # here), the dense parameters' over data 2.
+    experts = stage.experts_per_rank[0]
+    dense = stage.params_per_rank[0] - experts
+    assert stage.memory.optimizer == 8 * dense // 2 + 8 * experts
 
 
 def _storage_bytes(tensors) -> int:
@@ -164,7 +222,10 @@ def _measure_step(extra: tuple[str, ...]) -> int:
     return before + _peak_allocated(prof)
 
 
-RECOMPUTE_SETTINGS = [(), ("--recompute-granularity", "full", "--recompute-method", "uniform")]
+# The recompute settings, and mixtures of experts in every layer (router, experts and the
+# gated shared expert: megatron/planning/experts.py's activation terms).
+RECOMPUTE_SETTINGS = [(), ("--recompute-granularity", "full", "--recompute-method", "uniform"),
+                      (*MOE, "--moe-layer-freq", "1")]
 
 
 def test_planned_memory_is_within_20_percent_of_the_measured_peak():

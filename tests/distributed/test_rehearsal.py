@@ -40,6 +40,14 @@ CP2_PP2 = ["--context-parallel-size", "2", "--attention-dropout", "0",
            "--pipeline-model-parallel-size", "2"]
 CP2_A2A_TP2 = ["--context-parallel-size", "2", "--cp-comm-type", "a2a",
                "--tensor-model-parallel-size", "2"]
+# Expert parallel 2: all-to-all over data 4 with the distributed optimizer (6 experts: 32
+# routing slots of 16 tokens give uneven splits, 17 and 15 rows), and all-gather with tensor 2
+# and sequence parallelism (experts' gradients over expert-data ranks of 1).
+MOE = ["--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+EP2_A2A = [*MOE, "--num-experts", "6", "--expert-model-parallel-size", "2",
+           "--moe-token-dispatcher-type", "alltoall", "--use-distributed-optimizer"]
+EP2_AG_TP2 = [*MOE, "--num-experts", "4", "--moe-expert-parallel-size", "2",
+              "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
 def _start():
@@ -99,6 +107,57 @@ def test_the_fake_backend_records_what_a_gloo_run_of_the_same_command_issues():
             assert ("all_gather_into_tensor" in kinds) and ("reduce_scatter_tensor" in kinds)
         if layout is CP2_A2A_TP2:
             assert "all_to_all_single" in kinds
+
+
+def _grid(cfg) -> RankGrid:
+    p = cfg.parallel
+    return RankGrid(p.tensor_model_parallel_size, cfg.data_parallel_size,
+                    p.pipeline_model_parallel_size, p.context_degree,
+                    p.expert_model_parallel_size)
+
+
+def test_the_fake_backend_records_what_a_gloo_run_of_an_expert_parallel_command_issues():
+    """Every all-to-all and all-gather of the expert groups, with its split sizes, and the
+    expert-data reductions, as a gloo run of the same command issues them (both route as
+    the rehearsal routes); every rank's run is matched by the checker too."""
+    from megatron.planning.rehearsal.checker import check
+
+    layouts = [EP2_A2A, EP2_AG_TP2]
+    real = run_distributed(_record_over_gloo, 4, layouts, start_method="fork")
+    for i, layout in enumerate(layouts):
+        cfg, rehearsed = _rehearsed(4, layout)
+        plan = plan_ranks(_grid(cfg), "all")
+        fake = {r.rank: r.ops for r in run_planned_ranks(
+            rehearsed, _tokenizer(cfg), _start(), plan)}
+        for rank in range(4):
+            assert fake[rank] == real[rank][i], (layout, rank)
+        assert check(plan, fake, {r: [] for r in range(4)}) == []
+        dispatch = [o for o in fake[0] if "expert_parallel.py" in o.site]
+        kinds = {o.op for o in dispatch}
+        if layout is EP2_A2A:
+            assert kinds == {"all_to_all_single"}
+            # rank 0 holds experts 0-2 (6 + 6 + 5 of the 32 slots of each rank: 17 rows from
+            # each), and sends its 17 and 15 rows.
+            assert ((17, 15), (17, 17)) in {o.splits for o in dispatch}
+        else:
+            assert kinds == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+            assert {o.group for o in dispatch} == {(0, 2)}  # rank 0's expert group
+
+
+def test_expert_parallel_launches_rehearse_in_classes_mode(capsys):
+    """Tensor 2 x data 4 with expert parallel 2 (8 ranks, all-to-all): the last rank of the
+    stage (expert 1 of expert-data 1) issues the first one's operations moved, the all-to-
+    alls fit, and the dispatch's recorded bytes are the planner's."""
+    layout = [*MOE, "--num-experts", "4", "--expert-model-parallel-size", "2",
+              "--moe-token-dispatcher-type", "alltoall", "--tensor-model-parallel-size", "2",
+              "--sequence-parallel"]
+    status, text = _rehearse_with(8, layout, None, capsys)
+    assert status == 0, text
+    assert ("tensor 2 x pipeline 1 x data 4 = 8 ranks, sequence parallel, expert parallel 2 "
+            "within data (alltoall)") in text
+    check = next(line for line in text.splitlines()
+                 if line.startswith("  rank 0 (stage 0, tensor 0, data 0, expert 0): weights"))
+    assert "tp all-reduce 1.000" in check and "ep dispatch 1.000" in check, check
 
 
 def _rehearse_with(world: int, layout: list[str], around_rank, capsys) -> tuple[int, str]:

@@ -63,14 +63,16 @@ def test_bad_flags_exit_2_naming_them(capsys):
         capsys.readouterr().err
 
 
-def test_pretrain_dry_run_prints_the_same_plan_and_trains_nothing(monkeypatch, capsys):
+@pytest.mark.parametrize("experts", [(), ("--num-experts", "4", "--moe-expert-parallel-size", "2")],
+                         ids=["dense", "experts"])
+def test_pretrain_dry_run_prints_the_same_plan_and_trains_nothing(monkeypatch, capsys, experts):
     import pretrain_gpt
 
     flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
              "--global-batch-size", "8", "--tensor-model-parallel-size", "2",
              "--pipeline-model-parallel-size", "2", "--mock-data", "--tokenizer-type",
-             "NullTokenizer", "--vocab-size", "1000", "--use-cpu"]
+             "NullTokenizer", "--vocab-size", "1000", "--use-cpu", *experts]
     for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "8")  # as the launch would set it: data parallel 2
@@ -81,6 +83,9 @@ def test_pretrain_dry_run_prints_the_same_plan_and_trains_nothing(monkeypatch, c
     planned = capsys.readouterr().out
     assert "layout: tensor 2 x pipeline 2 x data 2 = 8 GPUs" in dry
     assert dry.strip().endswith(planned.strip())
+    if experts:
+        assert "expert parallel 2 within data (allgather)" in dry
+        assert "active per token" in dry and "experts: 4 in each of 4 MoE layers" in dry
 
 
 # The Llama recipes' models (examples/llama/) at their real sizes, Meta's vocabularies.

@@ -65,6 +65,47 @@ def test_a_shape_mismatch_names_the_group_and_both_sites():
         "  rank 1 (stage 0, tensor 0, data 1): #0 all_reduce 5 float32 SUM at site of all_reduce"]
 
 
+def _all_to_all(sent: tuple[int, ...], received: tuple[int, ...]) -> CommOp:
+    return CommOp("all_to_all_single", (0, 1), None, (sum(sent), 8), "float32",
+                  sum(sent) * 32, "", "site of all_to_all", "iteration", 0, (sent, received))
+
+
+def test_an_all_to_all_whose_splits_do_not_fit_names_the_rows():
+    """Members may hand an all-to-all inputs of other lengths (the expert dispatch); what
+    must agree is that each sends every other what that one expects from it."""
+    fits = {0: [_all_to_all((3, 5), (3, 2))], 1: [_all_to_all((2, 4), (5, 4))]}
+    assert check(PLAN, fits, {0: [], 1: []}) == []
+    bad = {0: [_all_to_all((3, 5), (3, 2))], 1: [_all_to_all((2, 4), (6, 4))]}
+    [finding] = check(PLAN, bad, {0: [], 1: []})
+    assert finding.check == "collective"
+    assert finding.text.splitlines() == [
+        "the all-to-all #0 of the data group [0, 1] does not fit: rank 0 sends rank 1 5 rows, "
+        "which expects 6 from it:",
+        "  rank 0 (stage 0, tensor 0, data 0): #0 all_to_all_single 8x8 float32 rows to 3,5 "
+        "from 3,2 at site of all_to_all",
+        "  rank 1 (stage 0, tensor 0, data 1): #0 all_to_all_single 6x8 float32 rows to 2,4 "
+        "from 6,4 at site of all_to_all"]
+
+
+def test_the_mover_keeps_expert_groups_whole_and_turns_their_splits():
+    """tensor 2 x data 4 with expert parallel 2: rank 0 moved to the last rank (data 3 =
+    expert-data 1, expert 1) sends its expert group onto the last one and its expert-data
+    group onto that of expert 1; an all-to-all's splits follow their members."""
+    grid = RankGrid(tp=2, dp=4, pp=1, ep=2)
+    groups = grid.groups()
+    assert groups.expert[:2] == [[0, 2], [4, 6]] and groups.expert_data[:2] == [[0, 4], [2, 6]]
+    move = grid.mover(0, 7)
+    assert sorted(move(r) for r in (0, 2)) == [5, 7]  # expert group of rank 7
+    assert sorted(move(r) for r in (0, 4)) == [3, 7]  # its expert-data group
+    assert grid.describe(7) == "rank 7 (stage 0, tensor 1, data 3, expert 1)"
+    op = CommOp("all_to_all_single", (0, 2), None, (5, 8), "float32", 160, "", "s",
+                "iteration", 0, ((2, 3), (2, 4)))
+    moved = op.moved(move)  # 0 -> 7, 2 -> 5: the members' order turns
+    assert moved.group == (5, 7) and moved.splits == ((3, 2), (4, 2))
+    plan = plan_ranks(grid, "classes")
+    assert plan.checks == ((0, 7),)
+
+
 def test_an_unwaited_request_is_reported():
     ops = {0: [_op("all_reduce")], 1: [_op("all_reduce")]}
     [finding] = check(PLAN, ops, {0: [], 1: [ops[1][0]]})

@@ -5,6 +5,7 @@
 2. collectives: within every process group all members issue the same collectives in the
    same order, with the same shapes, dtypes, reduce ops and roots (``new_group`` calls
    count as collectives of the whole world: every rank must create every group, in order);
+   an all-to-all with split sizes sends each member the rows that member expects;
 3. point to point: the k-th send from rank a to rank b with a tag matches the k-th receive
    at b from a with that tag, with the same shape and dtype;
 4. nothing is left waiting: replaying every rank's operations in order, where a collective
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from megatron.planning.rehearsal.ranks import RankGrid, RankPlan, group_kind
-from megatron.planning.rehearsal.records import CommOp
+from megatron.planning.rehearsal.records import CommOp, moved_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +108,10 @@ class RankOps:
         for i in positions:
             op = own[i]
             if op.op != "new_group":  # every rank creates every group: nothing moves
-                op = CommOp(op.op, moved_groups[op.group],
-                            None if op.peer is None else move(op.peer), op.shape, op.dtype,
-                            op.nbytes, op.detail, op.site, op.phase, op.batch)
+                moved = moved_groups[op.group]
+                op = CommOp(op.op, moved, None if op.peer is None else move(op.peer),
+                            op.shape, op.dtype, op.nbytes, op.detail, op.site, op.phase,
+                            op.batch, moved_splits(op.splits, op.group, moved, move))
             out.append((i, op))
         return out
 
@@ -129,8 +131,8 @@ def check_alike(ops: RankOps) -> list[Finding]:
         move = grid.mover(first, last)
         expected = [op.moved(move) for op in ops.own[first]]
         actual = ops.own[last]
-        i = _first_difference([o.key() + (o.group,) for o in expected],
-                              [o.key() + (o.group,) for o in actual])
+        i = _first_difference([o.key() + (o.group, o.splits) for o in expected],
+                              [o.key() + (o.group, o.splits) for o in actual])
         if i is None:
             continue
         stage = grid.coords(first)[0]
@@ -172,6 +174,7 @@ def check_collectives(ops: RankOps) -> list[Finding]:
         reference = group[0]
         ref = sequences[reference]
         ref_keys = [o.key() for _, o in ref]
+        diverged = False
         for rank in group[1:]:
             seq = sequences[rank]
             i = _first_difference(ref_keys, [o.key() for _, o in seq])
@@ -183,8 +186,33 @@ def check_collectives(ops: RankOps) -> list[Finding]:
                 f"the {ops.kind(group)} group {_ranks(group)} diverges at its operation #{i}:",
                 _side(grid, reference, i, _at([o for _, o in ref], i)),
                 _side(grid, rank, i, _at([o for _, o in seq], i))]), position))
+            diverged = True
             break
+        if not diverged:
+            findings += _check_splits(ops, group, sequences)
     return findings
+
+
+def _check_splits(ops: RankOps, group: tuple[int, ...],
+                  sequences: dict[int, list[tuple[int, CommOp]]]) -> list[Finding]:
+    """The first all-to-all of ``group`` (its members' sequences agree already) in which a
+    member sends another a number of rows other than that one expects from it."""
+    grid = ops.plan.grid
+    for i, (position, first) in enumerate(sequences[group[0]]):
+        if not first.splits:
+            continue
+        for a, src in enumerate(group):
+            sent = sequences[src][i][1].splits[0]
+            for b, dst in enumerate(group):
+                expected = sequences[dst][i][1].splits[1][a]
+                if sent[b] != expected:
+                    return [Finding("collective", "\n".join([
+                        f"the all-to-all #{i} of the {ops.kind(group)} group {_ranks(group)} "
+                        f"does not fit: rank {src} sends rank {dst} {sent[b]} rows, which "
+                        f"expects {expected} from it:",
+                        _side(grid, src, i, sequences[src][i][1]),
+                        _side(grid, dst, i, sequences[dst][i][1])]), position)]
+    return []
 
 
 def _ranks(group: Sequence[int]) -> str:

@@ -91,6 +91,8 @@ def _header(cfg: RunConfig, rehearsed: RunConfig, plan: RankPlan) -> str:
               + f" x data {grid.dp} = {grid.world} ranks"
               + (f", {vp} virtual stages" if vp else "")
               + (", sequence parallel" if p.sequence_parallel else "")
+              + (f", expert parallel {grid.ep} within data ({m.moe_token_dispatcher_type})"
+                 if grid.ep > 1 else "")
               + (", distributed optimizer" if cfg.optimizer.use_distributed_optimizer else ""))
     checked = ", ".join(str(grid.coords(last)[0]) for _, last in sorted(plan.checks))
     who = (f"{len(plan.run)} ranks run (the first rank of each stage, and the last of stages "
@@ -115,7 +117,8 @@ def rehearse(cfg: RunConfig, start: StartRank, around_rank: Optional[AroundRank]
     _check_memory(rehearsed, small_plan)
     p = cfg.parallel
     grid = RankGrid(p.tensor_model_parallel_size, cfg.data_parallel_size,
-                    p.pipeline_model_parallel_size, p.context_degree)
+                    p.pipeline_model_parallel_size, p.context_degree,
+                    p.expert_model_parallel_size)
     mode = cfg.training.rehearse_ranks if p.dp_mode == "allreduce" else "all"
     plan = plan_ranks(grid, mode)
     print(_header(real, rehearsed, plan), flush=True)

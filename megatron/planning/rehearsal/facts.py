@@ -27,8 +27,16 @@ params dtype, m the iteration's micro-batches, L the rank's layers, and t_sp = t
     pipeline send / recv    s b h e / t_sp per micro-batch and direction, for each chunk of the
                             stage that has a neighbour that way
     data-parallel reduce    the rank's parameters x gradient bytes (all-reduce, or reduce-
-                            scatter with --use-distributed-optimizer)
+                            scatter with --use-distributed-optimizer); the experts of expert
+                            parallelism over their expert-data ranks (none when that is 1)
     data-parallel gather    the rank's parameters x param bytes (distributed optimizer)
+    expert dispatch         per MoE layer per micro-batch, the dispatch's forward and backward
+                            payload (megatron/planning/experts.py: balanced routing, as the
+                            rehearsal routes), + the forward's again per recomputed MoE layer
+    MoE layers, tensor      in place of the MLP's 2 s b h e all-reduces: R h e forward and
+                            backward for the experts' rows (R: experts.py), 2 s b h e for a
+                            shared expert; under SP 2 all-gathers of s b h e (the layer gathers
+                            the sequence, and its output's gradient), no reduce-scatter
     embedding all-reduce    first and last stage, tied embeddings: (V/t) h x gradient bytes
     other                   scalars (loss, gradient norm, overflow and NaN flags): as recorded
 """
@@ -40,15 +48,28 @@ from collections.abc import Sequence
 from typing import Optional
 
 from megatron.config import RunConfig
+from megatron.core.distributed.distributed_data_parallel import is_expert
 from megatron.core.microbatches import NumMicroBatchesCalculator
-from megatron.planning.planner import GB, Plan, build_plan, build_rank_on_meta, bytes_of, grad_bytes
+from megatron.planning import experts
+from megatron.planning.planner import (
+    GB,
+    Plan,
+    build_plan,
+    build_rank_on_meta,
+    bytes_of,
+    grad_bytes,
+    stage_moe_flags,
+)
 from megatron.planning.rehearsal.ranks import RankGrid, RankPlan, group_kinds
 from megatron.planning.rehearsal.recorder import SMALL
 from megatron.planning.rehearsal.records import CommOp
 from megatron.planning.rehearsal.runner import RankResult
 
 VOLUME_KINDS = ("tp all-reduce", "tp all-gather", "tp reduce-scatter", "pp send", "pp recv",
-                "dp reduce", "dp gather", "embedding all-reduce", "other")
+                "dp reduce", "dp gather", "ep dispatch", "embedding all-reduce", "other")
+# The module that moves tokens to their experts (its collectives are the dispatch's, also on
+# an expert group that is the data group too).
+DISPATCH_SITE = "megatron/core/expert_parallel.py"
 MEMORY_KINDS = ("weights", "gradients", "optimizer", "activations")
 
 
@@ -69,6 +90,8 @@ def volume_kind(op: CommOp, kinds: frozenset[str]) -> Optional[str]:
     if op.phase != "iteration" or op.op == "new_group":
         return None
     small = op.dtype == "object" or _numel(op.shape) <= SMALL
+    if "expert" in kinds and DISPATCH_SITE in op.site:
+        return "ep dispatch"
     if "tensor" in kinds:
         if op.op == "all_reduce":
             return "tp all-reduce"
@@ -80,7 +103,7 @@ def volume_kind(op: CommOp, kinds: frozenset[str]) -> Optional[str]:
         return "pp send" if op.op == "send" else "pp recv"
     # Gradients and optimizer shards go over data x context ranks under context parallelism;
     # the ring's sends and the all-to-alls of context-parallel attention count as "other".
-    if ("data" in kinds or "data_context" in kinds) and not small:
+    if ({"data", "data_context", "expert_data"} & kinds) and not small:
         if op.op == "all_reduce" or op.op.startswith("reduce_scatter"):
             return "dp reduce"
         if op.op.startswith("all_gather"):
@@ -117,13 +140,15 @@ class StageParams:
 
     parameters: int
     sequence_parallel: int  # parameters whose gradients are summed over the tensor group
+    experts: int = 0  # experts of expert parallelism (reduced over the expert-data ranks)
 
 
 def stage_params(cfg: RunConfig, pp_rank: int) -> StageParams:
     chunks = build_rank_on_meta(cfg, 0, pp_rank)
     params = [p for c in chunks for p in c.parameters()]
     sp = sum(p.numel() for p in params if getattr(p, "sequence_parallel", False))
-    return StageParams(sum(p.numel() for p in params), sp)
+    return StageParams(sum(p.numel() for p in params), sp,
+                       sum(p.numel() for p in params if is_expert(p)))
 
 
 def _chunks_with_neighbours(cfg: RunConfig, pp_rank: int) -> tuple[int, int]:
@@ -137,47 +162,85 @@ def _chunks_with_neighbours(cfg: RunConfig, pp_rank: int) -> tuple[int, int]:
     return v - last, v - first
 
 
+def _recomputed(cfg: RunConfig, flags: list[bool]) -> list[bool]:
+    """Which of the stage's layers (``flags``: whether each is a mixture of experts, in
+    order) run their forward pass again under --recompute-granularity full."""
+    m = cfg.model
+    if m.recompute_granularity != "full":
+        return []
+    if m.recompute_method == "block":
+        return flags[:min(m.recompute_num_layers or 1, len(flags))]
+    return flags
+
+
 def comm_volume(cfg: RunConfig, pp_rank: int, stage: StageParams,
                 num_microbatches: int) -> dict[str, int]:
     """One rank's payload bytes per iteration by kind (module docstring), without "other"."""
     m, par = cfg.model, cfg.parallel
     t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    sp = par.sequence_parallel and t > 1
     e = bytes_of(m.params_dtype)
-    g = grad_bytes(cfg)
-    act = m.seq_length * cfg.training.micro_batch_size * m.hidden_size * e  # s b h e
-    tokens = m.seq_length * cfg.training.micro_batch_size
     n = num_microbatches
-    layers = cfg.pipeline_stage_num_layers[pp_rank]
-    recomputed = layers if m.recompute_granularity == "full" else 0
-    if m.recompute_granularity == "full" and m.recompute_method == "block":
-        recomputed = min(m.recompute_num_layers or 1, layers)
+    flags = [moe for chunk in stage_moe_flags(cfg, pp_rank) for moe in chunk]
+    again = _recomputed(cfg, flags)
     out = dict.fromkeys(VOLUME_KINDS, 0)
     out.pop("other")
     if t > 1:
-        per_layer = 4 * layers + 2 * recomputed
-        first, last = pp_rank == 0, pp_rank == p - 1
-        if sp:  # the embedding's sequence split gathers its gradient back on the first stage
-            # QKV and FC1 gather their input again in the backward (they keep only its part).
-            out["tp all-gather"] = n * act * (per_layer + 2 * layers + first + last)
-            out["tp reduce-scatter"] = n * act * (per_layer + last)
-            out["tp all-reduce"] = n * act * first + stage.sequence_parallel * g
-        else:
-            out["tp all-reduce"] = n * act * (per_layer + first + last)
-        out["tp all-reduce"] += n * 3 * tokens * 4 * last
+        out.update(_tensor_volume(cfg, pp_rank, stage, flags, again, n))
     if p > 1:
+        sp = par.sequence_parallel and t > 1
+        act = m.seq_length * cfg.training.micro_batch_size * m.hidden_size * e  # s b h e
         sends_next, recvs_prev = _chunks_with_neighbours(cfg, pp_rank)
         boundary = act // (t if sp else 1)
         out["pp send"] = n * boundary * (sends_next + recvs_prev)
         out["pp recv"] = n * boundary * (sends_next + recvs_prev)
         tied = not m.untie_embeddings_and_output_weights
         if tied and pp_rank in (0, p - 1):
-            out["embedding all-reduce"] = m.padded_vocab_size // t * m.hidden_size * g
-    if cfg.data_parallel_size > 1:
-        out["dp reduce"] = stage.parameters * g
-        if cfg.optimizer.use_distributed_optimizer:
-            out["dp gather"] = stage.parameters * e
+            out["embedding all-reduce"] = m.padded_vocab_size // t * m.hidden_size * grad_bytes(cfg)
+    out.update(_data_volume(cfg, stage))
+    forward, backward = experts.dispatch_bytes_per_layer(cfg)
+    out["ep dispatch"] = n * (sum(flags) * (forward + backward) + sum(again) * forward)
     return out
+
+
+def _tensor_volume(cfg: RunConfig, pp_rank: int, stage: StageParams, flags: list[bool],
+                   again: list[bool], n: int) -> dict[str, int]:
+    """The tensor group's volume (module docstring): two sublayers per dense layer (attention,
+    MLP), one per MoE layer plus its experts' rows and shared expert."""
+    m, par = cfg.model, cfg.parallel
+    p, sp = par.pipeline_model_parallel_size, par.sequence_parallel
+    e = bytes_of(m.params_dtype)
+    act = m.seq_length * cfg.training.micro_batch_size * m.hidden_size * e  # s b h e
+    tokens = m.seq_length * cfg.training.micro_batch_size
+    moe, moe_again = sum(flags), sum(again)
+    sublayers = 2 * len(flags) - moe
+    units = 2 * sublayers + 2 * len(again) - moe_again  # forward + backward, + recomputed
+    first, last = pp_rank == 0, pp_rank == p - 1
+    out = {}
+    if sp:  # the embedding's sequence split gathers its gradient back on the first stage
+        # QKV and FC1 gather their input again in the backward (they keep only its part).
+        out["tp all-gather"] = n * act * (units + sublayers + first + last)
+        out["tp reduce-scatter"] = n * act * (units + last)
+        out["tp all-reduce"] = n * act * first + stage.sequence_parallel * grad_bytes(cfg)
+        # An MoE layer gathers the sequence, and its output's gradient.
+        out["tp all-gather"] += n * act * (2 * moe + moe_again)
+    else:
+        out["tp all-reduce"] = n * act * (units + first + last)
+    out["tp all-reduce"] += n * 3 * tokens * 4 * last
+    if moe:
+        rows = experts.sent_and_computed_rows(cfg)[1]
+        shared = act if m.moe_shared_expert_intermediate_size is not None else 0
+        out["tp all-reduce"] += n * (2 * moe + moe_again) * (rows * m.hidden_size * e + shared)
+    return out
+
+
+def _data_volume(cfg: RunConfig, stage: StageParams) -> dict[str, int]:
+    """Gradients reduced (and, distributed optimizer, parameters gathered) over the data-
+    parallel ranks; the experts of expert parallelism over their expert-data ranks."""
+    dp, ep = cfg.data_parallel_size, cfg.parallel.expert_model_parallel_size
+    counted = (stage.parameters - stage.experts if dp > 1 else 0) + \
+        (stage.experts if dp // ep > 1 else 0)
+    gather = bytes_of(cfg.model.params_dtype) if cfg.optimizer.use_distributed_optimizer else 0
+    return {"dp reduce": counted * grad_bytes(cfg), "dp gather": counted * gather}
 
 
 # ----------------------------------------------------------------------------- the facts

@@ -7,7 +7,10 @@ rank ``(stage, replica r, tensor t)`` (``r = data index x context size + context
 issues the operations of ``(stage, 0, 0)`` with every rank they name moved by the same offsets
 (``RankGrid.mover``: data index + d, context index + c, tensor index + t, modulo the sizes; a
 translation of the grid that maps each tensor, context, data, pipeline, model and embedding
-group onto another group of the same kind). In ``classes`` mode the rehearsal runs
+group onto another group of the same kind). Under expert parallelism (``ep``) a data index d
+is (expert-data index d // ep, expert rank d % ep), and the two move separately, so expert
+groups (runs of ep consecutive data indices) and expert-data groups (every ep-th) map onto
+groups of their kinds too. In ``classes`` mode the rehearsal runs
 the first rank of each stage and, to check that claim, the last rank (data d-1, tensor t-1)
 of the first stage, of the last stage and of one middle stage (the middle stages run the same
 code, a longer or shorter warm-up apart): the checker compares its operations with the first
@@ -28,6 +31,7 @@ class RankGrid:
     dp: int
     pp: int
     cp: int = 1  # context-parallel ranks of each replica
+    ep: int = 1  # expert-parallel ranks: runs of ep consecutive data indices
 
     @property
     def replicas(self) -> int:
@@ -49,7 +53,8 @@ class RankGrid:
     def describe(self, rank: int) -> str:
         stage, r, t = self.coords(rank)
         context = f", context {r % self.cp}" if self.cp > 1 else ""
-        return f"rank {rank} (stage {stage}, tensor {t}{context}, data {r // self.cp})"
+        expert = f", expert {r // self.cp % self.ep}" if self.ep > 1 else ""
+        return f"rank {rank} (stage {stage}, tensor {t}{context}, data {r // self.cp}{expert})"
 
     def mover(self, source: int, target: int) -> Callable[[int], int]:
         """The grid translation that sends ``source`` to ``target`` (same stage)."""
@@ -57,16 +62,20 @@ class RankGrid:
         t_stage, t_r, t_t = self.coords(target)
         if s_stage != t_stage:
             raise ValueError(f"ranks {source} and {target} hold different pipeline stages")
-        dd, dc, dt = t_r // self.cp - s_r // self.cp, t_r % self.cp - s_r % self.cp, t_t - s_t
+        ep, blocks = self.ep, self.dp // self.ep
+        (sq, se), (tq, te) = divmod(s_r // self.cp, ep), divmod(t_r // self.cp, ep)
+        dq, de, dc, dt = tq - sq, te - se, t_r % self.cp - s_r % self.cp, t_t - s_t
 
         def move(rank: int) -> int:
             stage, r, t = self.coords(rank)
-            d, c = (r // self.cp + dd) % self.dp, (r % self.cp + dc) % self.cp
-            return self.rank(stage, d * self.cp + c, (t + dt) % self.tp)
+            q, e = divmod(r // self.cp, ep)
+            d = (q + dq) % blocks * ep + (e + de) % ep
+            return self.rank(stage, d * self.cp + (r % self.cp + dc) % self.cp,
+                             (t + dt) % self.tp)
         return move
 
     def groups(self) -> RankGroups:
-        return build_rank_groups(self.world, self.tp, self.pp, self.cp)
+        return build_rank_groups(self.world, self.tp, self.pp, self.cp, self.ep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,15 +117,18 @@ def plan_ranks(grid: RankGrid, mode: str) -> RankPlan:
     return RankPlan(grid, tuple(run), tuple(source), tuple(checks))
 
 
-GROUP_KINDS = ("tensor", "context", "data", "data_context", "pipeline", "embedding", "model")
+GROUP_KINDS = ("tensor", "context", "data", "data_context", "pipeline", "embedding", "model",
+               "expert", "expert_data")
 
 
 def group_kinds(grid: RankGrid, groups: RankGroups, ranks: tuple[int, ...]) -> frozenset[str]:
     """Every kind of group ``ranks`` is (with two stages the embedding group is also the
-    pipeline group): tensor, context, data, data x context, pipeline, embedding, model,
-    world."""
+    pipeline group; with expert parallel = data parallel the expert group is the data
+    group): tensor, context, data, data x context, pipeline, embedding, model, expert and
+    expert-data (under expert parallelism only), world."""
     members = list(ranks)
-    kinds = {kind for kind in GROUP_KINDS if members in getattr(groups, kind)}
+    kinds = {kind for kind in GROUP_KINDS if (grid.ep > 1 or not kind.startswith("expert"))
+             and members in getattr(groups, kind)}
     if len(members) == grid.world and grid.world > 1:
         kinds.add("world")
     return frozenset(kinds)

@@ -14,6 +14,9 @@ run would take.
 
 - received tensors (``recv``) are zeros; an all-gather fills every slot with this rank's input;
   a reduce-scatter keeps this rank's slice of its own input; a broadcast leaves the buffer;
+  an all-to-all receives from every rank the piece this rank addresses to itself (alike ranks
+  send each other what each sends itself: with the rehearsal's balanced expert routing, the
+  exchanged token counts are exactly a real run's);
 - small all-reduces (at most ``SMALL`` elements: the step's decisions, such as the fp16
   overflow flag, the NaN checks and the gradient norm) combine this rank's value with those
   of the ranks rehearsed before it in the same group and position (``SharedValues``), so
@@ -43,7 +46,9 @@ from megatron.planning.rehearsal.records import CommOp, SiteTable, new_group_det
 SMALL = 64  # elements: all-reduces up to this size carry decisions, not activations
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_FILE = os.path.abspath(__file__)
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(_THIS_FILE)))
+# The checkout (megatron/planning/rehearsal/recorder.py is four levels down): call sites are
+# shown relative to it.
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(_THIS_FILE))))
 _MODULES = (dist, c10d)
 
 
@@ -130,14 +135,14 @@ class Recorder:
 
     def add(self, op: str, group: Any, tensor: Optional[torch.Tensor] = None, *,
             peer: Optional[int] = None, nbytes: Optional[int] = None, detail: str = "",
-            p2p_batch: int = 0) -> CommOp:
+            p2p_batch: int = 0, splits: tuple = ()) -> CommOp:
         ranks = self.ranks(group)
         shape = tuple(tensor.shape) if tensor is not None else ()
         dtype = str(tensor.dtype).replace("torch.", "") if tensor is not None else "object"
         if nbytes is None:
             nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
         record = CommOp(op, ranks, peer, shape, dtype, nbytes, detail, self._site(),
-                        self.phase, p2p_batch)
+                        self.phase, p2p_batch, splits)
         self.ops.append(record)
         if op not in ("send", "recv"):
             self.close_p2p_batch()
@@ -481,14 +486,33 @@ def _all_to_all_single(orig: Callable, rec: Recorder) -> Callable:
         args = (output, input, output_split_sizes, input_split_sizes, group, async_op)
         if not rec.outermost():
             return orig(*args)
-        record = rec.add("all_to_all_single", group, input)
+        splits = ((tuple(input_split_sizes), tuple(output_split_sizes))
+                  if input_split_sizes is not None and output_split_sizes is not None else ())
+        record = rec.add("all_to_all_single", group, input, splits=splits)
         with rec.nested():
             work = orig(*args)
-        if rec.fake:  # every rank's pieces as this rank's own (equal splits)
-            with torch.no_grad():
-                output.view(-1).copy_(input.reshape(-1)[:output.numel()])
+        if rec.fake:
+            _fill_all_to_all(output, input, output_split_sizes, input_split_sizes, group)
         return rec.track(work, record, async_op)
     return all_to_all_single
+
+
+def _fill_all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits, input_splits,
+                     group: Any) -> None:
+    """Every piece of ``output`` from this rank's piece for itself (repeated or cut to the
+    piece's size; zeros where it has none)."""
+    n = dist.get_world_size(group) if group is not None else dist.get_world_size()
+    me = dist.get_rank(group) if group is not None else dist.get_rank()
+    rows_in = list(input_splits) if input_splits else [input.size(0) // n] * n
+    rows_out = list(output_splits) if output_splits else [output.size(0) // n] * n
+    start = sum(rows_in[:me])
+    own = input[start:start + rows_in[me]]
+    with torch.no_grad():
+        if own.size(0) == 0:
+            output.zero_()
+            return
+        pieces = [own[torch.arange(rows, device=own.device) % own.size(0)] for rows in rows_out]
+        output.copy_(torch.cat(pieces).view_as(output))
 
 
 _WRAPPERS = {

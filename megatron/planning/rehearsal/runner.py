@@ -4,7 +4,9 @@ return at once), through the training code's own set-up and first iteration: a `
 ``megatron.training.rank_starter``: its ``start_run``) and ``Trainer.train``.
 
 ``run_rank`` is the part that does not care which backend the group has: a real gloo run of
-the same command calls it too, so its records can be compared with the rehearsal's.
+the same command calls it too, so its records can be compared with the rehearsal's. Both route
+mixture-of-experts tokens evenly (``routing``), so that communication sizes do not hang on
+synthetic values.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from megatron.planning.rehearsal.memory import ActivationMeter, MeasuredMemory, 
 from megatron.planning.rehearsal.ranks import RankPlan
 from megatron.planning.rehearsal.recorder import Recorder, installed
 from megatron.planning.rehearsal.records import CommOp
+from megatron.planning.rehearsal.routing import balanced_routing
 from megatron.platform.signals import ShutdownSignals
 
 # (cfg, tokenizer, signals) -> the rank's trainer after its set-up (training.rank_starter).
@@ -61,11 +64,13 @@ class RankFailure(Exception):
 
 def run_rank(cfg: RunConfig, tokenizer, start: StartRank, recorder: Recorder) -> RankResult:
     """This process's rank (its process group exists): set-up (``start``) and one iteration
-    through the training code, recorded by ``recorder`` (which must be ``installed``)."""
+    through the training code, recorded by ``recorder`` (which must be ``installed``), with
+    balanced expert routing (``routing``)."""
     rank = dist.get_rank()
     out = io.StringIO()
     unknown_before = recorder.shared.unknown_objects
-    with recorder.rank_scope(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+    with recorder.rank_scope(), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(out), balanced_routing():
         signals = ShutdownSignals(cfg.training.exit_signal_handler)
         try:
             trainer = start(cfg, tokenizer, signals)

@@ -10,7 +10,7 @@ from megatron.config import ConfigError, RunConfig
 
 def _shrunk_model(cfg: RunConfig) -> RunConfig:
     """--rehearse-hidden-size / --rehearse-seq-length: the same layers and heads, narrower
-    or shorter. FFN and attention widths shrink with the hidden size."""
+    or shorter. FFN, expert and attention widths shrink with the hidden size."""
     t, m = cfg.training, cfg.model
     changes = {}
     hidden = t.rehearse_hidden_size
@@ -29,6 +29,7 @@ def _shrunk_model(cfg: RunConfig) -> RunConfig:
                 f"{m.hidden_size // _gcd(m.hidden_size, m.ffn_hidden_size)} x {heads}")
         kv = max(1, m.kv_channels * hidden // m.hidden_size)
         changes.update(hidden_size=hidden, ffn_hidden_size=ffn, kv_channels=kv)
+        changes.update(_shrunk_experts(cfg, hidden))
     seq = t.rehearse_seq_length
     if seq is not None and seq != m.seq_length:
         changes.update(seq_length=seq, max_position_embeddings=max(
@@ -36,6 +37,27 @@ def _shrunk_model(cfg: RunConfig) -> RunConfig:
     if not changes:
         return cfg
     return cfg.replace(model=m.replace(**changes))
+
+
+def _shrunk_experts(cfg: RunConfig, hidden: int) -> dict:
+    """The experts' widths (resolved already: they do not follow --ffn-hidden-size again),
+    shrunk as the FFN is, or a ConfigError naming the flag."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    changes = {}
+    for name, flag in (("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+                       ("moe_shared_expert_intermediate_size",
+                        "--moe-shared-expert-intermediate-size")):
+        width = getattr(m, name)
+        if width is None:
+            continue
+        shrunk = width * hidden // m.hidden_size
+        if shrunk * m.hidden_size != width * hidden or shrunk % tp or not shrunk:
+            raise ConfigError(
+                f"--rehearse-hidden-size ({hidden}) does not shrink {flag} ({width}) to a "
+                f"whole width divisible by --tensor-model-parallel-size ({tp}); try a "
+                f"multiple of {m.hidden_size // _gcd(m.hidden_size, width)}")
+        changes[name] = shrunk
+    return changes
 
 
 def _gcd(a: int, b: int) -> int:
