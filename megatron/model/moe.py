@@ -210,6 +210,23 @@ class Router(nn.Module):
         self.reported: dict[str, torch.Tensor] = {}
         # record_reported: name -> (sum over the step's micro-batches, their number)
         self.step_totals: dict[str, tuple[torch.Tensor, int]] = {}
+        # _count: this step's routing slots per expert [E] and dropped slots (None: none yet)
+        self.step_slots: Optional[torch.Tensor] = None
+        self.step_dropped: Optional[torch.Tensor] = None
+
+    def _count(self, chosen: torch.Tensor, kept: torch.Tensor) -> None:
+        """The step's routing slots per expert and the dropped ones (for the log), and, for
+        loss-free balancing, the kept tokens per expert."""
+        with torch.no_grad():
+            per_expert = chosen.sum(dim=0).float()
+            dropped = (chosen & ~kept).sum().float()
+            if self.step_slots is None:
+                self.step_slots, self.step_dropped = per_expert, dropped
+            else:
+                self.step_slots, self.step_dropped = (self.step_slots + per_expert,
+                                                      self.step_dropped + dropped)
+            if self.tokens_per_expert is not None:
+                self.tokens_per_expert += kept.sum(dim=0).float()
 
     def forward(self, tokens: torch.Tensor, seq_length: int,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,14 +243,15 @@ class Router(nn.Module):
                 logits = attach_loss(logits, loss, self.loss_scale)
         probs, routing_map = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
                                    cfg.moe_router_pre_softmax, self.expert_bias)
+        chosen = routing_map
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = drop_tokens(
                 probs, routing_map, cfg.moe_router_topk, cfg.moe_expert_capacity_factor,
                 cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity)
-        if self.tokens_per_expert is not None and training:
+        if training:
             # Counted where gradients flow: once per micro-batch, also under full recompute
             # (whose first pass runs without them).
-            self.tokens_per_expert += routing_map.sum(dim=0).float()
+            self._count(chosen, routing_map)
         kind, coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
         if kind != "none" and coeff > 0 and self.training:
             args = (cfg.moe_router_topk, coeff, cfg.moe_router_score_function)
@@ -453,6 +471,35 @@ def update_expert_biases(models: list[nn.Module], rate: float,
             router.tokens_per_expert.zero_()
 
 
+EXPERT_LOAD = "expert load imbalance"  # largest share x experts: 1 when balanced
+DROPPED = "dropped token fraction"
+
+
+def expert_share_name(expert: int) -> str:
+    """The history's and TensorBoard's name of an expert's share of the routing slots (the
+    log line leaves them out: ``is_expert_share``)."""
+    return f"expert {expert} token share"
+
+
+def is_expert_share(name: str) -> bool:
+    return name.startswith("expert ") and name.endswith(" token share")
+
+
+def routing_figures(slots: torch.Tensor, dropped: float, capacity: bool) -> dict[str, float]:
+    """From a step's routing slots per expert (all layers and ranks) and its dropped slots:
+    each expert's share, the load imbalance (largest share x experts) and, with a capacity,
+    the dropped fraction; empty where nothing was routed (a step that computed nothing)."""
+    total = float(slots.sum())
+    if total == 0:
+        return {}
+    shares = slots / total
+    figures = {EXPERT_LOAD: float(shares.max()) * len(slots)}
+    if capacity:
+        figures[DROPPED] = dropped / total
+    figures.update({expert_share_name(j): float(v) for j, v in enumerate(shares)})
+    return figures
+
+
 def reported_names(config: ModelConfig) -> list[str]:
     """The router losses a model of ``config`` reports in training (the rule ``Router``
     follows), in log order."""
@@ -489,6 +536,20 @@ def take_step_totals(models: list[nn.Module]) -> dict[str, tuple[torch.Tensor, i
                 out[name] = (acc + total / passes, layers + 1)
             layer.router.step_totals = {}
     return out
+
+
+def take_step_routing(models: list[nn.Module], num_experts: int) -> torch.Tensor:
+    """``[E + 1]``: the step's routing slots per expert summed over ``models``' layers, then
+    the dropped slots; the counts are cleared."""
+    total = torch.zeros(num_experts + 1)
+    for model in models:
+        for layer in moe_layers(model):
+            router = layer.router
+            if router.step_slots is not None:
+                total[:num_experts] += router.step_slots.cpu()
+                total[num_experts] += router.step_dropped.cpu()
+            router.step_slots = router.step_dropped = None
+    return total
 
 
 def reported_losses(model: nn.Module) -> dict[str, torch.Tensor]:

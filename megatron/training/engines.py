@@ -36,7 +36,9 @@ from megatron.core.nonfinite import (
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, takes_stage
 from megatron.model.moe import record_reported as record_moe_losses
 from megatron.model.moe import reported_names as moe_reported_names
+from megatron.model.moe import routing_figures as moe_routing_figures
 from megatron.model.moe import set_loss_scale as set_moe_loss_scale
+from megatron.model.moe import take_step_routing as take_moe_step_routing
 from megatron.model.moe import take_step_totals as take_moe_step_totals
 from megatron.model.moe import update_expert_biases
 from megatron.platform import xla
@@ -138,10 +140,11 @@ def sum_over_routing_ranks(counts: torch.Tensor) -> None:
 def router_losses(chunks: list, config: Any) -> dict[str, float]:
     """The mixture-of-experts router losses of the step (recorded per micro-batch): each
     layer's mean over the micro-batches, averaged over the layers of every pipeline stage,
-    then over the data-parallel ranks (each routes its own tokens). Every rank calls it."""
-    names = moe_reported_names(config)
-    if not names:
+    then over the data-parallel ranks (each routes its own tokens); and how the tokens spread
+    over the experts (``expert_loads``). Every rank calls it."""
+    if config.num_experts is None:
         return {}
+    names = moe_reported_names(config)
     totals = take_moe_step_totals(chunks)
     device = parallel_state.get_default_device()
     sums = torch.zeros(2, len(names), dtype=torch.float64, device=device)  # [total; layers]
@@ -158,7 +161,24 @@ def router_losses(chunks: list, config: Any) -> dict[str, float]:
         values /= dp_size
         dist.all_reduce(values, group=parallel_state.get_data_parallel_group(
             with_context_parallel=True))
-    return dict(zip(names, values.tolist()))
+    return {**dict(zip(names, values.tolist())), **expert_loads(chunks, config)}
+
+
+def expert_loads(chunks: list, config: Any) -> dict[str, float]:
+    """How the step's tokens spread over the experts, over every layer, stage and data-
+    parallel rank (``moe.routing_figures``); every rank calls it."""
+    counts = take_moe_step_routing(chunks, config.num_experts).to(
+        parallel_state.get_default_device(), torch.float64)
+    if dist.is_initialized():
+        for group, size in (
+                (parallel_state.get_pipeline_model_parallel_group(),
+                 parallel_state.get_pipeline_model_parallel_world_size()),
+                (parallel_state.get_data_parallel_group(with_context_parallel=True),
+                 parallel_state.get_data_parallel_world_size(with_context_parallel=True))):
+            if size > 1:
+                dist.all_reduce(counts, group=group)
+    return moe_routing_figures(counts[:-1].cpu(), float(counts[-1]),
+                               config.moe_expert_capacity_factor is not None)
 
 
 def empty_cuda_cache(ctx: RunContext, level: int) -> None:

@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.model.moe import DROPPED, EXPERT_LOAD, is_expert_share
+
 
 def memory_gb() -> float:
     """Peak memory of this process: CUDA allocations on GPU, resident set size on CPU."""
@@ -53,7 +55,9 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
         f"learning rate: {lr:.6E}",
         f"global batch size: {global_batch_size:5d}",
     ]
-    parts += [f"{name}: {value:.6E}" for name, value in losses.items()]
+    # Each expert's token share goes to TensorBoard and the history, not the line.
+    parts += [f"{name}: {value:.6E}" for name, value in losses.items()
+              if not is_expert_share(name)]
     if loss_scale is not None:
         parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
@@ -151,7 +155,8 @@ def format_run_summary(*, iterations: int, tokens: int, wall_seconds: float,
         f"mean tokens per GPU per second (TGS): {tgs:.1f}",
         f"mean TFLOP/s per GPU: {tgs * flops_per_token / 1e12:.3f}",
     ]
-    parts += [f"last train {name}: {value:.6E}" for name, value in train_losses.items()]
+    parts += [f"last train {name}: {value:.6E}" for name, value in train_losses.items()
+              if not is_expert_share(name)]
     parts += [f"last validation {name}: {value:.6E}" for name, value in valid_losses.items()]
     if not train_losses:
         parts.append("last train loss: none")
@@ -162,6 +167,7 @@ def format_run_summary(*, iterations: int, tokens: int, wall_seconds: float,
 
 
 ROUTER_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+ROUTING = (EXPERT_LOAD, DROPPED)
 
 
 def training_series(losses: Mapping[str, float], *, learning_rate: float, batch_size: int,
@@ -171,9 +177,8 @@ def training_series(losses: Mapping[str, float], *, learning_rate: float, batch_
     """Megatron-DeepSpeed's TensorBoard tags for a logged iteration (``logging``: the
     LoggingConfig whose switches choose some of them); see TensorBoard.series."""
     # The router losses of mixture-of-experts layers keep Megatron-LM's plain tags.
-    series: dict[str, Optional[float]] = {
-        name if name in ROUTER_LOSSES else f"lm-loss-training/{name}": value
-        for name, value in losses.items()}
+    series: dict[str, Optional[float]] = {_training_tag(name): value
+                                          for name, value in losses.items()}
     series["learning-rate/learning-rate"] = learning_rate
     if logging.log_batch_size_to_tensorboard:
         series["batch-size/batch-size"] = batch_size
@@ -186,6 +191,16 @@ def training_series(losses: Mapping[str, float], *, learning_rate: float, batch_
     if logging.log_timers_to_tensorboard:
         series["iteration-time/iteration-time"] = iteration_seconds
     return series
+
+
+def _training_tag(name: str) -> str:
+    """A reported value's TensorBoard tag: Megatron-LM's plain names for the router losses,
+    ``moe/...`` for how the tokens spread over the experts, else Megatron-DeepSpeed's."""
+    if name in ROUTER_LOSSES:
+        return name
+    if name in ROUTING or is_expert_share(name):
+        return f"moe/{name}"
+    return f"lm-loss-training/{name}"
 
 
 def evaluation_series(losses: Mapping[str, float], kind: str,

@@ -15,7 +15,7 @@ from tools.checkpoint import convert
 ITERS = 3
 MOE = {"--num-experts": 4, "--moe-router-topk": 2, "--moe-aux-loss-coeff": 0.01,
        "--moe-z-loss-coeff": 1e-3, "--moe-ffn-hidden-size": 64}
-NAMES = ("lm loss", "load_balancing_loss", "z_loss")
+NAMES = ("lm loss", "load_balancing_loss", "z_loss", "expert load imbalance")
 
 
 def argv(corpus, cache, **overrides):
@@ -26,6 +26,10 @@ def argv(corpus, cache, **overrides):
 
 def _train(rank, world_size, argv):
     state = pretrain_gpt.main(argv)
+    for h in state.history:  # every expert's share of the routing slots, over all ranks
+        shares = [h["losses"][f"expert {j} token share"] for j in range(4)]
+        assert math.isclose(sum(shares), 1.0, rel_tol=1e-9)
+        assert math.isclose(max(shares) * 4, h["losses"]["expert load imbalance"])
     return [[h["losses"][n] for n in NAMES] + [h["grad_norm"]] for h in state.history]
 
 
@@ -37,6 +41,7 @@ def train(world_size, argv):
 
 
 def assert_same_run(got, expected, rel=1e-5):
+    """Losses, router losses, the expert load (the same routing: exactly) and grad norms."""
     assert len(got) == len(expected)
     for i, (step, ref) in enumerate(zip(got, expected)):
         for name, value, want in zip((*NAMES, "grad norm"), step, ref):
@@ -159,3 +164,17 @@ def test_loss_free_balancing_matches_single_process(corpus, cache, biased_refere
     assert_same_run(first, biased_reference[:2])
     assert_same_run(train(world, argv(corpus, cache, **BIAS, **layout, **{"--load": save})),
                     biased_reference[2:])
+
+
+def _dropped(rank, world_size, argv):
+    return [h["losses"]["dropped token fraction"] for h in pretrain_gpt.main(argv).history]
+
+
+def test_dropped_fraction_is_the_same_at_expert_parallel_2(corpus, cache):
+    """With a capacity the log reports the fraction of routing slots dropped: each rank
+    drops among its own tokens, as one process does micro-batch by micro-batch."""
+    flags = {"--moe-expert-capacity-factor": 1.0, "--train-iters": 2}
+    one = run_distributed(_dropped, 1, argv(corpus, cache, **flags), start_method="fork")[0]
+    two = run_distributed(_dropped, 2, argv(corpus, cache, **flags, **EP2),
+                          start_method="fork")[0]
+    assert all(0 < d < 0.5 for d in one) and one == pytest.approx(two, rel=1e-12)

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -352,3 +353,26 @@ def test_expert_bias_moves_choices_not_weights_and_follows_the_load():
     want = torch.sign(counts.mean() - counts) * 0.01
     assert torch.equal(layer.router.expert_bias, want)
     assert layer.router.tokens_per_expert.sum() == 0
+
+
+def test_routing_figures_and_where_they_are_shown():
+    from megatron.training.log import format_log_line, training_series
+
+    figures = moe.routing_figures(torch.tensor([6.0, 2.0, 0.0, 0.0]), 1.0, capacity=True)
+    assert figures["expert load imbalance"] == 3.0  # 6/8 of the slots x 4 experts
+    assert figures["dropped token fraction"] == 1 / 8
+    assert [figures[f"expert {j} token share"] for j in range(4)] == [0.75, 0.25, 0.0, 0.0]
+    assert "dropped token fraction" not in moe.routing_figures(torch.ones(4), 0.0, False)
+    line = format_log_line(iteration=1, train_iters=1, consumed_samples=1, elapsed_ms=1.0,
+                           lr=1.0, global_batch_size=1, losses={"lm loss": 1.0, **figures},
+                           loss_scale=None, grad_norm=None, skipped=0, nan=0, tgs=1.0,
+                           tflops=1.0)
+    assert "expert load imbalance: 3.0" in line and "token share" not in line
+    series = training_series(figures, learning_rate=1.0, batch_size=1, loss_scale=None,
+                             grad_norm=None, num_zeros=None, world_size=1,
+                             iteration_seconds=1.0, logging=types.SimpleNamespace(
+                                 log_batch_size_to_tensorboard=False,
+                                 log_loss_scale_to_tensorboard=False,
+                                 log_world_size_to_tensorboard=False,
+                                 log_timers_to_tensorboard=False))
+    assert series["moe/expert 0 token share"] == 0.75 and "moe/expert load imbalance" in series
