@@ -541,15 +541,16 @@ def take_step_totals(models: list[nn.Module]) -> dict[str, tuple[torch.Tensor, i
 def take_step_routing(models: list[nn.Module], num_experts: int) -> torch.Tensor:
     """``[E + 1]``: the step's routing slots per expert summed over ``models``' layers, then
     the dropped slots; the counts are cleared."""
-    total = torch.zeros(num_experts + 1)
+    parts = []
     for model in models:
         for layer in moe_layers(model):
             router = layer.router
             if router.step_slots is not None:
-                total[:num_experts] += router.step_slots.cpu()
-                total[num_experts] += router.step_dropped.cpu()
+                parts.append(torch.cat([router.step_slots, router.step_dropped.reshape(1)]))
             router.step_slots = router.step_dropped = None
-    return total
+    if not parts:
+        return torch.zeros(num_experts + 1)
+    return torch.stack(parts).sum(dim=0)  # on the layers' device: read once, by the caller
 
 
 def reported_losses(model: nn.Module) -> dict[str, torch.Tensor]:
