@@ -39,7 +39,47 @@ def model_fields_from_args(args: dict, true_vocab_size: Any = None) -> dict:
     if args.get("add_bias_linear") is False:
         fields["add_bias_linear"] = False
     fields.update(_llama_fields(args))
+    fields.update(_moe_fields(args))
     fields["activation"] = "gelu_tanh" if gelu_is_tanh(args) else "gelu"
+    return fields
+
+
+def _one(value: Any) -> Any:
+    """Megatron-LM keeps some MoE settings as a list (one per loss kind): one of them."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ValueError(f"the checkpoint's model combines {list(value)}, which this "
+                             "framework's mixture-of-experts layer does not")
+        return value[0]
+    return value
+
+
+def _moe_fields(args: dict) -> dict:
+    """Megatron-LM's mixture-of-experts settings (megatron-core's MoELayer) as ours; none for
+    a dense model. ``--moe-layer-freq`` is kept as a number or the per-layer list."""
+    experts = args.get("num_experts")
+    if not isinstance(experts, int) or experts <= 1:
+        return {}
+    fields = {"num_experts": experts}
+    for name in ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                 "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_drop_policy",
+                 "moe_router_score_function"):
+        if args.get(name) is not None:
+            fields[name] = args[name]
+    for name in ("moe_shared_expert_gate", "moe_router_pre_softmax",
+                 "moe_pad_expert_input_to_capacity"):
+        if args.get(name):
+            fields[name] = True
+    freq = args.get("moe_layer_freq")
+    if freq is not None:
+        fields["moe_layer_freq"] = str(freq).replace(" ", "")
+    if args.get("moe_router_load_balancing_type") is not None:
+        fields["moe_router_load_balancing_type"] = _one(args["moe_router_load_balancing_type"])
+    if args.get("moe_aux_loss_coeff") is not None:
+        fields["moe_aux_loss_coeff"] = float(_one(args["moe_aux_loss_coeff"]))
+    # The dispatcher moves tokens; every kind of theirs computes what one of ours does.
+    dispatcher = args.get("moe_token_dispatcher_type")
+    fields["moe_token_dispatcher_type"] = "allgather" if dispatcher == "allgather" else "alltoall"
     return fields
 
 
@@ -77,7 +117,18 @@ def gelu_is_tanh(args: dict) -> bool:
 # Settings of theirs that change the model's computation in a way our GPT cannot: (flag,
 # test on vars(args)).
 _UNSUPPORTED = (
-    ("--num-experts", lambda a: (a.get("num_experts") or 0) > 1),
+    # Megatron-DeepSpeed's --num-experts is a list (DeepSpeed-MoE's names are not read here)
+    ("--num-experts", lambda a: isinstance(a.get("num_experts"), (list, tuple))
+     and max(a["num_experts"], default=1) > 1),
+    ("--moe-router-enable-expert-bias", lambda a: a.get("moe_router_enable_expert_bias")),
+    ("--moe-router-topk-scaling-factor",
+     lambda a: a.get("moe_router_topk_scaling_factor") not in (None, 1, 1.0)),
+    ("--moe-router-num-groups", lambda a: a.get("moe_router_num_groups")),
+    ("--moe-use-legacy-grouped-gemm",
+     lambda a: a.get("moe_grouped_gemm") and a.get("moe_use_legacy_grouped_gemm")),
+    ("--moe-apply-probs-on-input", lambda a: a.get("moe_apply_probs_on_input")),
+    ("--moe-router-load-balancing-type sinkhorn",
+     lambda a: "sinkhorn" in str(a.get("moe_router_load_balancing_type"))),
     ("--qk-layernorm", lambda a: a.get("qk_layernorm")),
     ("--apply-layernorm-1p", lambda a: a.get("apply_layernorm_1p")),
     ("--squared-relu", lambda a: a.get("squared_relu")),

@@ -253,10 +253,7 @@ class RunConfig:
                 (p.context_degree > 1, f"{p.context_flag} {p.context_degree}: the load-"
                  "balancing loss is not summed over the ranks of a sequence yet"),
                 (self.training.distributed_backend == "xla", "--distributed-backend xla: the "
-                 "XLA step has no data-dependent expert routing"),
-                (self.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist: "
-                 "expert weights are not in the megatron-core layout yet; use --ckpt-format "
-                 "torch")):
+                 "XLA step has no data-dependent expert routing")):
             require(not given, f"--num-experts ({e}) cannot be combined with {why}")
         if self.deepspeed.deepspeed:
             self._check_deepspeed_moe()

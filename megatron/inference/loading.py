@@ -126,7 +126,8 @@ def run_config_from_stored(stored: dict, saved: tuple[int, int], world_size: int
                            pp: int, checkpoint: CheckpointConfig) -> RunConfig:
     """A stored run configuration (ours, ``checkpointing.run_config``) of a model saved at
     (tp, pp) ``saved``, to run on ``world_size`` processes at (``tp``, ``pp``): its model
-    and tokenizer, one model chunk per stage, one data-parallel replica, ``checkpoint``."""
+    and tokenizer, one model chunk per stage, one data-parallel replica (so every expert on
+    each rank), ``checkpoint``."""
     saved_parallel = dict(stored.get("parallel", {}))
     if (tp, pp) != saved:  # an uneven stage split was chosen for the saved pp
         saved_parallel.pop("decoder_first_pipeline_num_layers", None)
@@ -135,7 +136,7 @@ def run_config_from_stored(stored: dict, saved: tuple[int, int], world_size: int
                                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 num_layers_per_virtual_pipeline_stage=None,
                                 virtual_pipeline_model_parallel_size=None,
-                                sequence_parallel=False)
+                                sequence_parallel=False, expert_model_parallel_size=1)
     model = _slice_from_dict(ModelConfig, stored["model"], tensor_model_parallel_size=tp,
                              sequence_parallel=False)
     return RunConfig(model=model, parallel=parallel,

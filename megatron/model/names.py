@@ -72,6 +72,7 @@ ROUTER = "mlp.router.weight"  # [E, h], replicated
 SHARED_EXPERT_GATE = "mlp.shared_experts.gate_weight"  # [1, h], replicated
 EXPERT_BIAS = "mlp.router.expert_bias"  # [E] fp32 buffer, replicated (loss-free balancing)
 _EXPERT_KEY = re.compile(r"mlp\.(?:local_experts\.(\d+)|shared_experts)\.(dense_\w+\.\w+)")
+_EXPERT_NUMBER = re.compile(r"(.*\bmlp\.local_experts\.)(\d+)(\..+)")
 _TP_DIMS = {p.name: p.tp_dim for p in LAYER_PARAMS}
 _LAYER_ORDER = {p.name: i for i, p in enumerate(LAYER_PARAMS)}
 _LAYER_KEY = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)")
@@ -163,6 +164,13 @@ def renumber_layer(key: str, offset: int) -> str:
     """A layer's key with its layer number moved by ``offset`` (other keys unchanged)."""
     parsed = parse_layer_key(key)
     return key if parsed is None else layer_key(parsed[0] + offset, parsed[1])
+
+
+def renumber_expert(key: str, offset: int) -> str:
+    """An expert's key with its expert number moved by ``offset`` (a rank's local expert
+    ``j`` is global expert ``first_expert + j``); other keys unchanged."""
+    m = _EXPERT_NUMBER.fullmatch(key)
+    return f"{m[1]}{int(m[2]) + offset}{m[3]}" if m else key
 
 
 def tp_split_dim(name: str) -> Optional[int]:

@@ -21,11 +21,11 @@ NEEDS_MCORE = pytest.mark.skipif(
     "megatron-core==0.16.1)")
 
 
-def run_mcore_driver(out: str, *args: str) -> None:
-    """``python -I tests/mcore_driver.py *args`` in ``out`` (no PYTHONPATH: its ``megatron``
-    is megatron-core's); fails the test with the driver's output if it fails."""
+def run_mcore_driver(out: str, *args: str, script: str = "mcore_driver.py") -> None:
+    """``python -I tests/<script> *args`` in ``out`` (no PYTHONPATH: its ``megatron`` is
+    megatron-core's); fails the test with the driver's output if it fails."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-I", os.path.join(REPO, "tests", "mcore_driver.py"),
+    done = subprocess.run([sys.executable, "-I", os.path.join(REPO, "tests", script),
                            *args], cwd=out, env={**env, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]

@@ -752,7 +752,6 @@ def test_mixture_of_experts_flags():
     ("--num-experts 4 --deepspeed", ("DeepSpeed-MoE", "--no-pipeline-parallel")),
     ("--num-experts 4 --deepspeed --no-pipeline-parallel --zero-stage 3",
      ("--zero-stage 3", "ZeRO 0-2")),
-    ("--num-experts 4 --ckpt-format torch_dist", ("--num-experts (4)", "torch_dist")),
     ("--num-experts 4 --deepspeed", ("--num-experts (4)", "--deepspeed")),
     ("--num-experts 4 --context-parallel-size 2 --attention-dropout 0", ("--num-experts (4)",
                                                    "--context-parallel-size 2")),

@@ -62,6 +62,65 @@ def test_our_parameters_sit_in_megatron_core_global_tensors():
         place("encoder.layers.0.mlp.gate.weight", (4,), 0, 8, 0, 1)
 
 
+def test_experts_sit_along_an_axis_of_their_own_after_the_layers():
+    """megatron-core's SequentialMLP layout (tests/distributed/test_torch_dist_moe.py reads
+    and writes it against megatron-core): an expert axis after the layer axis, or, where
+    --moe-layer-freq makes the layers differ, one unstacked name per layer."""
+    from megatron.checkpointing.formats.torch_dist.mcore_layout import layer_extra_state_keys
+    from megatron.model.mcore_names import mcore_layout
+
+    moe = dict(num_layers=4, hidden_size=8, num_attention_heads=2, seq_length=4,
+               vocab_size=16, num_experts=4, ffn_hidden_size=16, moe_ffn_hidden_size=6, swiglu=True,
+               add_bias_linear=False, moe_shared_expert_intermediate_size=10)
+    every = ModelConfig(**moe)
+    fc1 = place("encoder.layers.1.mlp.local_experts.3.dense_h_to_4h.weight", (6, 8), 2, 4, 1, 2,
+                2, layout=mcore_layout(every))  # tensor rank 1 of 2: [gate_1; up_1]
+    assert (fc1.key, fc1.global_shape, fc1.offset, fc1.lead, fc1.parts) == (
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight", (4, 4, 12, 8), (2, 3, 3, 0), 2,
+        (3, 6))
+    assert fc1.box((3, 0), (3, 8)) == ((2, 3, 9, 0), (1, 1, 3, 8))  # the up rows
+    router = place("encoder.layers.0.mlp.router.weight", (4, 8), 3, 4, 1, 2,
+                   layout=mcore_layout(every))
+    assert (router.key, router.offset, router.writer) == ("decoder.layers.mlp.router.weight",
+                                                          (3, 0, 0), False)
+    assert layer_extra_state_keys(1, every)[2:4] == [
+        "decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_1.0_4.4",
+        "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_1.0_4.4"]
+    assert layer_extra_state_keys(1, every)[-1] == \
+        "decoder.layers.mlp.shared_experts.linear_fc2._extra_state/shard_1_4"
+    alternate = ModelConfig(**moe, moe_layer_freq="[1,0,1,0]")
+    fc2 = place("encoder.layers.0.mlp.local_experts.1.dense_4h_to_h.weight", (8, 3), 2, 4, 1, 2,
+                layout=mcore_layout(alternate))
+    assert (fc2.key, fc2.global_shape, fc2.offset, fc2.lead) == (
+        "decoder.layers.2.mlp.experts.experts.linear_fc2.weight", (4, 8, 6), (1, 0, 3), 1)
+    norm = place("encoder.layers.0.post_attention_layernorm.weight", (8,), 3, 4, 0, 1,
+                 layout=mcore_layout(alternate))  # a dense layer's, unstacked too
+    assert (norm.key, norm.global_shape, norm.lead) == (
+        "decoder.layers.3.mlp.linear_fc1.layer_norm_weight", (8,), 0)
+    assert layer_extra_state_keys(3, alternate) == [
+        f"decoder.layers.3.{m}._extra_state/shard_0_1" for m in (
+            "self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
+            "mlp.linear_fc2")]
+
+
+def test_megatron_lm_expert_buckets_ask_for_no_load_optim(tmp_path):
+    """Megatron-LM's default distributed-optimizer state of a model with experts (its own
+    buffers for them) is not laid out here: the load names --no-load-optim and --finetune."""
+    from megatron.checkpointing.formats.torch_dist import mcore_buckets
+
+    bucket = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, " \
+             "torch.float32).bucket_idx_0.exp_avg"
+    dcp.write_pieces(str(tmp_path), [dcp.Piece(bucket, (40,), (0,), torch.zeros(40))], {})
+    config = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
+                         vocab_size=16, num_experts=4)
+    with pytest.raises(CheckpointError) as error:
+        mcore_buckets.bucket_layout(dcp.read_metadata(str(tmp_path)), {"args": None},
+                                    config, "CKPT")
+    message = str(error.value)
+    assert "\n" not in message and "--num-experts 4" in message
+    assert "--no-load-optim" in message and "--finetune" in message
+
+
 @pytest.mark.parametrize("args, activation", [
     ({}, "gelu"),
     ({"bias_gelu_fusion": True}, "gelu_tanh"),  # Megatron's default: the fused tanh form
@@ -74,12 +133,40 @@ def test_megatron_gelu_settings_map_to_our_activation(args, activation):
 
 
 @pytest.mark.parametrize("args, named", [
-    ({"num_experts": 8}, "--num-experts"),
+    ({"num_experts": [8]}, "--num-experts"),  # Megatron-DeepSpeed's list: DeepSpeed-MoE
     ({"qk_layernorm": True}, "--qk-layernorm"),
+    ({"num_experts": 4, "moe_router_enable_expert_bias": True},
+     "--moe-router-enable-expert-bias"),
+    ({"num_experts": 4, "moe_router_topk_scaling_factor": 2.5},
+     "--moe-router-topk-scaling-factor"),
+    ({"num_experts": 4, "moe_aux_loss_coeff": [0.01, 0.001]}, r"\[0.01, 0.001\]"),
 ])
 def test_megatron_models_we_cannot_compute_are_refused_by_name(args, named):
     with pytest.raises(ValueError, match=named):
         model_fields_from_args(args)
+
+
+def test_megatron_lm_moe_args_map_to_our_fields():
+    """megatron-core's MoE settings as Megatron-LM's args keep them (its --moe-layer-freq an
+    int or the evaluated list, some settings one per loss kind) read as our flags'."""
+    fields = model_fields_from_args({
+        "num_layers": 4, "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 24,
+        "moe_layer_freq": [1, 0, 1, 0], "moe_shared_expert_intermediate_size": 16,
+        "moe_shared_expert_gate": True, "moe_router_load_balancing_type": ["seq_aux_loss"],
+        "moe_aux_loss_coeff": [0.02], "moe_z_loss_coeff": 1e-3,
+        "moe_router_score_function": "sigmoid", "moe_token_dispatcher_type": "flex",
+        "moe_router_pre_softmax": False, "moe_grouped_gemm": True})
+    assert {k: v for k, v in fields.items() if "moe" in k or "expert" in k} == {
+        "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 24,
+        "moe_layer_freq": "[1,0,1,0]", "moe_shared_expert_intermediate_size": 16,
+        "moe_shared_expert_gate": True, "moe_router_load_balancing_type": "seq_aux_loss",
+        "moe_aux_loss_coeff": 0.02, "moe_z_loss_coeff": 1e-3,
+        "moe_router_score_function": "sigmoid", "moe_token_dispatcher_type": "alltoall"}
+    config = ModelConfig(**{**fields, "hidden_size": 16, "num_attention_heads": 2,
+                            "seq_length": 8, "vocab_size": 30})
+    assert config.moe_layers == (True, False, True, False)
+    assert model_fields_from_args({"num_experts": 1, "moe_layer_freq": 1}).get(
+        "num_experts") is None  # dense
 
 
 LLAMA = {"swiglu": True, "num_attention_heads": 8, "add_bias_linear": False,

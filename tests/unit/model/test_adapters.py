@@ -29,7 +29,9 @@ QWEN2_MOE = dict(MIXTRAL, moe_shared_expert_intermediate_size=12, moe_shared_exp
 CASES = [("hf_gpt2", GPT), ("hf_gpt2", dict(GPT, untie_embeddings_and_output_weights=True)),
          ("hf_llama", LLAMA), ("hf_llama", dict(LLAMA, untie_embeddings_and_output_weights=True)),
          ("hf_llama", MIXTRAL), ("hf_llama", QWEN2_MOE),
-         ("mcore", GPT), ("mcore", LLAMA), ("megatron_deepspeed", GPT),
+         ("mcore", GPT), ("mcore", LLAMA), ("mcore", MIXTRAL), ("mcore", QWEN2_MOE),
+         ("mcore", dict(MIXTRAL, swiglu=False, add_bias_linear=True)),
+         ("megatron_deepspeed", GPT),
          ("megatron_deepspeed", dict(GPT, untie_embeddings_and_output_weights=True))]
 
 

@@ -64,12 +64,12 @@ from megatron.checkpointing.files import (
     write_torch,
 )
 from megatron.checkpointing.format import SaveRequest
-from megatron.checkpointing.formats.torch_dist import dcp, mcore_buckets, optim
+from megatron.checkpointing.formats.torch_dist import dcp, mcore_buckets, mcore_router, optim
 from megatron.checkpointing.formats.torch_dist.mcore_layout import (
-    EXTRA_STATE_MODULES,
     Place,
     chunk_places,
-    extra_state_key,
+    first_replica,
+    layer_extra_state_keys,
     local_layers,
     local_views,
     rng_key,
@@ -205,21 +205,28 @@ def _object_bytes(value: Any) -> bytes:
 
 
 def _model_pieces(chunks: list[nn.Module], config: Any, layout: RankLayout) -> list[dcp.Piece]:
-    pieces = []
+    """The model pieces this rank writes: what it holds of each tensor that no rank before
+    it (over data parallelism; tensor replicas: ``Place.writer``) holds too."""
+    pieces, ep = [], config.model.expert_model_parallel_size
     for chunk in chunks:
         for _, param, place in chunk_places(unwrap_model(chunk), config.model.num_layers,
                                             layout.tp_rank, layout.tp_size):
-            if place.writer:
+            if place.writer and first_replica(param, layout.dp_rank, ep):
                 pieces += [dcp.Piece(place.key, place.global_shape, offset, view)
                            for offset, view in local_views(place, param.detach())]
     return pieces
 
 
-def _extra_state_objects(chunks: list[nn.Module], num_layers: int) -> dict[str, bytes]:
+def _extra_state_objects(chunks: list[nn.Module], config: Any) -> dict[str, bytes]:
     # megatron-core's local layers keep None (one object per layer and linear layer).
     none = _object_bytes([None])
-    return {extra_state_key(m, layer, num_layers): none for chunk in chunks
-            for layer in local_layers(unwrap_model(chunk)) for m in EXTRA_STATE_MODULES}
+    return {key: none for chunk in chunks for layer in local_layers(unwrap_model(chunk))
+            for key in layer_extra_state_keys(layer, config)}
+
+
+def _zero_router_biases(chunks: list[nn.Module], config: Any) -> list[dcp.Piece]:
+    layers = [layer for chunk in chunks for layer in local_layers(unwrap_model(chunk))]
+    return mcore_router.zero_bias_pieces(config, layers)
 
 
 def _places_by_param(chunks: list[nn.Module], num_layers: int,
@@ -260,7 +267,33 @@ def megatron_args(config: Any, layout: RankLayout, iteration: int,
         use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
         ckpt_format=FORMAT, iteration=iteration, consumed_train_samples=consumed[0],
         consumed_valid_samples=consumed[1], tokenizer_type=d.tokenizer_type,
-        vocab_file=d.vocab_file, merge_file=d.merge_file, seed=config.training.seed)
+        vocab_file=d.vocab_file, merge_file=d.merge_file, seed=config.training.seed,
+        **_moe_args(m, layout))
+
+
+def _moe_args(m: Any, layout: RankLayout) -> dict:
+    """Megatron-LM's mixture-of-experts args of ``ModelConfig`` ``m`` (none for a dense
+    model); its ``moe_layer_freq`` is a number or the per-layer list."""
+    if m.num_experts is None:
+        return {}
+    freq = m.moe_layer_freq.replace(" ", "")
+    return dict(
+        num_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_layer_freq=int(freq) if freq.isdigit() else [int(x) for x in m.moe_layers],
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=m.moe_shared_expert_gate,
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff,
+        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+        moe_token_drop_policy=m.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_grouped_gemm=m.moe_grouped_gemm, moe_router_enable_expert_bias=False,
+        expert_model_parallel_size=m.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.tp_size)
 
 
 def _megatron_rng(entry: dict) -> dict:
@@ -321,16 +354,18 @@ def prepare_save(iteration: int, model_chunks: ModelChunks, optimizer: Any, sche
     optimizer_common = optim.optimizer_common(optimizer) if save_optim else None
     pieces, objects, common, error = [], {}, None, None
     try:  # what can fail on one rank alone, decided together before DCP's collectives
+        pieces += _model_pieces(chunks, config, layout)
         if layout.dp_rank == 0:
-            pieces += _model_pieces(chunks, config, layout)
             if layout.tp_rank == 0:
-                objects.update(_extra_state_objects(chunks, config.model.num_layers))
+                objects.update(_extra_state_objects(chunks, config.model))
+                pieces += _zero_router_biases(chunks, config.model)
             if rng_states is not None:
                 key = rng_key(layout.pp_rank, layout.tp_rank, layout.pp_size, layout.tp_size)
                 objects[key] = _object_bytes([[_megatron_rng(e) for e in rng_states]])
         if save_optim:
             places = _places_by_param(chunks, config.model.num_layers, layout)
-            pieces += optim.optimizer_pieces(optimizer, chunks, places, layout.dp_rank)
+            pieces += optim.optimizer_pieces(optimizer, chunks, places, layout.dp_rank,
+                                             config.model.expert_model_parallel_size)
         if copy_to_host is not None:
             pieces = [p.with_tensor(copy_to_host(p.tensor)) for p in pieces]
         if layout.rank == 0:
@@ -482,9 +517,19 @@ def _rng_entry(objects: dict, key: Optional[str], layout: RankLayout) -> Optiona
     return entries[layout.dp_rank] if len(entries) == layout.dp_size else entries[0]
 
 
+class PreparedRead(NamedTuple):
+    """What a rank reads: its pieces (into the parameters and the optimizer's read), the
+    byte objects, and megatron-core's router biases (``mcore_router``: checked after)."""
+
+    pieces: list
+    optimizer: Optional[optim.OptimizerRead]
+    objects: list
+    router_biases: list
+
+
 def prepare_read(iter_dir: str, common: dict, chunks: list[nn.Module], optimizer: Any,
                  config: Any, layout: RankLayout, load_optim: bool,
-                 load_rng: bool) -> tuple[list[dcp.Piece], Optional[optim.OptimizerRead], list[str]]:
+                 load_rng: bool) -> PreparedRead:
     """Check the checkpoint against this run and list what this rank reads: the model
     pieces (into the parameters), the optimizer pieces and the byte objects."""
     metadata = dcp.read_metadata(iter_dir)
@@ -510,7 +555,7 @@ def prepare_read(iter_dir: str, common: dict, chunks: list[nn.Module], optimizer
         key = rng_key(layout.pp_rank, layout.tp_rank, layout.pp_size, layout.tp_size)
         if key in metadata.state_dict_metadata:
             objects.append(key)
-    return pieces, read, objects
+    return PreparedRead(pieces, read, objects, mcore_router.stored_bias_pieces(metadata))
 
 
 def read_into(iter_dir: str, common: dict, model_chunks: ModelChunks, optimizer: Any,
@@ -527,8 +572,9 @@ def read_into(iter_dir: str, common: dict, model_chunks: ModelChunks, optimizer:
     except Exception as e:  # noqa: BLE001 - every rank must reach the vote
         error = e
     raise_together(error)
-    pieces, read, object_keys = prepared
-    objects = dcp.read_pieces(iter_dir, pieces, object_keys)
+    pieces, read, object_keys, router_biases = prepared
+    objects = dcp.read_pieces(iter_dir, pieces + router_biases, object_keys)
+    mcore_router.refuse_learnt_biases(router_biases, iter_dir)
     scheduler_loaded = False
     if optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 main copies follow the loaded weights

@@ -270,6 +270,10 @@ def bucket_layout(metadata: Any, common: dict, model_config: Any,
     stored, kinds = _stored_buckets(metadata, where)
     if not stored:
         return None
+    if model_config.num_experts is not None:
+        raise BucketLayoutError(where, f"its model has experts (--num-experts "
+                                f"{model_config.num_experts}), whose buffers are not laid out "
+                                "here")
     run = _run_settings(common, where)
     if sorted(stored) != list(range(run.tp * run.pp)):
         raise BucketLayoutError(where, f"its buckets belong to model-parallel ranks "
@@ -317,7 +321,7 @@ def _by_part(entry: Entry) -> list[Entry]:
 
 
 def _index(where: Place) -> tuple[str, Optional[int]]:
-    return where.key, where.offset[0] if where.stacked else None
+    return where.key, where.offset[0] if where.lead else None
 
 
 # Reading --------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from megatron.checkpointing.formats.torch_dist import dcp, mcore_buckets
 from megatron.checkpointing.formats.torch_dist.mcore_layout import (
     OPTIMIZER_PREFIX,
     Place,
+    first_replica,
     optimizer_key,
 )
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
@@ -107,18 +108,18 @@ def optimizer_common(optimizer: Any) -> dict:
 
 
 def optimizer_pieces(optimizer: Any, chunks: list[nn.Module], places: Places,
-                     dp_rank: int) -> list[dcp.Piece]:
+                     dp_rank: int, expert_parallel_size: int = 1) -> list[dcp.Piece]:
     """What this rank writes of the optimizer state: its shards (distributed optimizer), or
-    on data-parallel rank 0 its whole parameters' state; replicas over tensor parallelism
-    are written by tensor rank 0."""
+    the whole state of the parameters it writes (``mcore_layout.first_replica``: on
+    data-parallel rank 0, experts on their expert groups' first); replicas over tensor
+    parallelism are written by tensor rank 0."""
     distributed = shards_state(optimizer)
-    if not distributed and dp_rank != 0:
-        return []  # replicas hold the same state
     main_kind = "param" if distributed else "fp32_param"
     pieces = []
     for slot, main in zip(optimizer_slots(optimizer, chunks), optimizer.get_main_params()):
         param, place = places[(slot.chunk, slot.name)]
-        if not place.writer:
+        if not place.writer or not (distributed or first_replica(param, dp_rank,
+                                                                   expert_parallel_size)):
             continue
         state = {k: v for k, v in optimizer.optimizer.state.get(main, {}).items()
                  if isinstance(v, torch.Tensor) and k != "step"}

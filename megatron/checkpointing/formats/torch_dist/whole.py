@@ -10,6 +10,7 @@ checkpoint holds it in model space (ours; Megatron-LM's plain optimizer and its
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Optional
 
@@ -19,7 +20,7 @@ from megatron.checkpointing.contents import consumed_samples
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.folder import CheckpointFolder
 from megatron.checkpointing.formats.torch_dist import checkpoint as fmt
-from megatron.checkpointing.formats.torch_dist import dcp, mcore_buckets, optim
+from megatron.checkpointing.formats.torch_dist import dcp, mcore_buckets, mcore_router, optim
 from megatron.checkpointing.formats.torch_dist.mcore_layout import (
     Place,
     full_places,
@@ -34,8 +35,7 @@ logger = logging.getLogger(__name__)
 
 def _whole(place: Place, shape: torch.Size, dtype: torch.dtype) -> dcp.Piece:
     tensor = torch.zeros(shape, dtype=dtype)
-    return dcp.Piece(place.key, place.global_shape, place.offset,
-                     tensor.unsqueeze(0) if place.stacked else tensor)
+    return dcp.Piece(place.key, place.global_shape, place.offset, place.unsqueezed(tensor))
 
 
 def _param_groups(common: dict) -> list[dict]:
@@ -81,11 +81,12 @@ def load_torch_dist_checkpoint(folder: CheckpointFolder, *, verify: bool = True,
         raise CheckpointError(f"{iter_dir}: {error}") from None
     model_config = model_config_from_dict(config["model"])
     shapes = whole_model_shapes(model_config)
-    places = full_places(shapes, model_config.num_layers)
+    places = full_places(shapes, model_config.num_layers, model_config)
     metadata = dcp.read_metadata(iter_dir)
     fmt.check_model_keys(metadata, list(places.values()), model_config, iter_dir)
     model = {n: _whole(places[n], s, model_config.params_dtype) for n, s in shapes.items()}
-    pieces = list(model.values())
+    router_biases = mcore_router.stored_bias_pieces(metadata)
+    pieces = list(model.values()) + router_biases
     param_state, copies, objects = None, (), []
     if optimizer and not release:
         layout = _bucket_layout_or_none(metadata, common, model_config, iter_dir)
@@ -101,6 +102,7 @@ def load_torch_dist_checkpoint(folder: CheckpointFolder, *, verify: bool = True,
             if param_state and shifted:
                 logger.warning("%s: %s", iter_dir, shifted)
     read_objects = dcp.read_pieces(iter_dir, pieces, objects)
+    mcore_router.refuse_learnt_biases(router_biases, iter_dir)
     for target, value in copies:
         target.copy_(value)
     for key in objects:
@@ -124,7 +126,7 @@ def load_torch_dist_checkpoint(folder: CheckpointFolder, *, verify: bool = True,
 
 
 def _unstack(place: Place, piece: dcp.Piece) -> torch.Tensor:
-    return piece.tensor[0] if place.stacked else piece.tensor
+    return place.squeezed(piece.tensor)
 
 
 def _kind(kind: str) -> str:
@@ -182,5 +184,4 @@ def _bucket_requests(layout, metadata, places: dict[str, Place], shapes: dict[st
 
 def _state_place(place: Place, kind: str) -> Place:
     """The place of optimizer state ``kind`` of a parameter: its own key, same layout."""
-    return Place(optimizer_key(kind, place.key), place.global_shape, place.offset,
-                 place.stacked, place.writer)
+    return dataclasses.replace(place, key=optimizer_key(kind, place.key))
