@@ -153,7 +153,8 @@ def checkpoint_model_settings(load_dir: str) -> dict[str, Any]:
                           "(no 'config' or 'args')")
     model = saved_model_fields(stored)  # ours: nested slices; Megatron's: flat args
     names = CHECKPOINT_MODEL_FIELDS
-    if (model.get("num_experts") or 0) > 1:
+    experts = model.get("num_experts")  # Megatron-DeepSpeed keeps a list: not these layers
+    if isinstance(experts, int) and experts > 1:
         names += CHECKPOINT_MOE_FIELDS
     settings = {k: model[k] for k in names if model.get(k) is not None}
     if "moe_layer_freq" in settings:  # Megatron-LM keeps an int or a list, the flag a string
