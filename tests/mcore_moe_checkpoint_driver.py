@@ -13,8 +13,9 @@ top-2 routing with the auxiliary load-balancing loss) and saves it as Megatron-L
    own width (``--moe-ffn-hidden-size``) in every layer;
 2. ``OUT/mcore_moe_swiglu``: expert parallel 2 x tensor parallel 2, the Llama options
    (SwiGLU, RMSNorm, RoPE, untied, no biases), a gated shared expert
-   (``--moe-shared-expert-intermediate-size``, ``--moe-shared-expert-gate``) and experts every
-   other layer (``--moe-layer-freq [1,0,1,0]``);
+   (``--moe-shared-expert-intermediate-size``, ``--moe-shared-expert-gate``), experts every
+   other layer (``--moe-layer-freq [1,0,1,0]``) and sigmoid routing with loss-free
+   balancing's expert biases (``--moe-router-enable-expert-bias``, drawn);
 3. loads each ``OUR_ITER_DIR`` (a torch_dist folder of ours) into the GPTModel its
    ``common.pt`` args describe, at expert parallel 2 x tensor parallel 2 (1 with biases);
 
@@ -59,19 +60,20 @@ def moe_args(ep: int, tp: int, llama: bool, iteration: int) -> argparse.Namespac
         args = base.llama_args(tp, iteration)
         vars(args).update(moe_shared_expert_intermediate_size=SHARED_FFN,
                           moe_shared_expert_gate=True, moe_layer_freq=[1, 0, 1, 0],
-                          moe_token_dispatcher_type="allgather")
+                          moe_router_score_function="sigmoid",
+                          moe_router_enable_expert_bias=True)
     else:
         args = base.megatron_args(tp, tied=True, fused_gelu=False, iteration=iteration)
         vars(args).update(moe_shared_expert_intermediate_size=None,
                           moe_shared_expert_gate=False, moe_layer_freq=1,
-                          moe_token_dispatcher_type="allgather")
+                          moe_router_score_function="softmax",
+                          moe_router_enable_expert_bias=False)
     vars(args).update(
         num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
-        moe_z_loss_coeff=None, moe_router_score_function="softmax",
-        moe_router_pre_softmax=False, moe_expert_capacity_factor=None,
+        moe_z_loss_coeff=None, moe_router_pre_softmax=False, moe_expert_capacity_factor=None,
         moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=False,
-        moe_grouped_gemm=False, moe_router_enable_expert_bias=False,
+        moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
         expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
     return args
 
@@ -102,6 +104,8 @@ def build_moe_model(args: argparse.Namespace) -> GPTModel:
         moe_layer_freq=args.moe_layer_freq,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=False,
         use_cpu_initialization=True, masked_softmax_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
@@ -136,6 +140,15 @@ def distinct_experts(model: GPTModel) -> None:
         param.data.add_(torch.randn(param.shape, generator=g) * 0.05)
 
 
+def drawn_expert_biases(model: GPTModel) -> None:
+    """Loss-free balancing's expert biases (zero as built) drawn by layer: large enough to
+    change which experts the sigmoid scores choose, the same on every rank."""
+    for name, buffer in model.named_buffers():
+        if name.endswith("mlp.router.expert_bias"):
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            buffer.copy_(torch.randn(buffer.shape, generator=g) * 0.5)
+
+
 def zero_router_biases(model: GPTModel) -> None:
     """megatron-core's routers have a bias under --add-bias-linear, ours none (a zero one):
     the checkpoint ours reads has them at zero."""
@@ -155,6 +168,7 @@ def save_moe(out: str, folder: str, ep: int, tp: int, llama: bool) -> torch.Tens
     model = build_moe_model(args)
     base.scale_norm_weights(model)
     distinct_experts(model)
+    drawn_expert_biases(model)
     if args.add_bias_linear:
         base.save_like_megatron_lm(os.path.join(out, f"{folder}_router_bias"), model, args)
         zero_router_biases(model)

@@ -132,7 +132,7 @@ CHECKPOINT_MODEL_FIELDS = (
 CHECKPOINT_MOE_FIELDS = (
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-    "moe_router_score_function", "moe_router_pre_softmax",
+    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
 )
 
 

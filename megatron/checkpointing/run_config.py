@@ -63,11 +63,11 @@ def _moe_fields(args: dict) -> dict:
     fields = {"num_experts": experts}
     for name in ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                  "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_drop_policy",
-                 "moe_router_score_function"):
+                 "moe_router_score_function", "moe_router_bias_update_rate"):
         if args.get(name) is not None:
             fields[name] = args[name]
     for name in ("moe_shared_expert_gate", "moe_router_pre_softmax",
-                 "moe_pad_expert_input_to_capacity"):
+                 "moe_pad_expert_input_to_capacity", "moe_router_enable_expert_bias"):
         if args.get(name):
             fields[name] = True
     freq = args.get("moe_layer_freq")
@@ -120,7 +120,6 @@ _UNSUPPORTED = (
     # Megatron-DeepSpeed's --num-experts is a list (DeepSpeed-MoE's names are not read here)
     ("--num-experts", lambda a: isinstance(a.get("num_experts"), (list, tuple))
      and max(a["num_experts"], default=1) > 1),
-    ("--moe-router-enable-expert-bias", lambda a: a.get("moe_router_enable_expert_bias")),
     ("--moe-router-topk-scaling-factor",
      lambda a: a.get("moe_router_topk_scaling_factor") not in (None, 1, 1.0)),
     ("--moe-router-num-groups", lambda a: a.get("moe_router_num_groups")),

@@ -4,8 +4,9 @@ the layers' parameters stacked along a leading axis of size ``--num-layers`` und
 (Transformer Engine fuses them; the local spec maps its own names so too).
 
 Mixture-of-experts layers (megatron-core's MoELayer with SequentialMLP experts) keep the
-router (``mlp.router.weight`` [E, h]; and ``mlp.router.bias`` [E] under --add-bias-linear,
-which ours lacks: ``ROUTER_BIAS``), the shared expert (``mlp.shared_experts.linear_fc1.weight``,
+router (``mlp.router.weight`` [E, h], ``mlp.router.expert_bias`` [E] under
+--moe-router-enable-expert-bias; and ``mlp.router.bias`` [E] under --add-bias-linear, which
+ours lacks: ``ROUTER_BIAS``), the shared expert (``mlp.shared_experts.linear_fc1.weight``,
 ..., ``gate_weight``) and one global tensor per expert linear layer with an expert axis after
 the layer axis (``mlp.experts.experts.linear_fc1.weight`` [L, E, f, h]); their pre-MLP norm
 is ``mlp.linear_fc1.layer_norm_weight`` as in dense layers. When the layers differ (experts
@@ -21,6 +22,7 @@ import re
 from typing import Any, NamedTuple, Optional
 
 from megatron.model.names import (
+    EXPERT_BIAS,
     OUTPUT_LAYER,
     POSITION_EMBEDDINGS,
     ROUTER,
@@ -52,6 +54,7 @@ _LAYER_NAMES = {
     "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
     "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
     ROUTER: ROUTER,
+    EXPERT_BIAS: EXPERT_BIAS,  # fp32 buffer (loss-free balancing), megatron-core's too
     SHARED_EXPERT_GATE: SHARED_EXPERT_GATE,
 }
 _OTHER_NAMES = {

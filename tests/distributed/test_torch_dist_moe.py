@@ -5,7 +5,8 @@ megatron-core's GPTModel with its local spec (SequentialMLP experts, 4 experts, 
 auxiliary loss) is saved as Megatron-LM saves it at expert parallel 2: a GeLU model with
 biases at tensor parallel 1 (experts of their own width in every layer: layers stacked, an
 expert axis after theirs), and a Llama-spec one at tensor parallel 2 with a gated shared
-expert and experts every other layer (megatron-core stores those layers unstacked). Ours
+expert, experts every other layer (megatron-core stores those layers unstacked) and
+loss-free balancing's expert biases (``--moe-router-enable-expert-bias``). Ours
 reads each with --use-checkpoint-args (megatron-core's MoE args) at expert parallel 1 and 2
 and at tensor parallel 2 and gives its logits within 1e-5 (fp32), as does its conversion to
 our format by ``convert.py --loader core``. megatron-core reads our checkpoints of those two
@@ -49,11 +50,13 @@ MOE = {"--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 48,
        "--moe-aux-loss-coeff": 0.01}
 # The driver's two models (tests/mcore_moe_checkpoint_driver.py moe_args) in our flags, and
 # the Llama-spec one with its gated shared expert in every layer (stacked; megatron-core has
-# no shared expert with biases).
+# no shared expert with biases); the Llama-spec ones route by sigmoid with expert biases.
 GELU = {**SHAPE, **MOE, "--ffn-hidden-size": 128}
 SHARED = {**SHAPE, **MOE, **LLAMA_FLAGS, "--ffn-hidden-size": 64, "--norm-epsilon": 1e-6,
           "--rotary-base": 500000, "--moe-shared-expert-intermediate-size": 40,
-          "--moe-shared-expert-gate": True}
+          "--moe-shared-expert-gate": True, "--moe-router-score-function": "sigmoid",
+          # expert biases that move enough in two steps to change which experts are chosen
+          "--moe-router-enable-expert-bias": True, "--moe-router-bias-update-rate": 0.2}
 SWIGLU = {**SHARED, "--moe-layer-freq": "[1,0,1,0]"}
 RUN = {
     "--micro-batch-size": 1, "--global-batch-size": 2, "--lr": 3e-3, "--train-iters": SAVED_AT,

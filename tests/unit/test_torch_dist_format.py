@@ -103,6 +103,18 @@ def test_experts_sit_along_an_axis_of_their_own_after_the_layers():
             "mlp.linear_fc2")]
 
 
+def test_stored_expert_biases_ask_for_their_flag(tmp_path):
+    """A checkpoint with loss-free balancing's expert biases is not read into a model
+    without them (nothing of them would be read)."""
+    key = "decoder.layers.mlp.router.expert_bias"
+    dcp.write_pieces(str(tmp_path), [dcp.Piece(key, (2, 4), (0, 0), torch.ones(2, 4))], {})
+    config = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
+                         vocab_size=16, num_experts=4)
+    with pytest.raises(CheckpointError, match="expert biases: add "
+                       "--moe-router-enable-expert-bias"):
+        torch_dist.check_model_keys(dcp.read_metadata(str(tmp_path)), [], config, "CKPT")
+
+
 def test_megatron_lm_expert_buckets_ask_for_no_load_optim(tmp_path):
     """Megatron-LM's default distributed-optimizer state of a model with experts (its own
     buffers for them) is not laid out here: the load names --no-load-optim and --finetune."""
@@ -135,8 +147,7 @@ def test_megatron_gelu_settings_map_to_our_activation(args, activation):
 @pytest.mark.parametrize("args, named", [
     ({"num_experts": [8]}, "--num-experts"),  # Megatron-DeepSpeed's list: DeepSpeed-MoE
     ({"qk_layernorm": True}, "--qk-layernorm"),
-    ({"num_experts": 4, "moe_router_enable_expert_bias": True},
-     "--moe-router-enable-expert-bias"),
+    ({"num_experts": 4, "moe_router_num_groups": 2}, "--moe-router-num-groups"),
     ({"num_experts": 4, "moe_router_topk_scaling_factor": 2.5},
      "--moe-router-topk-scaling-factor"),
     ({"num_experts": 4, "moe_aux_loss_coeff": [0.01, 0.001]}, r"\[0.01, 0.001\]"),
@@ -155,13 +166,15 @@ def test_megatron_lm_moe_args_map_to_our_fields():
         "moe_shared_expert_gate": True, "moe_router_load_balancing_type": ["seq_aux_loss"],
         "moe_aux_loss_coeff": [0.02], "moe_z_loss_coeff": 1e-3,
         "moe_router_score_function": "sigmoid", "moe_token_dispatcher_type": "flex",
-        "moe_router_pre_softmax": False, "moe_grouped_gemm": True})
+        "moe_router_pre_softmax": False, "moe_grouped_gemm": True,
+        "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.01})
     assert {k: v for k, v in fields.items() if "moe" in k or "expert" in k} == {
         "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 24,
         "moe_layer_freq": "[1,0,1,0]", "moe_shared_expert_intermediate_size": 16,
         "moe_shared_expert_gate": True, "moe_router_load_balancing_type": "seq_aux_loss",
         "moe_aux_loss_coeff": 0.02, "moe_z_loss_coeff": 1e-3,
-        "moe_router_score_function": "sigmoid", "moe_token_dispatcher_type": "alltoall"}
+        "moe_router_score_function": "sigmoid", "moe_token_dispatcher_type": "alltoall",
+        "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.01}
     config = ModelConfig(**{**fields, "hidden_size": 16, "num_attention_heads": 2,
                             "seq_length": 8, "vocab_size": 30})
     assert config.moe_layers == (True, False, True, False)

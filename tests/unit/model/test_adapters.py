@@ -31,6 +31,8 @@ CASES = [("hf_gpt2", GPT), ("hf_gpt2", dict(GPT, untie_embeddings_and_output_wei
          ("hf_llama", MIXTRAL), ("hf_llama", QWEN2_MOE),
          ("mcore", GPT), ("mcore", LLAMA), ("mcore", MIXTRAL), ("mcore", QWEN2_MOE),
          ("mcore", dict(MIXTRAL, swiglu=False, add_bias_linear=True)),
+         ("mcore", dict(MIXTRAL, moe_router_score_function="sigmoid",
+                        moe_router_enable_expert_bias=True)),
          ("megatron_deepspeed", GPT),
          ("megatron_deepspeed", dict(GPT, untie_embeddings_and_output_weights=True))]
 

@@ -83,6 +83,7 @@ from megatron.checkpointing.run_config import config_from_stored
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.nonfinite import first_nonfinite_of
 from megatron.core.optimizer.optimizer import shards_state
+from megatron.model.names import EXPERT_BIAS
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +292,9 @@ def _moe_args(m: Any, layout: RankLayout) -> dict:
         moe_token_drop_policy=m.moe_token_drop_policy,
         moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
-        moe_grouped_gemm=m.moe_grouped_gemm, moe_router_enable_expert_bias=False,
+        moe_grouped_gemm=m.moe_grouped_gemm,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
         expert_model_parallel_size=m.expert_model_parallel_size,
         expert_tensor_parallel_size=layout.tp_size)
 
@@ -476,6 +479,10 @@ def check_model_keys(metadata: Any, places: list[Place], model_config: Any,
     problems = []
     if "output_layer.weight" in stored_keys and not model_config.untie_embeddings_and_output_weights:
         problems.append("it has its own output layer: add --untie-embeddings-and-output-weights")
+    if not getattr(model_config, "moe_router_enable_expert_bias", False) \
+            and any(k.endswith(f".{EXPERT_BIAS}") for k in stored_keys):
+        problems.append("its routers have expert biases: add --moe-router-enable-expert-bias "
+                        "(with --moe-router-score-function sigmoid)")
     for p in places:
         shape = dcp.stored_shape(metadata, p.key)
         if shape is None:

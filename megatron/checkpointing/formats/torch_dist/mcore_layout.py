@@ -48,6 +48,7 @@ from megatron.model.mcore_names import (  # noqa: F401 - LAYERS re-exported
 )
 from megatron.model.names import (
     TIED_COPY,
+    is_buffer,
     layer_key,
     parse_layer_key,
     renumber_expert,
@@ -148,15 +149,22 @@ def place(name: str, shape: tuple[int, ...], layer: Optional[int], num_layers: i
                  len(where.index), writer, halves)
 
 
+def saved_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A model's parameters, then the buffers its checkpoints hold (``names.is_buffer``:
+    the routers' expert biases)."""
+    yield from module.named_parameters()
+    yield from ((n, b) for n, b in module.named_buffers() if is_buffer(n))
+
+
 def chunk_places(chunk: nn.Module, num_layers: int, tp_rank: int,
                  tp_size: int) -> Iterator[tuple[str, nn.Parameter, Place]]:
-    """``(name, parameter, place)`` of every parameter of one model chunk (unwrapped); a
-    chunk of a model with experts lays them out by its config, each expert at its global
-    number."""
+    """``(name, tensor, place)`` of every parameter of one model chunk (unwrapped) and of
+    the buffers it saves; a chunk of a model with experts lays them out by its config, each
+    expert at its global number."""
     layers = getattr(getattr(chunk, "encoder", None), "layers", [])
     config = getattr(chunk, "config", None)
     layout = mcore_layout(config) if config is not None else None
-    for name, param in chunk.named_parameters():
+    for name, param in saved_tensors(chunk):
         parsed = parse_layer_key(name)
         layer = layers[parsed[0]].layer_number - 1 if parsed else None
         first_expert = getattr(layers[parsed[0]].mlp, "first_expert", 0) if parsed else 0
@@ -189,7 +197,7 @@ def whole_model_shapes(config: Any) -> dict[str, torch.Size]:
                                 expert_model_parallel_size=1)
     with assume_tensor_parallel_rank(1, 0):  # whatever this process's groups are
         model = GPTModel(whole, device="meta")
-    return {name: p.shape for name, p in model.named_parameters()}
+    return {name: p.shape for name, p in saved_tensors(model)}
 
 
 def local_layers(chunk: nn.Module) -> list[int]:

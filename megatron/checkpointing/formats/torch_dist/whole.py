@@ -29,6 +29,7 @@ from megatron.checkpointing.formats.torch_dist.mcore_layout import (
 )
 from megatron.checkpointing.full_state import FullCheckpoint, model_config_from_dict, source_config
 from megatron.config import ModelConfig
+from megatron.model.names import is_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,9 @@ def load_torch_dist_checkpoint(folder: CheckpointFolder, *, verify: bool = True,
     places = full_places(shapes, model_config.num_layers, model_config)
     metadata = dcp.read_metadata(iter_dir)
     fmt.check_model_keys(metadata, list(places.values()), model_config, iter_dir)
-    model = {n: _whole(places[n], s, model_config.params_dtype) for n, s in shapes.items()}
+    # Buffers (the routers' expert biases) are fp32 whatever the parameters' type.
+    model = {n: _whole(places[n], s, torch.float32 if is_buffer(n) else model_config.params_dtype)
+             for n, s in shapes.items()}
     router_biases = mcore_router.stored_bias_pieces(metadata)
     pieces = list(model.values()) + router_biases
     param_state, copies, objects = None, (), []
