@@ -27,7 +27,8 @@ flag names; ``checkpoint_version``, ``iteration``, ``opt_param_scheduler``,
 ``num_floating_point_operations_so_far``) and ours (``config``, ``parallel_layout``,
 ``consumed_*_samples``). Megatron-LM's own checkpoints (no ``config``) are read through their
 ``args``. Their distributed-optimizer state in the default ``dp_reshardable`` layout (flat
-buckets of megatron-core's own buffers) is not read: such a load asks for ``--no-load-optim``.
+buckets of megatron-core's own buffers) is read through ``mcore_buckets`` for dense models;
+for models with experts such a load asks for ``--no-load-optim``.
 """
 
 from __future__ import annotations
