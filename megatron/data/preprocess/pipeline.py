@@ -31,7 +31,14 @@ from megatron.data.preprocess.hf_reading import (
 )
 from megatron.data.preprocess.reading import Span, input_size, plan_partitions
 from megatron.data.preprocess.sentences import build_splitter
-from megatron.data.preprocess.workers import encode_stream, mp_context, prepare_child, receive, stop
+from megatron.data.preprocess.workers import (
+    encode_stream,
+    mp_context,
+    prepare_child,
+    receive,
+    start_child,
+    stop,
+)
 from megatron.data.preprocess.writing import DatasetWriter, ProgressLog, ShardedWriter, Stats
 from megatron.tokenizer import TokenizerConfigError, build_tokenizer
 
@@ -145,7 +152,7 @@ def run_partitions(config: PreprocessConfig, encoder: ChunkEncoder,
             proc = ctx.Process(target=_partition_main, args=(
                 config, encoder, spans, prefixes[k], workers, vocab_size, label, send,
                 os.getpid()))
-            proc.start()
+            start_child(proc)
             send.close()
             children.append((proc, recv))
         stats = _wait_for_partitions(children)

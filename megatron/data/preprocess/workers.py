@@ -33,8 +33,25 @@ def mp_context():
     return multiprocessing.get_context("fork" if "fork" in methods else None)
 
 
+# Signals whose parent's handlers a child must not run: it is started with them blocked (a
+# stop sent while it is still in Python's own after-fork code would otherwise run the
+# parent's handler there and print a traceback) and unblocks them once its own are set.
+_CHILD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def start_child(proc: Any) -> None:
+    """``proc.start()`` with ``_CHILD_SIGNALS`` held back until ``prepare_child`` in it;
+    here they are delivered (if any came meanwhile) as soon as it has started."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _CHILD_SIGNALS)
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _CHILD_SIGNALS)
+
+
 def prepare_child(parent_pid: int) -> None:
-    """First call in every child: die with the parent, leave shutdown to it."""
+    """First call in every child (started by ``start_child``): die with the parent, leave
+    shutdown to it."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -47,6 +64,7 @@ def prepare_child(parent_pid: int) -> None:
     # partial files. The parent's SIGTERM handler (inherited by fork) is not for children.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _CHILD_SIGNALS)
 
 
 def describe_exit(exitcode: Any) -> str:
@@ -107,7 +125,7 @@ class WorkerPool:
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_worker_main, args=(encoder, tasks, send, os.getpid()),
                                    daemon=True)
-                proc.start()
+                start_child(proc)
                 send.close()  # now only the worker holds it: its death gives EOF here
                 self.workers.append((proc, tasks, recv))
         except BaseException:
