@@ -43,13 +43,30 @@ def cache(tmp_path_factory):
 _DEEPSPEED_SHM = "/dev/shm/deepspeed_allreduce_buffer_*"
 
 
+def _mapped_shared_memory() -> set[str]:
+    """The /dev/shm files some live process has mapped."""
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[5].strip().removesuffix(" (deleted)")
+                              for line in f if "/dev/shm/" in line)
+        except (OSError, IndexError):
+            pass  # the process ended while we read
+    return mapped
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _remove_deepspeeds_shared_memory():
-    """Remove the buffers a test module's DeepSpeed ranks left (its ranks are gone by then;
-    those that were there before the module are left alone)."""
+    """Remove the buffers a test module's DeepSpeed ranks left (those that were there before
+    the module, and those a live process still maps, such as another pytest worker's ranks,
+    are left alone)."""
     before = set(glob.glob(_DEEPSPEED_SHM))
     yield
-    for path in set(glob.glob(_DEEPSPEED_SHM)) - before:
+    left = set(glob.glob(_DEEPSPEED_SHM)) - before
+    if not left:
+        return
+    for path in left - _mapped_shared_memory():
         try:
             os.remove(path)
         except OSError:

@@ -205,19 +205,16 @@ def llama_args(tp: int, iteration: int) -> argparse.Namespace:
     return args
 
 
-def build_model(args: argparse.Namespace, pre_process: bool = True,
-                post_process: bool = True) -> GPTModel:
-    """megatron-core's GPTModel from Megatron-LM's args, as its ``pretrain_gpt.py`` builds it
-    with ``--transformer-impl local`` (``core_transformer_config_from_args``: SwiGLU is
-    ``gated_linear_unit`` with SiLU; query groups only with ``--group-query-attention``)."""
+def transformer_config_fields(args: argparse.Namespace) -> dict:
+    """The TransformerConfig fields Megatron-LM's args give a dense local-spec model on a CPU
+    (dropout off, no fusions, weights made on the CPU)."""
     swiglu = getattr(args, "swiglu", False)
-    config = TransformerConfig(
+    return dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
         kv_channels=args.kv_channels, layernorm_epsilon=args.norm_epsilon,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=args.init_method_std,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=getattr(args, "add_qkv_bias", False),
-        bias_activation_fusion=args.bias_gelu_fusion and not swiglu,
         activation_func=F.silu if swiglu else F.gelu, gated_linear_unit=swiglu,
         normalization=getattr(args, "normalization", "LayerNorm"),
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
@@ -225,7 +222,18 @@ def build_model(args: argparse.Namespace, pre_process: bool = True,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         use_cpu_initialization=True, masked_softmax_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
-        apply_query_key_layer_scaling=False, pipeline_dtype=torch.float32,
+        apply_query_key_layer_scaling=False, pipeline_dtype=torch.float32)
+
+
+def build_model(args: argparse.Namespace, pre_process: bool = True,
+                post_process: bool = True) -> GPTModel:
+    """megatron-core's GPTModel from Megatron-LM's args, as its ``pretrain_gpt.py`` builds it
+    with ``--transformer-impl local`` (``core_transformer_config_from_args``: SwiGLU is
+    ``gated_linear_unit`` with SiLU; query groups only with ``--group-query-attention``)."""
+    swiglu = getattr(args, "swiglu", False)
+    config = TransformerConfig(
+        **transformer_config_fields(args),
+        bias_activation_fusion=args.bias_gelu_fusion and not swiglu,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size)
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     return GPTModel(config, spec, vocab_size=args.padded_vocab_size,

@@ -41,7 +41,6 @@ sys.path.insert(0, DRIVERS)  # tests/mcore_driver.py, which puts megatron-core f
 import mcore_driver as base  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
@@ -83,18 +82,8 @@ def build_moe_model(args: argparse.Namespace) -> GPTModel:
     it with ``--transformer-impl local``: ``get_gpt_decoder_block_spec`` gives each layer
     ``get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)`` or the dense one,
     per ``moe_layer_freq``)."""
-    swiglu = getattr(args, "swiglu", False)
     config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
-        kv_channels=args.kv_channels, layernorm_epsilon=args.norm_epsilon,
-        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=args.init_method_std,
-        add_bias_linear=args.add_bias_linear, add_qkv_bias=getattr(args, "add_qkv_bias", False),
-        bias_activation_fusion=False, activation_func=F.silu if swiglu else F.gelu,
-        gated_linear_unit=swiglu, normalization=getattr(args, "normalization", "LayerNorm"),
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        rotary_interleaved=getattr(args, "rotary_interleaved", False), apply_rope_fusion=False,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        **base.transformer_config_fields(args), bias_activation_fusion=False,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
@@ -107,9 +96,6 @@ def build_moe_model(args: argparse.Namespace) -> GPTModel:
         moe_router_score_function=args.moe_router_score_function,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=False,
-        use_cpu_initialization=True, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
-        apply_query_key_layer_scaling=False, pipeline_dtype=torch.float32,
         pipeline_model_parallel_size=1)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization=config.normalization)

@@ -65,4 +65,4 @@ def _compare(rank, world_size, dispatcher, extra):
                                     "moe_pad_expert_input_to_capacity": True}],
                          ids=["dropless", "capacity", "padded"])
 def test_expert_parallel_layer_equals_the_whole_layer(world, dispatcher, extra):
-    run_distributed(_compare, world, dispatcher, extra, start_method="fork")
+    run_distributed(_compare, world, dispatcher, extra)

@@ -37,7 +37,7 @@ def _train(rank, world_size, argv):
 
 
 def train(world_size, argv):
-    histories = run_distributed(_train, world_size, argv, start_method="fork")
+    histories = run_distributed(_train, world_size, argv)
     for other in histories[1:]:
         assert other == histories[0]
     return histories[0]
@@ -178,7 +178,6 @@ def test_dropped_fraction_is_the_same_at_expert_parallel_2(corpus, cache):
     """With a capacity the log reports the fraction of routing slots dropped: each rank
     drops among its own tokens, as one process does micro-batch by micro-batch."""
     flags = {"--moe-expert-capacity-factor": 1.0, "--train-iters": 2}
-    one = run_distributed(_dropped, 1, argv(corpus, cache, **flags), start_method="fork")[0]
-    two = run_distributed(_dropped, 2, argv(corpus, cache, **flags, **EP2),
-                          start_method="fork")[0]
+    one = run_distributed(_dropped, 1, argv(corpus, cache, **flags))[0]
+    two = run_distributed(_dropped, 2, argv(corpus, cache, **flags, **EP2))[0]
     assert all(0 < d < 0.5 for d in one) and one == pytest.approx(two, rel=1e-12)

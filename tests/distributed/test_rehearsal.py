@@ -90,7 +90,7 @@ def _record_over_gloo(rank: int, world: int, layouts: list[list[str]]):
 def test_the_fake_backend_records_what_a_gloo_run_of_the_same_command_issues():
     layouts = [TP2_PP2, PP2_DP2, CP2_PP2, CP2_A2A_TP2]
     # Forked: this process has imported everything the ranks need, and holds no process group.
-    real = run_distributed(_record_over_gloo, 4, layouts, start_method="fork")
+    real = run_distributed(_record_over_gloo, 4, layouts)
     for i, layout in enumerate(layouts):
         cfg, rehearsed = _rehearsed(4, layout)
         p = cfg.parallel
@@ -123,7 +123,7 @@ def test_the_fake_backend_records_what_a_gloo_run_of_an_expert_parallel_command_
     from megatron.planning.rehearsal.checker import check
 
     layouts = [EP2_A2A, EP2_AG_TP2]
-    real = run_distributed(_record_over_gloo, 4, layouts, start_method="fork")
+    real = run_distributed(_record_over_gloo, 4, layouts)
     for i, layout in enumerate(layouts):
         cfg, rehearsed = _rehearsed(4, layout)
         plan = plan_ranks(_grid(cfg), "all")

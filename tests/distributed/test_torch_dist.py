@@ -27,23 +27,23 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.assembly.build import RunContext, build_run_tokenizer, setup_model_and_optimizer
-from megatron.assembly.initialize import initialize_megatron
 from megatron.checkpointing import (
     CheckpointError,
-    checkpoint_model_settings,
-    load_checkpoint,
     read_manifest,
 )
 from megatron.checkpointing.formats.torch_dist.mcore_layout import chunk_places
-from megatron.config import parse_args
 from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.inference.text_generation.forward import forward_logits
 from megatron.training import pretrain
 from tests.dist_utils import run_distributed
-from tests.distributed.mcore_utils import NEEDS_MCORE, REPO, run_mcore_driver
+from tests.distributed.mcore_utils import (
+    NEEDS_MCORE,
+    REPO,
+    load_run,
+    run_mcore_driver,
+    tensor_rank0_logits,
+)
 from tests.distributed.training_utils import captured_stdout
 
 pytestmark = [pytest.mark.slow, NEEDS_MCORE]
@@ -125,24 +125,12 @@ def mcore(trained, tmp_path_factory):
 
 
 def _load(load: str, world: int, tp: int, pp: int, vocab: list[str], *extra: str):
-    argv = ["--use-checkpoint-args", "--load", load, "--train-iters", str(ITERS), *RUN[:-1],
-            *vocab, *_layout_flags(tp, pp), *extra]
-    cfg = parse_args(argv, world_size=world, checkpoint_settings=checkpoint_model_settings)
-    cfg = cfg.with_vocab_size(build_run_tokenizer(cfg).vocab_size)
-    device = initialize_megatron(cfg)
-    chunks, optimizer, scheduler = setup_model_and_optimizer(
-        pretrain_gpt.model_provider, RunContext(cfg, device=device))
-    with captured_stdout():
-        loaded = load_checkpoint(chunks, optimizer, scheduler, cfg)
-    return cfg, chunks, optimizer, loaded
+    return load_run(["--use-checkpoint-args", "--load", load, "--train-iters", str(ITERS),
+                     *RUN[:-1], *vocab, *_layout_flags(tp, pp), *extra], world)
 
 
 def _logits(chunks, tokens):
-    model = unwrap_model(chunks[0]).eval()
-    logits = forward_logits(model, tokens, None, all_positions=True)
-    if logits is None or parallel_state.get_tensor_model_parallel_rank() != 0:
-        return None
-    return logits.detach().clone()
+    return tensor_rank0_logits(unwrap_model(chunks[0]).eval(), tokens)
 
 
 def _adam_differences(cfg, chunks, optimizer, adam: dict) -> float:

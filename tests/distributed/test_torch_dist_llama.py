@@ -20,16 +20,16 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.assembly.build import RunContext, build_run_tokenizer, setup_model_and_optimizer
-from megatron.assembly.initialize import initialize_megatron
-from megatron.checkpointing import checkpoint_model_settings, load_checkpoint
-from megatron.config import parse_args
 from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
-from megatron.inference.text_generation.forward import forward_logits
 from megatron.training import pretrain
 from tests.dist_utils import run_distributed
-from tests.distributed.mcore_utils import NEEDS_MCORE, run_mcore_driver
+from tests.distributed.mcore_utils import (
+    NEEDS_MCORE,
+    load_run,
+    run_mcore_driver,
+    tensor_rank0_logits,
+)
 from tests.distributed.training_utils import LLAMA_FLAGS, captured_stdout, flags_to_argv
 from tools.checkpoint import convert
 
@@ -68,13 +68,7 @@ def _load(world, load: str, tp: int, pp: int, **flags):
     argv = flags_to_argv({**RUN, "--use-checkpoint-args": True, "--load": load,
                           "--tensor-model-parallel-size": tp,
                           "--pipeline-model-parallel-size": pp, **flags})
-    cfg = parse_args(argv, world_size=world, checkpoint_settings=checkpoint_model_settings)
-    cfg = cfg.with_vocab_size(build_run_tokenizer(cfg).vocab_size)
-    device = initialize_megatron(cfg)
-    chunks, optimizer, scheduler = setup_model_and_optimizer(
-        pretrain_gpt.model_provider, RunContext(cfg, device=device))
-    with captured_stdout():
-        load_checkpoint(chunks, optimizer, scheduler, cfg)
+    cfg, chunks, optimizer, _ = load_run(argv, world)
     return cfg, chunks, optimizer
 
 
@@ -103,11 +97,9 @@ def _logits_after_load(world, load: str, tp: int, pp: int, tokens) -> torch.Tens
     assert (model.config.normalization, model.config.swiglu, model.config.query_groups,
             model.config.layernorm_epsilon, model.config.rotary_base) == \
         ("RMSNorm", True, 2, 1e-6, 500000)
-    with torch.no_grad():
-        logits = forward_logits(model, tokens, None, all_positions=True)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    logits = tensor_rank0_logits(model, tokens)
     parallel_state.destroy_model_parallel()
-    return None if logits is None or tp_rank != 0 else logits.detach().clone()
+    return logits
 
 
 def _loads(rank, world, folders: dict, tokens) -> dict:

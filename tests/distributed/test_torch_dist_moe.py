@@ -26,16 +26,18 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.assembly.build import RunContext, build_run_tokenizer, setup_model_and_optimizer
-from megatron.assembly.initialize import initialize_megatron
-from megatron.checkpointing import CheckpointError, checkpoint_model_settings, load_checkpoint
-from megatron.config import parse_args
+from megatron.checkpointing import CheckpointError
 from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel import unwrap_model
-from megatron.inference.text_generation.forward import forward_logits
 from megatron.training import pretrain
 from tests.dist_utils import run_distributed
-from tests.distributed.mcore_utils import NEEDS_MCORE, run_mcore_driver
+from tests.distributed.mcore_utils import (
+    NEEDS_MCORE,
+    load_run,
+    run_mcore_driver,
+    tensor_rank0_logits,
+    train_losses,
+)
 from tests.distributed.training_utils import LLAMA_FLAGS, captured_stdout, flags_to_argv
 from tools.checkpoint import convert
 
@@ -92,13 +94,7 @@ def _load(world, load: str, tp: int, ep: int):
                           "--tensor-model-parallel-size": tp,
                           "--expert-model-parallel-size": ep, "--no-load-optim": True,
                           "--no-load-rng": True})
-    cfg = parse_args(argv, world_size=world, checkpoint_settings=checkpoint_model_settings)
-    cfg = cfg.with_vocab_size(build_run_tokenizer(cfg).vocab_size)
-    device = initialize_megatron(cfg)
-    chunks, _, _ = setup_model_and_optimizer(pretrain_gpt.model_provider,
-                                             RunContext(cfg, device=device))
-    with captured_stdout():
-        load_checkpoint(chunks, None, None, cfg)
+    _, chunks, _, _ = load_run(argv, world)
     return unwrap_model(chunks[0]).eval()
 
 
@@ -108,11 +104,9 @@ def _logits_after_load(world, load: str, tp: int, ep: int, tokens) -> torch.Tens
     config = model.config
     assert (config.num_experts, config.moe_router_topk, config.moe_ffn_hidden_size,
             config.expert_model_parallel_size) == (4, 2, 48, ep)
-    with torch.no_grad():
-        logits = forward_logits(model, tokens, None, all_positions=True)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    logits = tensor_rank0_logits(model, tokens)
     parallel_state.destroy_model_parallel()
-    return None if logits is None or tp_rank != 0 else logits.detach().clone()
+    return logits
 
 
 def _refusal(world, load: str) -> str:
@@ -221,22 +215,14 @@ RESUME = {**GELU, **RUN, "--global-batch-size": 4, "--train-iters": 4, "--lr-war
           "--use-distributed-optimizer": True, "--moe-z-loss-coeff": 1e-3}
 
 
-def _train(argv: list[str]) -> list[tuple[int, float]]:
-    with captured_stdout():
-        state = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                         pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
-    parallel_state.destroy_model_parallel()
-    return [(h["iteration"], h["losses"]["lm loss"]) for h in state.history if h["losses"]]
-
-
 def _save_then_resume(rank, world_size, folder):
-    run = _train(flags_to_argv({**RESUME, "--expert-model-parallel-size": 2, "--save": folder,
+    run = train_losses(flags_to_argv({**RESUME, "--expert-model-parallel-size": 2, "--save": folder,
                                 "--save-interval": SAVED_AT, "--ckpt-format": "torch_dist"}))
     if rank == 0:  # resume from the middle of the run
         with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(SAVED_AT))
     torch.distributed.barrier()
-    return run, _train(flags_to_argv({**RESUME, "--load": folder}))
+    return run, train_losses(flags_to_argv({**RESUME, "--load": folder}))
 
 
 def test_our_moe_torch_dist_resumes_at_another_expert_layout(tmp_path):

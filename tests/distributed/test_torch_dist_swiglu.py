@@ -11,12 +11,10 @@ import os
 import pytest
 import torch
 
-import pretrain_gpt
 from megatron.conversion import load_full_checkpoint
-from megatron.core import parallel_state
-from megatron.training import pretrain
 from tests.dist_utils import run_distributed
-from tests.distributed.training_utils import LLAMA_FLAGS, captured_stdout, flags_to_argv
+from tests.distributed.mcore_utils import train_losses
+from tests.distributed.training_utils import LLAMA_FLAGS, flags_to_argv
 
 pytestmark = pytest.mark.slow  # two 4-rank trainings and one resume, about 40 s
 SAVED_AT, ITERS = 3, 5
@@ -35,24 +33,16 @@ FLAGS = {
 }
 
 
-def _train(argv: list[str]) -> list[tuple[int, float]]:
-    with captured_stdout():
-        state = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                         pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
-    parallel_state.destroy_model_parallel()
-    return [(h["iteration"], h["losses"]["lm loss"]) for h in state.history if h["losses"]]
-
-
 def _save_both_formats(rank, world_size, folder):
     argv = flags_to_argv({**FLAGS, "--tensor-model-parallel-size": 2,
                           "--save-interval": SAVED_AT})
-    runs = {fmt: _train(argv + ["--save", os.path.join(folder, fmt), "--ckpt-format", fmt])
+    runs = {fmt: train_losses(argv + ["--save", os.path.join(folder, fmt), "--ckpt-format", fmt])
             for fmt in ("torch_dist", "torch")}
     return runs
 
 
 def _resume_at_tp1(rank, world_size, load):
-    return _train(flags_to_argv({**FLAGS, "--load": load}))
+    return train_losses(flags_to_argv({**FLAGS, "--load": load}))
 
 
 def test_swiglu_torch_dist_resumes_at_another_layout_and_reads_whole(tmp_path):

@@ -15,7 +15,7 @@ from megatron.conversion import load_full_checkpoint
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.model.gpt_model import GPTModel
 from tests.dist_utils import run_distributed
-from tools.checkpoint import convert
+from tests.functional.hf_models import build_hf_model, run_convert, save_hf_models
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,42 +28,22 @@ FAMILIES = {
 }
 
 
-def _hf_model(family: str):
-    config_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-6, rope_theta=10000.0, **extra)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():  # norms and biases that are not their initial ones and zeros
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.add_(torch.randn_like(param) * 0.1)
-    return model
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             rms_norm_eps=1e-6, rope_theta=10000.0)
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    out = {}
-    for family in FAMILIES:
-        model = _hf_model(family)
-        path = tmp_path_factory.mktemp(family)
-        model.save_pretrained(path)
-        out[family] = (str(path), model)
-    return out
-
-
-def _convert(*args) -> None:
-    assert convert.main(["--model-type", "GPT", *map(str, args)]) == 0
+    return save_hf_models(tmp_path_factory, {
+        family: build_hf_model(FAMILIES[family], SHAPE) for family in FAMILIES})
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_converted_model_gives_hf_logits_and_converts_back(hf_dirs, tmp_path, family):
     path, hf = hf_dirs[family]
     ours_dir, back = tmp_path / "ours", tmp_path / "back"
-    _convert("--loader", "hf", "--saver", "megatron", "--load-dir", path,
+    run_convert("--loader", "hf", "--saver", "megatron", "--load-dir", path,
              "--save-dir", ours_dir, "--make-vocab-size-divisible-by", 64)
     full = load_full_checkpoint(str(ours_dir))
     config = full.model_config()
@@ -74,7 +54,7 @@ def test_converted_model_gives_hf_logits_and_converts_back(hf_dirs, tmp_path, fa
     with torch.no_grad():
         want = hf(ids).logits
         torch.testing.assert_close(model(ids)[..., :VOCAB], want, atol=1e-5, rtol=1e-5)
-    _convert("--loader", "megatron", "--saver", "hf", "--load-dir", ours_dir,
+    run_convert("--loader", "megatron", "--saver", "hf", "--load-dir", ours_dir,
              "--save-dir", back)
     again = getattr(transformers, FAMILIES[family][1]).from_pretrained(back).eval()
     with torch.no_grad():
@@ -99,7 +79,7 @@ def test_converted_checkpoint_trains_from_hf_weights(hf_dirs, tmp_path, family, 
     step's loss is HF's own loss on the first mock batch."""
     path, hf = hf_dirs[family]
     ckpt = tmp_path / "ckpt"
-    _convert("--loader", "hf", "--saver", "megatron", "--load-dir", path, "--save-dir", ckpt,
+    run_convert("--loader", "hf", "--saver", "megatron", "--load-dir", path, "--save-dir", ckpt,
              "--make-vocab-size-divisible-by", 64, "--target-tensor-parallel-size", tp,
              "--target-pipeline-parallel-size", pp)
     argv = ["--load", str(ckpt), "--use-checkpoint-args", "--finetune", "--seq-length", "32",

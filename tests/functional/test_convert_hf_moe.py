@@ -26,6 +26,7 @@ from megatron.conversion.hf import save_hf_checkpoint
 from megatron.model.gpt_model import GPTModel
 from megatron.model.hf_llama import hf_llama_to_megatron_state_dict, model_config_from_hf_llama
 from tests.dist_utils import run_distributed
+from tests.functional.hf_models import build_hf_model, run_convert, save_hf_models
 from tools.checkpoint import convert
 
 transformers = pytest.importorskip("transformers")
@@ -52,34 +53,15 @@ FAMILIES = {
 IDS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-def _hf_model(family: str, **changes):
-    config_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(**SHAPE, **{**extra, **changes})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):  # not their initial ones and zeros
-                param.add_(torch.randn_like(param) * 0.1)
-            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-                param.normal_(0, 1.0)  # decisive routing, gates away from 1/2
-    return model
+def _sharp_routers(name: str, param: torch.Tensor) -> None:
+    if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+        param.normal_(0, 1.0)  # decisive routing, gates away from 1/2
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    out = {}
-    for family in FAMILIES:
-        model = _hf_model(family)
-        path = tmp_path_factory.mktemp(family)
-        model.save_pretrained(path)
-        out[family] = (str(path), model)
-    return out
-
-
-def _convert(*args) -> None:
-    assert convert.main(["--model-type", "GPT", *map(str, args)]) == 0
+    return save_hf_models(tmp_path_factory, {
+        family: build_hf_model(FAMILIES[family], SHAPE, _sharp_routers) for family in FAMILIES})
 
 
 def _stored_names(folder) -> set[str]:
@@ -117,7 +99,7 @@ HF_FIELDS = {  # what the saved config.json must say
 def test_converted_model_gives_hf_logits_and_converts_back(hf_dirs, tmp_path, family):
     path, hf = hf_dirs[family]
     ours_dir, back = tmp_path / "ours", tmp_path / "back"
-    _convert("--loader", "hf", "--saver", "megatron", "--load-dir", path,
+    run_convert("--loader", "hf", "--saver", "megatron", "--load-dir", path,
              "--save-dir", ours_dir, "--make-vocab-size-divisible-by", 64)
     full = load_full_checkpoint(str(ours_dir))
     config = full.model_config()
@@ -129,7 +111,7 @@ def test_converted_model_gives_hf_logits_and_converts_back(hf_dirs, tmp_path, fa
     with torch.no_grad():
         want = hf(IDS).logits
         torch.testing.assert_close(model(IDS)[..., :VOCAB], want, atol=1e-5, rtol=1e-5)
-    _convert("--loader", "megatron", "--saver", "hf", "--load-dir", ours_dir,
+    run_convert("--loader", "megatron", "--saver", "hf", "--load-dir", ours_dir,
              "--save-dir", back)
     saved = json.loads((back / "config.json").read_text())
     assert {k: saved.get(k) for k in HF_FIELDS[family]} == HF_FIELDS[family]
@@ -186,13 +168,13 @@ def test_converted_at_tp2_gives_hf_logits_on_two_ranks(hf_dirs, tmp_path):
     load_dirs = []
     for family in families:
         load_dir = tmp_path / family
-        _convert("--loader", "hf", "--saver", "megatron", "--load-dir", hf_dirs[family][0],
+        run_convert("--loader", "hf", "--saver", "megatron", "--load-dir", hf_dirs[family][0],
                  "--save-dir", load_dir, "--make-vocab-size-divisible-by", 64,
                  "--target-tensor-parallel-size", 2)
         assert (load_dir / "release" / "mp_rank_01").is_dir()
         load_dirs.append(str(load_dir))
     prompts = [[5, 17, 99, 3], [42, 7]]
-    ranks = run_distributed(_at_tp2, 2, load_dirs, prompts, start_method="fork")
+    ranks = run_distributed(_at_tp2, 2, load_dirs, prompts)
     for family, *per_rank in zip(families, *ranks):
         hf = hf_dirs[family][1]
         with torch.no_grad():
@@ -286,14 +268,14 @@ def test_converted_checkpoint_trains_from_hf_weights(hf_dirs, tmp_path, family, 
 
     path, hf = hf_dirs[family]
     ckpt = tmp_path / "ckpt"
-    _convert("--loader", "hf", "--saver", "megatron", "--load-dir", path, "--save-dir", ckpt,
+    run_convert("--loader", "hf", "--saver", "megatron", "--load-dir", path, "--save-dir", ckpt,
              "--make-vocab-size-divisible-by", 64, "--target-tensor-parallel-size", layout[1])
     argv = ["--load", str(ckpt), "--use-checkpoint-args", "--finetune", "--seq-length", "32",
             "--global-batch-size", "2", "--train-iters", "2",
             "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", str(VOCAB - 1), "--hidden-dropout", "0", "--attention-dropout",
             "0", "--eval-iters", "0", "--num-workers", "0", "--use-cpu", *layout]
-    losses = [run for run in run_distributed(_finetune, 2, argv, start_method="fork") if run][-1]
+    losses = [run for run in run_distributed(_finetune, 2, argv) if run][-1]
     data = MockGPTDataset(4, 32, VOCAB, seed=1234)
     tokens = torch.stack([torch.from_numpy(data[i]["text"]) for i in range(2)]).long()
     with torch.no_grad():
