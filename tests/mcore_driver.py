@@ -540,12 +540,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_ranks(fn, args: tuple, ranks: int) -> None:
+    """``fn(rank, *args)`` on ``ranks`` processes forked from this one (which has imported
+    torch and megatron-core and does nothing else: a spawned rank would import them again,
+    seconds of CPU each)."""
+    torch.multiprocessing.start_processes(fn, args=args, nprocs=ranks, start_method="fork")
+
+
 def main() -> None:
     llama = sys.argv[1:2] == ["--llama"]
     out, ours = sys.argv[1 + llama], sys.argv[2 + llama:]
-    torch.multiprocessing.spawn(_run, args=(2, _free_port(), out, ours, llama), nprocs=2)
-    torch.multiprocessing.spawn(_distributed_optimizer_run, args=(4, _free_port(), out, llama),
-                                nprocs=4)
+    start_ranks(_run, (2, _free_port(), out, ours, llama), 2)
+    start_ranks(_distributed_optimizer_run, (4, _free_port(), out, llama), 4)
 
 
 if __name__ == "__main__":

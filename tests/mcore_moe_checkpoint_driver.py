@@ -222,7 +222,7 @@ def _run(rank: int, world: int, port: int, out: str, ours: list[str]) -> None:
 
 def main() -> None:
     out, ours = sys.argv[1], sys.argv[2:]
-    torch.multiprocessing.spawn(_run, args=(4, base._free_port(), out, ours), nprocs=4)
+    base.start_ranks(_run, (4, base._free_port(), out, ours), 4)
 
 
 if __name__ == "__main__":
