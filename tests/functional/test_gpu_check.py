@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests import shared_data
+from tests.processes import alive
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
@@ -52,17 +53,8 @@ def test_a_command_past_its_limit_is_stopped_with_its_children(gpu_check, tmp_pa
     assert time.monotonic() - start < 10
     child = int(pid_file.read_text())
     time.sleep(0.2)
-    assert not _running(child)
+    assert not alive(child)
     assert run_with_time_limit(["sh", "-c", "exit 3"], 10.0) == 3
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie awaiting its reaper is not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 PARTIAL = {"dry_run": False, "complete": False,

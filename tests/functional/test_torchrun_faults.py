@@ -29,6 +29,7 @@ import time
 import pytest
 
 from tests.distributed.training_utils import load_benchmark
+from tests.processes import alive
 
 pytestmark = pytest.mark.slow
 
@@ -78,14 +79,6 @@ def test_kill_9s_with_dataloader_workers_each_recover_with_one_restart(tmp_path)
     assert not failed, "\n".join(failed)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _kill_the_agent(folder: str, *extra: str) -> tuple[list[int], float, float]:
     """Train under torchrun, kill -9 its agent at iteration 3; returns the workers and their
     DataLoader workers, and the seconds until the ranks, then all of them, were gone."""
@@ -101,17 +94,17 @@ def _kill_the_agent(folder: str, *extra: str) -> tuple[list[int], float, float]:
         assert len(ranks) == 2 and len(pids) == 6, pids  # 2 DataLoader workers each
         agent.kill()
         killed = time.monotonic()
-        while any(map(_alive, ranks)) and time.monotonic() - killed < 60:
+        while any(map(alive, ranks)) and time.monotonic() - killed < 60:
             time.sleep(0.05)
         ranks_gone = time.monotonic() - killed
-        while any(map(_alive, pids)) and time.monotonic() - killed < 60:
+        while any(map(alive, pids)) and time.monotonic() - killed < 60:
             time.sleep(0.05)
         return pids, ranks_gone, time.monotonic() - killed
     finally:
         agent.kill()
         agent.wait()
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

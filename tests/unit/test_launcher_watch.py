@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron.platform import launcher_watch
+from tests.processes import alive
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,14 +43,6 @@ AGENT = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _run_and_kill_agent(tmp_path, *flags: str) -> tuple[float, str, int]:
     """Seconds the worker lived after its agent's SIGKILL, its output, the agent's pid."""
     log = tmp_path / "worker.log"
@@ -67,11 +60,11 @@ def _run_and_kill_agent(tmp_path, *flags: str) -> tuple[float, str, int]:
         agent.kill()
         agent.wait()
         killed = time.monotonic()
-        while _alive(worker) and time.monotonic() - killed < 20:
+        while alive(worker) and time.monotonic() - killed < 20:
             time.sleep(0.05)
         lived = time.monotonic() - killed
     finally:
-        if _alive(worker):
+        if alive(worker):
             os.kill(worker, signal.SIGKILL)
     return lived, log.read_text(), agent.pid
 
