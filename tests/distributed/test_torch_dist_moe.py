@@ -216,8 +216,9 @@ RESUME = {**GELU, **RUN, "--global-batch-size": 4, "--train-iters": 4, "--lr-war
 
 
 def _save_then_resume(rank, world_size, folder):
-    run = train_losses(flags_to_argv({**RESUME, "--expert-model-parallel-size": 2, "--save": folder,
-                                "--save-interval": SAVED_AT, "--ckpt-format": "torch_dist"}))
+    run = train_losses(flags_to_argv({**RESUME, "--expert-model-parallel-size": 2,
+                                      "--save": folder, "--save-interval": SAVED_AT,
+                                      "--ckpt-format": "torch_dist"}))
     if rank == 0:  # resume from the middle of the run
         with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(SAVED_AT))
